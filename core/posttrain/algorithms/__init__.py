@@ -1,0 +1,1 @@
+"""RL algorithms: advantage estimators and the policy loss (torch imported inside functions)."""

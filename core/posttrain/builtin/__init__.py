@@ -1,0 +1,1 @@
+"""Built-in plugins: registered before third-party ones, overridable where marked ``trylast``."""

@@ -1,0 +1,204 @@
+"""Core's cross-field workflow checks and environment checks (a plugin like any other)."""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+
+from posttrain import hookimpl
+from posttrain.config.report import ErrorReport, did_you_mean, join_path
+from posttrain.config.sections import Workflow
+from posttrain.doctor import EnvCheck
+from posttrain.presets import PRESETS, is_preset
+
+REQUIRED_ROLES = {
+    "grpo": ("actor_train", "actor_infer"),
+    "ppo": ("actor_train", "actor_infer", "critic"),
+}
+
+
+@hookimpl(trylast=True)
+def posttrain_environment_checks():
+    return [
+        EnvCheck(plugin="posttrain", package="torch", tested=">=2.6,<=2.13.0"),
+        EnvCheck(plugin="posttrain", package="transformers", tested=">=4.51,<6"),
+        EnvCheck(plugin="posttrain", package="pluggy", tested=">=1.5,<2"),
+        EnvCheck(plugin="posttrain", package="cattrs", tested=">=23.2"),
+    ]
+
+
+@hookimpl(trylast=True)
+def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorReport):
+    _check_roles(workflow, report)
+    _check_models(workflow, report)
+    _check_data(workflow, report)
+    _check_batches(workflow, strategies, report)
+    _check_trainer(workflow, report)
+
+
+def _check_roles(wf: Workflow, report: ErrorReport) -> None:
+    for role in REQUIRED_ROLES.get(wf.algorithm.name, ()):
+        if getattr(wf, role) is None:
+            report.error(
+                role,
+                f"algorithm '{wf.algorithm.name}' needs a '{role}' role",
+                f"add a {role}: block with strategy_args and device_mapping",
+            )
+    if wf.algorithm.kl_coef and wf.reference is None:
+        report.error(
+            "reference",
+            "algorithm.kl_coef > 0 needs a 'reference' role",
+            "add a reference: block, or set algorithm.kl_coef: 0",
+        )
+    train = wf.actor_train
+    if train is not None and train.training_args is None:
+        report.note("actor_train.training_args", "not set; defaults are used")
+
+
+def _check_models(wf: Workflow, report: ErrorReport) -> None:
+    for name, role in wf.roles().items():
+        path = role.model_args.model_name_or_path
+        where = join_path(name, "model_args", "model_name_or_path")
+        if not path:
+            report.error(
+                where,
+                "no model given",
+                "set model_args.model_name_or_path at the top or in this role",
+            )
+            continue
+        if is_preset(path):
+            key = path.split(":", 1)[1]
+            if key not in PRESETS:
+                report.error(where, f"unknown preset '{key}'", did_you_mean(key, PRESETS))
+            continue
+        local = path if os.path.isabs(path) else os.path.join(wf.base_dir, path)
+        # Hub ids are "name" or "org/name"; anything else is meant as a local path.
+        looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+        if os.path.exists(local):
+            if not os.path.exists(os.path.join(local, "config.json")):
+                report.error(
+                    where,
+                    f"{local} has no config.json",
+                    "point to an HF model directory (the one holding config.json)",
+                )
+        elif looks_local:
+            report.error(where, f"local model path {local} does not exist")
+        else:
+            report.note(
+                where,
+                f"'{path}' is not a local directory: treated as a hub id; "
+                "checks that need its config were skipped",
+            )
+
+
+def _check_data(wf: Workflow, report: ErrorReport) -> None:
+    data = wf.data
+    if data.path and data.synthetic:
+        report.error("data", "give either data.path or data.synthetic, not both")
+    elif not data.path and not data.synthetic:
+        report.error(
+            "data",
+            "no prompts",
+            "set data.path to a JSONL/Parquet file or "
+            "data.synthetic: {task: single_digit_addition}",
+        )
+    elif data.path:
+        local = data.path if os.path.isabs(data.path) else os.path.join(wf.base_dir, data.path)
+        if not os.path.exists(local):
+            report.error("data.path", f"file not found: {local}")
+        elif not local.endswith((".jsonl", ".json", ".parquet")):
+            report.error("data.path", "unsupported file type", "use .jsonl or .parquet")
+
+
+def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
+    algo = wf.algorithm
+    if algo.group_size < 1:
+        report.error("algorithm.group_size", "must be at least 1")
+        return
+    if algo.name == "grpo" and algo.group_size < 2:
+        report.error(
+            "algorithm.group_size",
+            "GRPO compares samples within a group: group_size must be at least 2",
+        )
+    if algo.rollout_batch_size < 1:
+        report.error("algorithm.rollout_batch_size", "must be at least 1")
+        return
+    samples = algo.rollout_batch_size * algo.group_size
+    for name, role in wf.roles().items():
+        dp = _dp_size(wf, name, strategies, report)
+        if dp is None:
+            continue
+        if name == "actor_infer":
+            if algo.rollout_batch_size % dp:
+                report.error(
+                    "algorithm.rollout_batch_size",
+                    f"{algo.rollout_batch_size} prompts do not split over actor_infer's "
+                    f"{dp} data-parallel ranks",
+                    f"use a multiple of {dp}",
+                )
+            gen = role.generating_args
+            if gen and gen.num_return_sequences not in (None, algo.group_size):
+                report.error(
+                    "actor_infer.generating_args.num_return_sequences",
+                    f"must equal algorithm.group_size ({algo.group_size})",
+                    "remove it; group_size sets it",
+                )
+        elif samples % (dp * algo.num_mini_batches):
+            report.error(
+                "algorithm.rollout_batch_size",
+                f"{samples} samples per step (rollout_batch_size x group_size) do not "
+                f"split into {algo.num_mini_batches} mini-batch(es) over {name}'s "
+                f"{dp} data-parallel ranks",
+                f"make rollout_batch_size x group_size a multiple of {dp * algo.num_mini_batches}",
+            )
+        if role.infer_batch_size is not None and role.infer_batch_size < 1:
+            report.error(join_path(name, "infer_batch_size"), "must be at least 1")
+
+
+def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> int | None:
+    """Ranks / product of the strategy's declared parallel sizes, or None with an error."""
+    role = getattr(wf, role_name)
+    config = role.strategy_args.strategy_config
+    if isinstance(config, dict):  # strategy unknown or config invalid: already reported
+        return None
+    spec = strategies.get(role.strategy_args.strategy_name)
+    dims = spec.capabilities.parallel_dims if spec else ()
+    sizes = {d: int(getattr(config, d, 1) or 1) for d in dims}
+    product = math.prod(sizes.values())
+    if role.num_ranks % product:
+        detail = " x ".join(f"{d}={s}" for d, s in sizes.items())
+        report.error(
+            join_path(role_name, "device_mapping"),
+            f"{role.num_ranks} device(s) do not divide by the parallel sizes "
+            f"({detail} = {product})",
+            f"map a multiple of {product} devices or lower the parallel sizes",
+        )
+        return None
+    return role.num_ranks // product
+
+
+def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
+    t = wf.trainer
+    if t.max_steps < 1:
+        report.error("trainer.max_steps", "must be at least 1")
+    if t.save_steps < 0:
+        report.error("trainer.save_steps", "must be 0 (off) or positive")
+    if t.resume not in ("never", "auto"):
+        path = t.resume if os.path.isabs(t.resume) else os.path.join(wf.base_dir, t.resume)
+        if not os.path.isdir(path):
+            report.error(
+                "trainer.resume",
+                f"checkpoint directory not found: {path}",
+                "use 'auto', 'never' or an existing checkpoint-N directory",
+            )
+    if wf.reward.function and ":" in wf.reward.function:
+        module = wf.reward.function.split(":", 1)[0]
+        if importlib.util.find_spec(module.split(".")[0]) is None and not os.path.exists(
+            os.path.join(wf.base_dir, module.split(".")[0] + ".py")
+        ):
+            report.error(
+                "reward.function",
+                f"module '{module}' cannot be found",
+                "put it next to the workflow or on PYTHONPATH",
+            )

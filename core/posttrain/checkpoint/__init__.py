@@ -1,0 +1,1 @@
+"""The run directory's checkpoints: atomic writes, manifests with checksums, resume lookup."""

@@ -1,0 +1,79 @@
+"""The checkpoint manifest: what was saved, by which strategy and layout, with file checksums."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from typing import Any
+
+import attrs
+
+from posttrain.errors import CheckpointError
+
+MANIFEST = "manifest.json"
+FORMAT_VERSION = 1
+
+
+@attrs.define(kw_only=True)
+class Manifest:
+    step: int
+    roles: dict[str, dict[str, Any]]
+    versions: dict[str, str]
+    files: dict[str, str] = attrs.field(factory=dict)  # relative path -> sha256
+    format_version: int = FORMAT_VERSION
+
+    def write(self, directory: str) -> None:
+        path = os.path.join(directory, MANIFEST)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(attrs.asdict(self), f, indent=2, sort_keys=True)
+            f.flush()
+            os.fsync(f.fileno())
+
+    @classmethod
+    def read(cls, directory: str) -> Manifest:
+        path = os.path.join(directory, MANIFEST)
+        try:
+            with open(path, encoding="utf-8") as f:
+                data = json.load(f)
+            return cls(**data)
+        except FileNotFoundError:
+            raise CheckpointError(
+                f"{directory} is not a complete checkpoint: {MANIFEST} is missing"
+            ) from None
+        except (json.JSONDecodeError, TypeError) as exc:
+            raise CheckpointError(f"{path} is corrupted ({exc})") from None
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def checksum_tree(directory: str) -> dict[str, str]:
+    out = {}
+    for root, _, files in os.walk(directory):
+        for name in files:
+            full = os.path.join(root, name)
+            rel = os.path.relpath(full, directory)
+            if rel != MANIFEST:
+                out[rel] = sha256_file(full)
+    return dict(sorted(out.items()))
+
+
+def verify(directory: str) -> Manifest:
+    """The manifest, after checking that every listed file exists with its checksum."""
+    manifest = Manifest.read(directory)
+    for rel, expected in manifest.files.items():
+        full = os.path.join(directory, rel)
+        if not os.path.isfile(full):
+            raise CheckpointError(f"checkpoint {directory}: file {rel} is missing")
+        if sha256_file(full) != expected:
+            raise CheckpointError(
+                f"checkpoint {directory}: file {rel} is corrupted "
+                "(sha256 does not match the manifest)"
+            )
+    return manifest

@@ -1,0 +1,194 @@
+"""The ``posttrain`` command line. Exit codes: 0 ok, 2 user error, 1 internal error.
+
+User errors print a message and no traceback; internal errors print the traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import traceback
+
+from posttrain.errors import UserError, WorkerError
+
+EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, highlight=False, soft_wrap=True)
+
+
+def _parse_overrides(items: list[str]) -> dict:
+    import yaml
+
+    out = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep or not key:
+            raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.max_steps=10")
+        out[key.strip()] = yaml.safe_load(value)
+    return out
+
+
+def _load(args, host):
+    from posttrain.config.workflow import load_workflow
+
+    workflow, report = load_workflow(args.workflow, host, _parse_overrides(args.set))
+    return workflow, report
+
+
+def cmd_validate(args, host) -> int:
+    workflow, report = _load(args, host)
+    console = _console()
+    for note in report.notes:
+        console.print(f"[dim]note: {note.render()}[/dim]")
+    report.raise_if_errors(args.workflow)
+    roles = ", ".join(
+        f"{n}={r.strategy_args.strategy_name}[{r.num_ranks}]" for n, r in workflow.roles().items()
+    )
+    console.print(f"[green]ok[/green]: {args.workflow} ({roles})")
+    return EXIT_OK
+
+
+def cmd_plugins(args, host) -> int:
+    from rich.table import Table
+
+    console = _console()
+    strategies = host.strategies()
+    table = Table(title="posttrain plugins")
+    for column in ("plugin", "source", "version", "strategies", "hooks"):
+        table.add_column(column)
+    for info in host.plugins:
+        owned = ", ".join(sorted(s.name for s in strategies.values() if s.plugin == info.name))
+        if info.error:
+            table.add_row(
+                info.name,
+                info.source,
+                info.version,
+                "[red]failed to load[/red]",
+                f"[red]{info.error}[/red]",
+            )
+            continue
+        hooks = ", ".join(h.removeprefix("posttrain_") for h in host.hooks_of(info.name))
+        table.add_row(
+            info.name, info.source, f"{info.distribution} {info.version}".strip(), owned, hooks
+        )
+    console.print(table)
+    return EXIT_OK if not host.failures else EXIT_USER
+
+
+def cmd_doctor(args, host) -> int:
+    from rich.table import Table
+
+    from posttrain.doctor import run_check
+
+    console = _console()
+    table = Table(title="posttrain doctor")
+    for column in ("plugin", "package", "installed", "tested", "status"):
+        table.add_column(column)
+    worst = EXIT_OK
+    colors = {"ok": "green", "untested": "yellow", "missing": "red", "optional-missing": "dim"}
+    for checks in host.hook.posttrain_environment_checks():
+        for check in checks or []:
+            result = run_check(check)
+            table.add_row(
+                check.plugin,
+                check.package,
+                result.version or "-",
+                check.tested,
+                f"[{colors[result.status]}]{result.status}[/]",
+            )
+            if result.status == "missing":
+                worst = EXIT_USER
+    for info in host.failures:
+        table.add_row(info.name, "-", "-", "-", f"[red]plugin failed: {info.error}[/red]")
+        worst = EXIT_USER
+    console.print(table)
+    return worst
+
+
+def cmd_run(args, host) -> int:
+    from posttrain.trainer.run import run_workflow
+
+    workflow, report = _load(args, host)
+    report.raise_if_errors(args.workflow)
+    run_workflow(workflow, host, source=args.workflow, console=_console())
+    return EXIT_OK
+
+
+def cmd_export_hf(args, host) -> int:
+    from posttrain.trainer.export import export_checkpoint_to_hf
+
+    export_checkpoint_to_hf(args.checkpoint, args.output, host, console=_console())
+    return EXIT_OK
+
+
+def build_parser(host) -> argparse.ArgumentParser:
+    from posttrain import __version__
+
+    parser = argparse.ArgumentParser(
+        prog="posttrain",
+        description=("RL post-training of language models with pluggable backends."),
+    )
+    parser.add_argument("--version", action="version", version=f"posttrain {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+
+    def workflow_command(name: str, handler, help_: str):
+        p = sub.add_parser(name, help=help_)
+        p.add_argument("workflow", help="workflow YAML file")
+        p.add_argument(
+            "--set",
+            action="append",
+            default=[],
+            metavar="KEY=VALUE",
+            help="override a workflow value, e.g. --set trainer.max_steps=10",
+        )
+        p.set_defaults(handler=handler)
+
+    workflow_command("validate", cmd_validate, "check a workflow; every error at once")
+    workflow_command("run", cmd_run, "run a workflow")
+    sub.add_parser("plugins", help="installed plugins and their strategies").set_defaults(
+        handler=cmd_plugins
+    )
+    sub.add_parser("doctor", help="engine versions against tested ranges").set_defaults(
+        handler=cmd_doctor
+    )
+    p = sub.add_parser("export-hf", help="write a checkpoint as an HF model directory")
+    p.add_argument("checkpoint", help="RUN_DIR/checkpoint-N")
+    p.add_argument("output", help="output directory")
+    p.set_defaults(handler=cmd_export_hf)
+    host.hook.posttrain_add_cli_commands(subparsers=sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    err = _console(stderr=True)
+    try:
+        from posttrain.plugin_host import create_plugin_host
+
+        host = create_plugin_host()
+        for info in host.failures:
+            err.print(
+                f"[yellow]warning[/yellow]: plugin '{info.name}' failed to load: {info.error}"
+            )
+        args = build_parser(host).parse_args(argv)
+        return args.handler(args, host)
+    except UserError as exc:
+        err.print(f"[red]error[/red]: {exc}")
+        return EXIT_USER
+    except WorkerError as exc:
+        err.print(f"[red]error[/red]: {exc}\n{exc.remote_traceback}")
+        return EXIT_INTERNAL
+    except KeyboardInterrupt:
+        err.print("interrupted")
+        return 130
+    except Exception:
+        traceback.print_exc()
+        return EXIT_INTERNAL
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,1 @@
+"""Typed workflows: YAML -> attrs classes, with every error reported at once."""

@@ -1,0 +1,76 @@
+"""Collects every configuration problem with its YAML path, so all are shown at once."""
+
+from __future__ import annotations
+
+import difflib
+from collections.abc import Iterable
+
+import attrs
+
+from posttrain.errors import UserError
+
+
+@attrs.frozen
+class ConfigIssue:
+    path: str
+    message: str
+    hint: str = ""
+
+    def render(self) -> str:
+        text = f"{self.path or '<workflow>'}: {self.message}"
+        return f"{text} ({self.hint})" if self.hint else text
+
+
+@attrs.define
+class ErrorReport:
+    """Errors (fatal) and notes (informational, e.g. checks skipped offline)."""
+
+    errors: list[ConfigIssue] = attrs.field(factory=list)
+    notes: list[ConfigIssue] = attrs.field(factory=list)
+
+    def error(self, path: str, message: str, hint: str = "") -> None:
+        issue = ConfigIssue(path, message, hint)
+        if issue not in self.errors:
+            self.errors.append(issue)
+
+    def note(self, path: str, message: str) -> None:
+        self.notes.append(ConfigIssue(path, message))
+
+    def __bool__(self) -> bool:
+        return bool(self.errors)
+
+    def raise_if_errors(self, source: str = "workflow") -> None:
+        if self.errors:
+            raise WorkflowError(source, self.errors)
+
+
+class WorkflowError(UserError):
+    """Raised with every error found in a workflow."""
+
+    def __init__(self, source: str, issues: list[ConfigIssue]):
+        self.source = source
+        self.issues = issues
+        lines = [f"{source}: {len(issues)} error(s)"]
+        lines += [f"  - {issue.render()}" for issue in issues]
+        super().__init__("\n".join(lines))
+
+
+def did_you_mean(word: str, choices: Iterable[str]) -> str:
+    """A hint naming the closest choice, or listing the choices when none is close."""
+    choices = sorted(set(choices))
+    close = difflib.get_close_matches(word, choices, n=1, cutoff=0.6)
+    if close:
+        return f"did you mean '{close[0]}'?"
+    if len(choices) <= 12:
+        return "expected one of: " + ", ".join(choices)
+    return ""
+
+
+def join_path(*parts: str | int) -> str:
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        elif part:
+            out = f"{out}.{part}" if out else str(part)
+    return out

@@ -1,0 +1,174 @@
+"""Load a workflow file into typed sections, collecting every error before anything starts."""
+
+from __future__ import annotations
+
+import os
+import typing
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from posttrain.config.converter import structure_into
+from posttrain.config.report import ErrorReport, did_you_mean, join_path
+from posttrain.config.sections import ROLE_NAMES, Workflow
+from posttrain.config.yaml_loader import load_yaml_text
+from posttrain.errors import UserError
+from posttrain.strategy import KNOWN_PROVIDERS
+
+if TYPE_CHECKING:
+    from posttrain.plugin_host import PluginHost
+
+
+def read_workflow_file(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except FileNotFoundError:
+        raise UserError(f"workflow file not found: {path}") from None
+    except IsADirectoryError:
+        raise UserError(f"{path} is a directory; give the workflow's YAML file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise UserError(f"cannot read workflow {path}: {exc}") from None
+
+
+def load_workflow(
+    path: str,
+    host: PluginHost,
+    overrides: dict[str, Any] | None = None,
+    report: ErrorReport | None = None,
+) -> tuple[Workflow | None, ErrorReport]:
+    """Parse, structure and check ``path``. Returns the workflow (None if it could not be built)
+    and the report; the caller decides what to do with errors."""
+    report = report or ErrorReport()
+    raw = load_yaml_text(read_workflow_file(path), path, report)
+    if report:
+        return None, report
+    base_dir = os.path.dirname(os.path.abspath(path))
+    return build_workflow(raw, host, report, base_dir=base_dir, overrides=overrides)
+
+
+def build_workflow(
+    raw: Any,
+    host: PluginHost,
+    report: ErrorReport,
+    *,
+    base_dir: str = ".",
+    overrides: dict[str, Any] | None = None,
+) -> tuple[Workflow | None, ErrorReport]:
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        report.error(
+            "",
+            f"the workflow must be a mapping of sections, got {type(raw).__name__}",
+            "start with keys such as model_args:, actor_train:, trainer:",
+        )
+        return None, report
+    raw = _apply_overrides(raw, overrides or {}, report)
+    raw = _merge_model_args(raw)
+
+    plugin_names = raw.get("plugins") or []
+    if isinstance(plugin_names, list):
+        for index, message, hint in host.load_workflow_plugins(
+            [p for p in plugin_names if isinstance(p, str)]
+        ):
+            report.error(join_path("plugins", index), message, hint)
+
+    sections: dict[str, Any] = {}
+    fields = {f.name: f for f in attrs.fields(Workflow) if f.name != "base_dir"}
+    for key, value in raw.items():
+        if key not in fields:
+            report.error(str(key), "unknown section", did_you_mean(str(key), fields))
+            continue
+        structured = structure_into(value, _SECTION_TYPES[key], key, report)
+        if structured is not None:
+            sections[key] = structured
+    workflow = Workflow(**sections, base_dir=base_dir)
+    workflow = _structure_strategy_configs(workflow, raw, host, report)
+    try:
+        strategies = host.strategies()
+    except UserError:
+        strategies = {}  # the conflict was reported by _structure_strategy_configs
+    host.hook.posttrain_validate_workflow(workflow=workflow, strategies=strategies, report=report)
+    return workflow, report
+
+
+_SECTION_TYPES = typing.get_type_hints(Workflow)
+
+
+def _merge_model_args(raw: dict) -> dict:
+    """Top-level ``model_args`` are defaults; a role's own ``model_args`` override them."""
+    top = raw.get("model_args")
+    if not isinstance(top, dict):
+        return raw
+    merged = dict(raw)
+    for role in ROLE_NAMES:
+        block = raw.get(role)
+        if isinstance(block, dict):
+            own = block.get("model_args")
+            if own is None or isinstance(own, dict):
+                merged[role] = {**block, "model_args": {**top, **(own or {})}}
+    return merged
+
+
+def _apply_overrides(raw: dict, overrides: dict[str, Any], report: ErrorReport) -> dict:
+    """``--set trainer.max_steps=5``-style overrides, applied to the raw mapping."""
+    raw = _deep_copy(raw)
+    for dotted, value in overrides.items():
+        node = raw
+        keys = dotted.split(".")
+        for key in keys[:-1]:
+            child = node.get(key)
+            if child is None:
+                child = node[key] = {}
+            if not isinstance(child, dict):
+                report.error(dotted, "cannot set a key below a non-mapping value")
+                break
+            node = child
+        else:
+            node[keys[-1]] = value
+    return raw
+
+
+def _deep_copy(value: Any) -> Any:
+    if isinstance(value, dict):
+        return {k: _deep_copy(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_deep_copy(v) for v in value]
+    return value
+
+
+def _structure_strategy_configs(
+    workflow: Workflow, raw: dict, host: PluginHost, report: ErrorReport
+) -> Workflow:
+    """Structure each role's ``strategy_config`` with the class of the strategy it names."""
+    try:
+        strategies = host.strategies()
+    except UserError as exc:
+        report.error("plugins", str(exc))
+        return workflow
+    updates = {}
+    for role_name, role in workflow.roles().items():
+        name = role.strategy_args.strategy_name
+        path = join_path(role_name, "strategy_args", "strategy_name")
+        spec = strategies.get(name)
+        if spec is None:
+            installed = ", ".join(sorted(strategies)) or "none"
+            hint = f"installed strategies: {installed}"
+            if name in KNOWN_PROVIDERS:
+                hint = f"'{name}' is provided by {KNOWN_PROVIDERS[name]}; {hint}"
+            else:
+                close = did_you_mean(name, strategies)
+                if close.startswith("did you mean"):
+                    hint = f"{close} {hint}"
+            report.error(path, f"unknown strategy '{name}'", hint)
+            continue
+        config_path = join_path(role_name, "strategy_args", "strategy_config")
+        config = structure_into(
+            role.strategy_args.strategy_config or {}, spec.config_class, config_path, report
+        )
+        if config is not None:
+            updates[role_name] = attrs.evolve(
+                role, strategy_args=attrs.evolve(role.strategy_args, strategy_config=config)
+            )
+    return attrs.evolve(workflow, **updates) if updates else workflow

@@ -1,0 +1,134 @@
+"""Prompt data: JSONL / Parquet files or a synthetic task, tokenized, with a resumable sampler."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import attrs
+
+from posttrain.config.sections import DataConfig
+from posttrain.errors import UserError
+
+
+@attrs.frozen
+class Prompt:
+    text: str
+    answer: str
+    ids: tuple[int, ...]
+
+
+def synthetic_single_digit_addition(max_sum: int = 9) -> list[dict[str, str]]:
+    """Every ``a+b=`` with digits a, b and a + b <= max_sum; the answer is the sum."""
+    return [
+        {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+        for a in range(10)
+        for b in range(10)
+        if a + b <= max_sum
+    ]
+
+
+SYNTHETIC_TASKS = {"single_digit_addition": synthetic_single_digit_addition}
+
+
+def read_records(cfg: DataConfig, base_dir: str) -> list[dict]:
+    if cfg.synthetic is not None:
+        records = SYNTHETIC_TASKS[cfg.synthetic.task](cfg.synthetic.max_sum)
+        return (
+            records
+            if cfg.synthetic.num_prompts is None
+            else [records[i % len(records)] for i in range(cfg.synthetic.num_prompts)]
+        )
+    path = cfg.path if os.path.isabs(cfg.path) else os.path.join(base_dir, cfg.path)
+    if path.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).to_pylist()
+    records = []
+    with open(path, encoding="utf-8") as f:
+        for line_no, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError as exc:
+                raise UserError(f"{path}:{line_no}: invalid JSON ({exc.msg})") from None
+    return records
+
+
+def load_prompts(cfg: DataConfig, base_dir: str, tokenizer) -> list[Prompt]:
+    records = read_records(cfg, base_dir)
+    prompt_key, answer_key = (
+        ("prompt", "answer") if cfg.synthetic else (cfg.prompt_key, cfg.answer_key)
+    )
+    use_template = cfg.apply_chat_template == "always" or (
+        cfg.apply_chat_template == "auto" and getattr(tokenizer, "chat_template", None)
+    )
+    prompts = []
+    for index, record in enumerate(records):
+        for key in (prompt_key, answer_key):
+            if key not in record:
+                raise UserError(
+                    f"data record {index} has no key '{key}' (keys: "
+                    f"{', '.join(map(str, record))}); set data.prompt_key / "
+                    "data.answer_key"
+                )
+        text = str(record[prompt_key])
+        if use_template:
+            ids = tokenizer.apply_chat_template(
+                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+            )
+            if isinstance(ids, dict):
+                ids = ids["input_ids"]
+        else:
+            ids = tokenizer(text, add_special_tokens=True)["input_ids"]
+        if len(ids) > cfg.max_prompt_length:
+            continue
+        prompts.append(Prompt(text=text, answer=str(record[answer_key]), ids=tuple(ids)))
+    if not prompts:
+        raise UserError(
+            "no usable prompt in the data (all longer than "
+            f"data.max_prompt_length={cfg.max_prompt_length}?)"
+        )
+    return prompts
+
+
+@attrs.define
+class PromptSampler:
+    """Seeded shuffling per epoch; ``state()`` / ``load_state()`` make it resumable."""
+
+    size: int
+    seed: int
+    shuffle: bool = True
+    epoch: int = 0
+    position: int = 0
+    _order: list[int] = attrs.field(factory=list)
+
+    def __attrs_post_init__(self):
+        self._order = self._epoch_order(self.epoch)
+
+    def _epoch_order(self, epoch: int) -> list[int]:
+        order = list(range(self.size))
+        if self.shuffle:
+            random.Random(self.seed * 1_000_003 + epoch).shuffle(order)
+        return order
+
+    def next(self, count: int) -> list[int]:
+        out = []
+        while len(out) < count:
+            if self.position >= self.size:
+                self.epoch += 1
+                self.position = 0
+                self._order = self._epoch_order(self.epoch)
+            out.append(self._order[self.position])
+            self.position += 1
+        return out
+
+    def state(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "position": self.position}
+
+    def load_state(self, state: dict[str, int]) -> None:
+        self.epoch = int(state["epoch"])
+        self.position = int(state["position"])
+        self._order = self._epoch_order(self.epoch)

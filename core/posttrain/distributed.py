@@ -1,0 +1,30 @@
+"""torch.distributed set-up from the environment the launchers provide."""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+
+def backend_for(device: str) -> str:
+    return "nccl" if device.startswith("cuda") else "gloo"
+
+
+def init_default_process_group(device: str, timeout_s: float = 600.0) -> None:
+    """Join this role's process group (MASTER_ADDR/PORT, RANK, WORLD_SIZE are set)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        return
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend_for(device), timeout=timedelta(seconds=timeout_s))
+
+
+def destroy_default_process_group() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()

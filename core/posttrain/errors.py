@@ -1,0 +1,29 @@
+"""Error types that separate user mistakes (exit 2, no traceback) from internal failures."""
+
+from __future__ import annotations
+
+
+class PosttrainError(Exception):
+    """Base of posttrain's own errors."""
+
+
+class UserError(PosttrainError):
+    """A mistake in the user's input (workflow, CLI arguments, files): exit code 2, no traceback."""
+
+
+class PluginError(UserError):
+    """A plugin could not be loaded or conflicts with another plugin."""
+
+
+class WorkerError(PosttrainError):
+    """A worker rank raised; carries the role, the rank and the remote traceback."""
+
+    def __init__(self, role: str, rank: int, message: str, remote_traceback: str = ""):
+        super().__init__(f"{role} rank {rank}: {message}")
+        self.role = role
+        self.rank = rank
+        self.remote_traceback = remote_traceback
+
+
+class CheckpointError(UserError):
+    """A checkpoint is incomplete, corrupted or does not match the workflow."""

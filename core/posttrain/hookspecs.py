@@ -1,0 +1,297 @@
+"""Every hook specification of posttrain, in one module.
+
+Plugins implement these with ``@posttrain.hookimpl``. Two kinds of hooks exist:
+
+* **driver hooks** run in the single controller process (the one that runs ``posttrain``);
+* **worker hooks** run on each rank of a role's worker group, in the worker process.
+
+Worker hooks that act on one strategy are ``firstresult``: every implementation first checks
+``worker.strategy_name`` and returns ``None`` when the strategy is not its own, so the plugin that
+owns the strategy answers. Cross-cutting plugins wrap them with ``hookwrapper=True`` (to time,
+log or transform) without owning a strategy. The model for this module is pytest's
+``_pytest/hookspec.py``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import pluggy
+
+if TYPE_CHECKING:
+    import argparse
+    from collections.abc import Iterable, Iterator
+
+    from posttrain.checkpoint.manifest import Manifest
+    from posttrain.config.report import ErrorReport
+    from posttrain.config.workflow import Workflow
+    from posttrain.doctor import EnvCheck
+    from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
+    from posttrain.strategy import StrategySpec
+    from posttrain.weight_sync.transport import WeightTransport
+    from posttrain.worker import WorkerContext
+
+hookspec = pluggy.HookspecMarker("posttrain")
+
+
+# --------------------------------------------------------------------------------------------
+# Registration (driver and worker processes)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def posttrain_add_strategies() -> list[StrategySpec]:
+    """Declare the strategies this plugin provides.
+
+    Called by the plugin host once per process (driver and every worker) right after the plugins
+    are loaded. Return a list of :class:`posttrain.strategy.StrategySpec`, each with its
+    ``strategy_config`` class (an attrs class, ``frozen=True, kw_only=True``) and its capabilities
+    (parallel dimensions, dtypes, colocation, weight-sync transports). Must not import engines:
+    ``posttrain validate`` calls it. Two plugins declaring one name is an error naming both.
+    Not firstresult: the host collects every plugin's list.
+    """
+
+
+@hookspec
+def posttrain_add_reward_functions() -> dict[str, str]:
+    """Declare named reward functions: ``{name: "module:function"}``.
+
+    Called on the driver when the workflow's ``reward.function`` is resolved. A name declared here
+    can be used in YAML instead of a ``module:function`` path. The function is imported lazily.
+    Not firstresult: the host merges all dicts (a name declared twice is an error).
+    """
+
+
+@hookspec
+def posttrain_add_weight_transports() -> dict[str, type[WeightTransport]]:
+    """Declare weight-sync transports: ``{name: WeightTransport subclass}``.
+
+    Called on the driver before the first weight sync. The core provides ``shared_memory`` and
+    ``broadcast``; a plugin may add e.g. a compressed or a disk transport. Not firstresult.
+    """
+
+
+@hookspec
+def posttrain_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add subcommands to the ``posttrain`` CLI.
+
+    Called on the driver while the argument parser is built. Add a parser with
+    ``subparsers.add_parser(...)`` and ``set_defaults(handler=callable(args) -> int)``; the
+    handler's return value is the exit code. Not firstresult.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Validation and environment (driver)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def posttrain_validate_workflow(
+    workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+) -> None:
+    """Add cross-field checks for a structured workflow.
+
+    ``strategies`` maps every installed strategy name to its spec. Roles whose strategy is
+    unknown or whose ``strategy_config`` failed to structure still hold a plain dict there.
+
+    Called on the driver by ``posttrain validate`` and before ``posttrain run`` starts any
+    process, after every section was structured. Report problems with
+    ``report.error(path, message, hint=...)``; never raise for user errors (all errors are shown
+    at once). Strategy plugins check their own roles here (e.g. parallel sizes against
+    ``device_mapping``). Must not import engines. Not firstresult.
+    """
+
+
+@hookspec
+def posttrain_environment_checks() -> list[EnvCheck]:
+    """Return environment checks for ``posttrain doctor``.
+
+    Called on the driver. Each :class:`posttrain.doctor.EnvCheck` names a package, the version
+    range the plugin was tested with and how to find the installed version. Not firstresult.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Worker lifecycle (worker processes; firstresult, answered by the strategy's owner)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def posttrain_setup_parallel(worker: WorkerContext) -> dict[str, int] | None:
+    """Create this rank's process groups / device mesh.
+
+    Called once on every rank of a worker group, before model loading. The launcher has set
+    MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE and LOCAL_RANK. Return the rank's coordinates, at
+    least ``{"dp_rank": ..., "dp_size": ...}``; the driver uses them to split batches.
+    firstresult: return None for strategies you do not own.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_load_model(worker: WorkerContext) -> Any | None:
+    """Build or load the model (HF path, preset, mbridge, dist checkpoint) into the layout.
+
+    Called once on every rank, after ``posttrain_setup_parallel``. Return the backend's model
+    handle (stored as ``worker.model``). firstresult: return None for strategies you do not own.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples | None:
+    """Generate completions with the log-prob of every sampled token.
+
+    Called on every rank of a rollout role with this rank's share of the prompts (token ids).
+    Return :class:`posttrain.protocol.RolloutSamples` (``n`` samples per prompt, in prompt
+    order). firstresult: return None for strategies you do not own.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> Any | None:
+    """Return log-probs of the given sequences: a float32 tensor shaped like ``batch.input_ids``.
+
+    ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` for ``t >= 1``; position 0 is 0.
+    Called on every rank of a role (reference, old-policy, critic) with its data-parallel share.
+    firstresult: return None for strategies you do not own.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn: Any) -> dict | None:
+    """Run one optimizer step on this rank's share of the batch; return scalar metrics.
+
+    Called on every rank of ``actor_train`` (and ``critic``). ``loss_fn(logprobs, entropy,
+    micro_batch) -> (loss, metrics)`` is the algorithm's loss from core; the backend splits the
+    batch into micro-batches, accumulates gradients, clips and steps. firstresult.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Weight sync (export on trainer ranks, import on rollout ranks, orchestration on the driver)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def posttrain_export_weights(
+    worker: WorkerContext, bucket_bytes: int
+) -> Iterator[WeightBucket] | None:
+    """Yield the trainer's weights as buckets of HF-named full tensors.
+
+    Called on every rank of the trainer group at the same time (the gather is collective).
+    Ranks that do not hold the gathered result yield empty buckets, in the same number.
+    A bucket never splits a fused group (q/k/v, gate/up of one layer). firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bool | None:
+    """Load HF-named tensors into the rollout engine, then flush its caches.
+
+    Called on every rank of the rollout group with every bucket of one sync. Return True when
+    done. firstresult: return None for strategies you do not own.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_select_weight_transport(source: Any, target: Any, colocated: bool) -> str | None:
+    """Pick the transport for a trainer -> rollout weight sync.
+
+    Called on the driver once per (source, target) pair. ``source`` and ``target`` are the
+    worker groups. The core's trylast implementation picks ``shared_memory`` when colocated and
+    ``broadcast`` otherwise. Return a name declared through ``posttrain_add_weight_transports``.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_sync_weights(source: Any, target: Any, transport: WeightTransport) -> dict | None:
+    """Move the policy weights from ``source`` (trainer group) to ``target`` (rollout group).
+
+    Called on the driver after each policy update. The core's trylast implementation runs the
+    transport and returns ``{"bytes": ..., "buckets": ...}``. Wrap it (hookwrapper) to time,
+    compress or verify syncs.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpointing (worker processes, under the core's checkpoint manager)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def posttrain_save_checkpoint(worker: WorkerContext, path: str) -> dict | None:
+    """Save model, optimizer and scheduler state of this role into directory ``path``.
+
+    Called on every rank (saves are collective). ``path`` is inside the checkpoint's temporary
+    directory; the core renames it into place only after every role finished and checksums are
+    written. Return layout metadata for the manifest (e.g. ``{"format": "dcp", "dp": 2}``).
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_load_checkpoint(worker: WorkerContext, path: str) -> bool | None:
+    """Restore what ``posttrain_save_checkpoint`` wrote into ``path``. Called on every rank."""
+
+
+@hookspec(firstresult=True)
+def posttrain_export_hf(worker: WorkerContext, path: str) -> bool | None:
+    """Write the model as an HF directory (config, safetensors, tokenizer) into ``path``.
+
+    Called on every rank (gathers are collective); rank 0 writes. Return True when done.
+    """
+
+
+@hookspec
+def posttrain_checkpoint_saved(checkpoint_dir: str, manifest: Manifest) -> None:
+    """Notify that a complete checkpoint now exists at ``checkpoint_dir``.
+
+    Called on the driver after the atomic rename. Use it to add export formats or upload.
+    Not firstresult.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Memory lifecycle for colocated roles (worker processes)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec(firstresult=True)
+def posttrain_release_memory(worker: WorkerContext, tags: list[str]) -> bool | None:
+    """Free device memory before a colocated role runs (offload, vLLM sleep, SGLang release).
+
+    ``tags`` names what to release (``weights``, ``kv_cache``, ``optimizer``, ``grads``).
+    Called on every rank of the role. Return True when done.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_resume_memory(worker: WorkerContext, tags: list[str]) -> bool | None:
+    """Bring back what ``posttrain_release_memory`` freed. Called on every rank of the role."""
+
+
+@hookspec(firstresult=True)
+def posttrain_shutdown_worker(worker: WorkerContext) -> bool | None:
+    """Release engines and process groups before the worker process exits."""
+
+
+# --------------------------------------------------------------------------------------------
+# Observability (driver)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def posttrain_log_metrics(step: int, metrics: dict[str, float], run_dir: str) -> None:
+    """Receive one step's scalar metrics.
+
+    Called on the driver after every step. The core's loggers (console, jsonl, tensorboard) are
+    plugins implementing this; the workflow's ``trainer.logger`` list says which are active.
+    Not firstresult.
+    """
+
+
+@hookspec
+def posttrain_run_finished(run_dir: str, history: list[dict[str, float]]) -> None:
+    """Notify that a run ended normally; ``history`` holds every step's metrics.
+
+    Called on the driver once. The core's plotting plugin writes the reward/KL/entropy PNG here.
+    """

@@ -1,0 +1,99 @@
+"""The interface every launcher implements."""
+
+from __future__ import annotations
+
+import abc
+import os
+from typing import Any
+
+import attrs
+
+from posttrain.config.sections import RoleConfig
+
+
+@attrs.frozen(kw_only=True)
+class GroupSpec:
+    """Everything a rank needs to build its :class:`posttrain.worker.WorkerContext`."""
+
+    role: str
+    config: RoleConfig
+    algorithm: Any
+    seed: int
+    run_dir: str
+    base_dir: str
+    device: str  # "cpu" or "cuda"
+    plugins: tuple[str, ...] = ()  # workflow-named plugins to load on the rank too
+    threads: int | None = None
+    env: dict[str, str] = attrs.field(factory=dict)
+
+
+class PendingCall(abc.ABC):
+    @abc.abstractmethod
+    def wait(self) -> list[Any]:
+        """Block until every rank answered; return the answers in rank order."""
+
+
+class WorkerGroup(abc.ABC):
+    role: str
+    world_size: int
+    devices: tuple[int, ...]
+    parallel: list[dict[str, int]]
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallel[0].get("dp_size", self.world_size) if self.parallel else 1
+
+    def dp_ranks(self) -> list[int]:
+        """For each data-parallel index, the first rank holding it (the rank to collect from)."""
+        first: dict[int, int] = {}
+        for rank, info in enumerate(self.parallel):
+            first.setdefault(info.get("dp_rank", rank), rank)
+        return [first[i] for i in sorted(first)]
+
+    @abc.abstractmethod
+    def submit(
+        self,
+        method: str,
+        per_rank_args: list[tuple] | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> PendingCall:
+        """Start ``method`` on every rank: with ``per_rank_args[r]`` or the same ``args``."""
+
+    def call(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
+        """One-to-all: the same arguments to every rank; every rank's answer."""
+        return self.submit(method, args=args, kwargs=kwargs).wait()
+
+    def call_dp(self, method: str, shares: list[Any], *extra: Any) -> list[Any]:
+        """Split by data-parallel rank: rank r gets ``shares[dp_rank(r)]``; answers of each DP
+        index's first rank, in DP order."""
+        per_rank = [
+            (shares[info.get("dp_rank", r)], *extra) for r, info in enumerate(self.parallel)
+        ]
+        answers = self.submit(method, per_rank_args=per_rank).wait()
+        return [answers[r] for r in self.dp_ranks()]
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every rank (idempotent)."""
+
+
+class Launcher(abc.ABC):
+    @abc.abstractmethod
+    def start_group(self, spec: GroupSpec) -> WorkerGroup:
+        """Start the ranks of one role and run their setup (parallel groups, model loading)."""
+
+    @abc.abstractmethod
+    def shutdown(self) -> None:
+        """Stop every group this launcher started."""
+
+    def rank_log_path(self, run_dir: str, role: str, rank: int) -> str:
+        return os.path.join(run_dir, "logs", f"{role}.rank{rank}.log")
+
+
+def tail(path: str, lines: int = 20) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-lines:])
+    except OSError:
+        return ""

@@ -1,0 +1,78 @@
+"""Loading HF models and tokenizers from a directory, a hub id or a preset (the real path)."""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
+
+from posttrain.presets import is_preset, preset_path
+
+if TYPE_CHECKING:
+    from posttrain.config.sections import ModelArgs
+
+DTYPES = {
+    "fp32": "float32",
+    "float32": "float32",
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp16": "float16",
+    "float16": "float16",
+}
+
+
+def torch_dtype(name: str):
+    import torch
+
+    return getattr(torch, DTYPES[name])
+
+
+def resolve_model_path(name_or_path: str, base_dir: str = ".") -> str:
+    """A preset's built directory, a local directory (relative to the workflow), or a hub id."""
+    if is_preset(name_or_path):
+        return preset_path(name_or_path)
+    local = name_or_path if os.path.isabs(name_or_path) else os.path.join(base_dir, name_or_path)
+    return local if os.path.exists(local) else name_or_path
+
+
+def load_tokenizer(model_args: ModelArgs, base_dir: str = "."):
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    path = resolve_model_path(
+        model_args.tokenizer_name_or_path or model_args.model_name_or_path, base_dir
+    )
+    # transformers 5's AutoTokenizer picks the class from the *model* config and would load a
+    # generic fast tokenizer as e.g. Qwen2Tokenizer, changing its vocabulary; honour the class
+    # the tokenizer was saved with.
+    if _saved_tokenizer_class(path) == "PreTrainedTokenizerFast":
+        tokenizer = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(
+            path, trust_remote_code=model_args.trust_remote_code
+        )
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def load_causal_lm(model_args: ModelArgs, base_dir: str = ".", device: str = "cpu"):
+    from transformers import AutoModelForCausalLM
+
+    path = resolve_model_path(model_args.model_name_or_path, base_dir)
+    kwargs = {
+        "dtype": torch_dtype(model_args.dtype),
+        "trust_remote_code": model_args.trust_remote_code,
+    }
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return model.to(device)
+
+
+def _saved_tokenizer_class(path: str) -> str | None:
+    import json
+
+    cfg = os.path.join(path, "tokenizer_config.json")
+    if not os.path.isfile(cfg):
+        return None
+    with open(cfg, encoding="utf-8") as f:
+        return json.load(f).get("tokenizer_class")

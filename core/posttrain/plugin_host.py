@@ -1,0 +1,187 @@
+"""Finds, loads and registers plugins; answers which strategies exist and who provides them.
+
+Built-in plugins are registered first; third-party plugins come from the entry-point group
+``posttrain``. ``POSTTRAIN_PLUGINS=a,b`` loads only the named entry points;
+``POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD=1`` loads none (built-ins stay).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import os
+from types import ModuleType
+
+import attrs
+import pluggy
+
+from posttrain import hookspecs
+from posttrain.errors import PluginError
+from posttrain.strategy import KNOWN_PROVIDERS, StrategySpec
+
+ENTRY_POINT_GROUP = "posttrain"
+BUILTIN_PLUGINS = (
+    "posttrain.builtin.hf_infer_plugin",
+    "posttrain.builtin.rewards",
+    "posttrain.builtin.transports",
+    "posttrain.builtin.plotting",
+    "posttrain.builtin.checks",
+    "posttrain.builtin.sync",
+)
+
+
+@attrs.define
+class PluginInfo:
+    name: str
+    source: str  # "builtin", "entry point", "workflow"
+    distribution: str = ""
+    version: str = ""
+    error: str = ""
+
+
+@attrs.define
+class PluginHost:
+    pm: pluggy.PluginManager
+    plugins: list[PluginInfo] = attrs.field(factory=list)
+    _strategies: dict[str, StrategySpec] | None = None
+
+    @property
+    def hook(self):
+        return self.pm.hook
+
+    @property
+    def failures(self) -> list[PluginInfo]:
+        return [p for p in self.plugins if p.error]
+
+    # -- loading ---------------------------------------------------------------------------
+
+    def load_workflow_plugins(self, names: list[str]) -> list[tuple[int, str, str]]:
+        """Load the plugins a workflow names. Returns (index, message, hint) for each failure."""
+        problems = []
+        loaded = {p.name for p in self.plugins if not p.error} | {
+            p.distribution for p in self.plugins if not p.error
+        }
+        for index, name in enumerate(names):
+            if name in loaded:
+                continue
+            failed = next((p for p in self.failures if name in (p.name, p.distribution)), None)
+            if failed:
+                problems.append(
+                    (
+                        index,
+                        f"plugin '{name}' failed to import: {failed.error}",
+                        "fix or reinstall the plugin",
+                    )
+                )
+                continue
+            try:
+                module = importlib.import_module(name)
+            except ImportError as exc:
+                hint = next(
+                    (
+                        prov
+                        for prov in KNOWN_PROVIDERS.values()
+                        if prov.split()[0].replace("-", "_") == name.replace("-", "_")
+                    ),
+                    "",
+                )
+                problems.append(
+                    (
+                        index,
+                        f"plugin '{name}' is neither installed nor importable ({exc})",
+                        f"install {hint}"
+                        if hint
+                        else "install the package that provides it, or give a module path",
+                    )
+                )
+                continue
+            except Exception as exc:  # a broken plugin module: reported, the others still load
+                problems.append(
+                    (
+                        index,
+                        f"plugin module '{name}' failed to import: {type(exc).__name__}: {exc}",
+                        "fix the module",
+                    )
+                )
+                continue
+            self._register(module, name, PluginInfo(name=name, source="workflow"))
+            loaded.add(name)
+        return problems
+
+    def _register(self, plugin: object, name: str, info: PluginInfo) -> None:
+        self.pm.register(plugin, name=name)
+        self.plugins.append(info)
+        self._strategies = None
+
+    # -- strategies ------------------------------------------------------------------------
+
+    def strategies(self) -> dict[str, StrategySpec]:
+        """Every declared strategy by name. Two plugins declaring one name is a PluginError."""
+        if self._strategies is None:
+            found: dict[str, StrategySpec] = {}
+            for impl in self.pm.hook.posttrain_add_strategies.get_hookimpls():
+                for spec in impl.function() or []:
+                    spec = attrs.evolve(spec, plugin=impl.plugin_name)
+                    if spec.name in found:
+                        raise PluginError(
+                            f"strategy '{spec.name}' is provided by two plugins: "
+                            f"'{found[spec.name].plugin}' and '{impl.plugin_name}'; uninstall "
+                            "one, or pick one with POSTTRAIN_PLUGINS"
+                        )
+                    found[spec.name] = spec
+            self._strategies = found
+        return self._strategies
+
+    def hooks_of(self, plugin_name: str) -> list[str]:
+        plugin = self.pm.get_plugin(plugin_name)
+        if plugin is None:
+            return []
+        return sorted(c.name for c in self.pm.get_hookcallers(plugin) or [])
+
+
+def _load_entry_point_plugins(host: PluginHost) -> None:
+    if os.environ.get("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
+        return
+    allow = {n.strip() for n in os.environ.get("POSTTRAIN_PLUGINS", "").split(",") if n.strip()}
+    for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
+        dist = ep.dist.name if ep.dist else ""
+        if allow and ep.name not in allow and dist not in allow:
+            continue
+        if host.pm.get_plugin(ep.name) is not None:
+            continue
+        info = PluginInfo(
+            name=ep.name,
+            source="entry point",
+            distribution=dist,
+            version=ep.dist.version if ep.dist else "",
+        )
+        try:
+            plugin = ep.load()
+        except Exception as exc:  # reported by name; the other plugins keep working
+            info.error = f"{type(exc).__name__}: {exc}"
+            host.plugins.append(info)
+            continue
+        host._register(plugin, ep.name, info)
+
+
+def create_plugin_host(extra_plugins: list[ModuleType | object] | None = None) -> PluginHost:
+    """The plugin host for this process: built-ins, then entry points, then ``extra_plugins``."""
+    from posttrain import __version__
+
+    pm = pluggy.PluginManager("posttrain")
+    pm.add_hookspecs(hookspecs)
+    host = PluginHost(pm)
+    for module_name in BUILTIN_PLUGINS:
+        module = importlib.import_module(module_name)
+        host._register(
+            module,
+            module_name,
+            PluginInfo(
+                name=module_name, source="builtin", distribution="posttrain", version=__version__
+            ),
+        )
+    _load_entry_point_plugins(host)
+    for plugin in extra_plugins or []:
+        name = getattr(plugin, "__name__", type(plugin).__name__)
+        host._register(plugin, name, PluginInfo(name=name, source="explicit"))
+    return host

@@ -1,0 +1,139 @@
+"""Tiny models that posttrain builds locally (no download), for tests, examples and benchmarks.
+
+``model_name_or_path: preset:NAME`` resolves to an HF directory built once, deterministically,
+under ``$POSTTRAIN_CACHE`` (default ``~/.cache/posttrain``). Everything downstream loads it through
+the same code path as a real HF checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import attrs
+
+from posttrain.errors import UserError
+
+PRESET_PREFIX = "preset:"
+# Small alphabet: digits, arithmetic signs and a space; chance of one right digit is about 1/16.
+ARITH_ALPHABET = [*"0123456789+-*=", " "]
+SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
+
+
+@attrs.frozen(kw_only=True)
+class Preset:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 2
+    intermediate_size: int | None = None
+    max_position_embeddings: int = 128
+    tie_word_embeddings: bool = True
+    seed: int = 0
+    description: str = ""
+
+
+PRESETS: dict[str, Preset] = {
+    "tiny-qwen2": Preset(
+        hidden_size=64,
+        num_hidden_layers=2,
+        description="Qwen2, hidden 64, 2 layers, arithmetic alphabet",
+    ),
+    "small-qwen2": Preset(
+        hidden_size=256,
+        num_hidden_layers=4,
+        description="Qwen2, hidden 256, 4 layers, arithmetic alphabet",
+    ),
+}
+_VERSION = "v1"  # bump when a preset's construction changes, so caches are rebuilt
+
+
+def is_preset(name: str | None) -> bool:
+    return bool(name) and name.startswith(PRESET_PREFIX)
+
+
+def preset_name(name: str) -> str:
+    key = name[len(PRESET_PREFIX) :]
+    if key not in PRESETS:
+        raise UserError(f"unknown preset '{key}'; available: {', '.join(sorted(PRESETS))}")
+    return key
+
+
+def cache_root() -> str:
+    return os.environ.get(
+        "POSTTRAIN_CACHE", os.path.join(os.path.expanduser("~"), ".cache", "posttrain")
+    )
+
+
+def preset_path(name: str) -> str:
+    """The HF directory of preset ``preset:KEY``, building it on first use (atomically)."""
+    key = preset_name(name)
+    target = os.path.join(cache_root(), "presets", f"{key}-{_VERSION}")
+    if os.path.exists(os.path.join(target, "config.json")):
+        return target
+    os.makedirs(os.path.dirname(target), exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=f".{key}-", dir=os.path.dirname(target))
+    build_preset(PRESETS[key], tmp)
+    try:
+        os.rename(tmp, target)
+    except OSError:  # another process built it first: keep theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tokenizer():
+    """A word-level tokenizer over the arithmetic alphabet: one character, one token."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ARITH_ALPHABET)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    from tokenizers import decoders
+
+    tok.decoder = decoders.Fuse()
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+    )
+
+
+def build_preset(preset: Preset, out_dir: str) -> None:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    tokenizer = build_tokenizer()
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=preset.hidden_size,
+        intermediate_size=preset.intermediate_size or 4 * preset.hidden_size,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=preset.num_attention_heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        max_position_embeddings=preset.max_position_embeddings,
+        tie_word_embeddings=preset.tie_word_embeddings,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    state = torch.random.get_rng_state()
+    torch.manual_seed(preset.seed)
+    try:
+        model = Qwen2ForCausalLM(config).to(torch.float32)
+    finally:
+        torch.random.set_rng_state(state)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    # transformers 5 would otherwise load it as Qwen2Tokenizer from the model config.
+    import json
+
+    cfg_path = os.path.join(out_dir, "tokenizer_config.json")
+    with open(cfg_path) as f:
+        tok_cfg = json.load(f)
+    tok_cfg["tokenizer_class"] = "PreTrainedTokenizerFast"
+    with open(cfg_path, "w") as f:
+        json.dump(tok_cfg, f, indent=2)

@@ -1,0 +1,207 @@
+"""Data passed between the driver and worker ranks.
+
+Tensors here are CPU tensors when they cross a process boundary. Sequences are right-padded:
+``input_ids[b, :lengths[b]]`` is sample ``b`` (prompt then response). Per-token values (log-probs,
+advantages) are aligned with the token they score: ``logprobs[b, t]`` is the log-prob of
+``input_ids[b, t]`` given the tokens before it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+if TYPE_CHECKING:
+    import torch
+
+
+@attrs.frozen(kw_only=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    max_new_tokens: int = 32
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@attrs.frozen(kw_only=True)
+class GenerationRequest:
+    prompt_ids: list[list[int]]
+    sampling: SamplingParams
+    # Seed for this request on this rank: makes rollouts reproducible across resumes.
+    seed: int | None = None
+
+
+@attrs.define(kw_only=True)
+class RolloutSamples:
+    """``n`` samples per prompt, grouped: samples ``i*n .. i*n+n-1`` belong to prompt ``i``."""
+
+    prompt_ids: list[list[int]]
+    response_ids: list[list[int]]
+    response_logprobs: list[list[float]]
+
+    def __len__(self) -> int:
+        return len(self.response_ids)
+
+    @classmethod
+    def concat(cls, parts: Iterable[RolloutSamples]) -> RolloutSamples:
+        parts = list(parts)
+        return cls(
+            prompt_ids=[p for part in parts for p in part.prompt_ids],
+            response_ids=[r for part in parts for r in part.response_ids],
+            response_logprobs=[lp for part in parts for lp in part.response_logprobs],
+        )
+
+
+@attrs.define
+class SequenceBatch:
+    """A padded batch of token sequences with per-token tensors ([B, T]) and per-sample ones ([B]).
+
+    Required keys: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on response tokens).
+    """
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def input_ids(self) -> torch.Tensor:
+        return self.tensors["input_ids"]
+
+    @property
+    def attention_mask(self) -> torch.Tensor:
+        return self.tensors["attention_mask"]
+
+    @property
+    def response_mask(self) -> torch.Tensor:
+        return self.tensors["response_mask"]
+
+    def __len__(self) -> int:
+        return int(self.input_ids.shape[0])
+
+    def __getitem__(self, key: str) -> torch.Tensor:
+        return self.tensors[key]
+
+    def with_tensors(self, **extra: torch.Tensor) -> SequenceBatch:
+        return SequenceBatch({**self.tensors, **extra}, dict(self.meta))
+
+    def select(self, indices: list[int]) -> SequenceBatch:
+        import torch
+
+        index = torch.as_tensor(indices, dtype=torch.long)
+        return SequenceBatch(
+            {k: v.index_select(0, index) for k, v in self.tensors.items()}, dict(self.meta)
+        )
+
+    def split(self, parts: int) -> list[SequenceBatch]:
+        """Split into ``parts`` contiguous shares of equal size (data-parallel dispatch)."""
+        if len(self) % parts:
+            raise ValueError(f"batch of {len(self)} cannot be split into {parts} equal shares")
+        size = len(self) // parts
+        return [self.select(list(range(i * size, (i + 1) * size))) for i in range(parts)]
+
+    def trimmed(self) -> SequenceBatch:
+        """Drop trailing columns that are padding in every row."""
+        width = int(self.attention_mask.sum(dim=1).max().item())
+        return SequenceBatch(
+            {k: (v[:, :width] if v.dim() == 2 else v) for k, v in self.tensors.items()},
+            dict(self.meta),
+        )
+
+    @classmethod
+    def concat(cls, batches: list[SequenceBatch]) -> SequenceBatch:
+        import torch
+
+        width = max(b.input_ids.shape[1] for b in batches)
+        out: dict[str, torch.Tensor] = {}
+        for key in batches[0].tensors:
+            columns = []
+            for b in batches:
+                t = b.tensors[key]
+                if t.dim() == 2 and t.shape[1] < width:
+                    t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
+                columns.append(t)
+            out[key] = torch.cat(columns, dim=0)
+        return cls(out, dict(batches[0].meta))
+
+
+def concat_tensor_rows(parts: list[torch.Tensor]) -> torch.Tensor:
+    """Concatenate [B_i, T_i] tensors along rows, right-padding to the widest."""
+    import torch
+
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
+
+
+def build_sequence_batch(
+    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int
+) -> SequenceBatch:
+    """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`."""
+    import torch
+
+    lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
+    width = max(lengths)
+    batch = len(lengths)
+    input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((batch, width), dtype=torch.long)
+    response_mask = torch.zeros((batch, width), dtype=torch.float32)
+    for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
+        input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
+        attention_mask[i, : len(p) + len(r)] = 1
+        response_mask[i, len(p) : len(p) + len(r)] = 1.0
+    return SequenceBatch(
+        {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
+    )
+
+
+@attrs.define
+class WeightBucket:
+    """HF-named full tensors moved together in one weight-sync transfer."""
+
+    tensors: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for _, t in self.tensors)
+
+    def __bool__(self) -> bool:
+        return bool(self.tensors)
+
+
+def fused_group(name: str) -> str:
+    """The module whose weights must travel together: q/k/v share ``...self_attn``, gate/up
+    share ``...mlp`` (engines fuse them; a bucket holding only part of them yields NaNs)."""
+    parts = name.split(".")
+    return ".".join(parts[:-2]) if len(parts) > 2 else name
+
+
+def bucketize(
+    named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int
+) -> Iterator[WeightBucket]:
+    """Group tensors into buckets of about ``bucket_bytes``, never splitting a fused group."""
+    bucket = WeightBucket()
+    group: list[tuple[str, torch.Tensor]] = []
+    group_key = None
+    for name, tensor in named_tensors:
+        key = fused_group(name)
+        if group and key != group_key:
+            if bucket and bucket.nbytes + _nbytes(group) > bucket_bytes:
+                yield bucket
+                bucket = WeightBucket()
+            bucket.tensors.extend(group)
+            group = []
+        group_key = key
+        group.append((name, tensor))
+    if group:
+        if bucket and bucket.nbytes + _nbytes(group) > bucket_bytes:
+            yield bucket
+            bucket = WeightBucket()
+        bucket.tensors.extend(group)
+    if bucket:
+        yield bucket
+
+
+def _nbytes(group: list[tuple[str, torch.Tensor]]) -> int:
+    return sum(t.numel() * t.element_size() for _, t in group)

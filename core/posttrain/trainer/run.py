@@ -1,0 +1,432 @@
+"""``posttrain run``: the single-controller loop.
+
+rollout -> rewards -> old-policy and reference log-probs -> advantages -> policy update ->
+weight sync -> metrics -> checkpoint. Every backend is reached through worker-group calls, which
+run the strategies' hooks on the ranks.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import time
+from typing import Any
+
+import attrs
+import yaml
+
+from posttrain.checkpoint import manager as ckpt
+from posttrain.config.sections import RoleConfig, Workflow
+from posttrain.data import PromptSampler, load_prompts
+from posttrain.errors import UserError
+from posttrain.launcher.base import GroupSpec, Launcher, WorkerGroup
+from posttrain.protocol import (
+    GenerationRequest,
+    RolloutSamples,
+    SamplingParams,
+    SequenceBatch,
+    build_sequence_batch,
+)
+from posttrain.rewards import resolve_reward_function
+from posttrain.trainer.phases import PhaseTimer
+from posttrain.trainer.placement import TimeSharing, colocated
+
+# Roles whose state a checkpoint must hold (rollout and reference are rebuilt from them).
+TRAINED_ROLES = ("actor_train", "critic")
+WORKFLOW_COPY = "workflow.yaml"
+
+
+def resolve_device(workflow: Workflow) -> str:
+    if workflow.cluster.device != "auto":
+        return workflow.cluster.device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def make_launcher(workflow: Workflow) -> Launcher:
+    cluster = workflow.cluster
+    if cluster.launcher == "local":
+        from posttrain.launcher.local import LocalLauncher
+
+        return LocalLauncher(
+            call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.start_timeout_s
+        )
+    raise UserError(
+        f"cluster.launcher: '{cluster.launcher}' is not available in this version; use 'local'"
+    )
+
+
+def group_spec(
+    workflow: Workflow, role_name: str, role: RoleConfig, run_dir: str, device: str
+) -> GroupSpec:
+    threads = workflow.cluster.threads_per_worker
+    if threads is None and device == "cpu":
+        # Share the machine's cores between every rank instead of oversubscribing them.
+        ranks = sum(r.num_ranks for r in workflow.roles().values())
+        threads = max(1, (os.cpu_count() or 1) // ranks)
+    return GroupSpec(
+        role=role_name,
+        config=role,
+        algorithm=workflow.algorithm,
+        seed=workflow.trainer.seed,
+        run_dir=run_dir,
+        base_dir=workflow.base_dir,
+        device=device,
+        plugins=tuple(workflow.plugins),
+        threads=threads,
+        env={str(k): str(v) for k, v in workflow.cluster.runtime_env.get("env_vars", {}).items()},
+    )
+
+
+def package_versions(host) -> dict[str, str]:
+    versions = {}
+    for dist in ("posttrain", "torch", "transformers"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    for info in host.plugins:
+        if info.distribution and info.version:
+            versions[info.distribution] = info.version
+    return versions
+
+
+@attrs.define
+class DriverState:
+    step: int = 0
+    sampler: dict[str, int] = attrs.field(factory=dict)
+    history: list[dict[str, float]] = attrs.field(factory=list)
+
+
+class Trainer:
+    def __init__(self, workflow: Workflow, host, console, source: str = ""):
+        self.wf = workflow
+        self.host = host
+        self.console = console
+        out = workflow.trainer.output_dir
+        self.run_dir = out if os.path.isabs(out) else os.path.join(workflow.base_dir, out)
+        self.device = resolve_device(workflow)
+        self.groups: dict[str, WorkerGroup] = {}
+        self.launcher: Launcher | None = None
+        self.state = DriverState()
+        self.source = source
+
+    # -- set-up ----------------------------------------------------------------------------
+
+    def _prepare_run_dir(self) -> str | None:
+        """Create the run directory; return the checkpoint to resume from, if any."""
+        os.makedirs(self.run_dir, exist_ok=True)
+        ckpt.remove_stale_temporaries(self.run_dir)
+        resume = self.wf.trainer.resume
+        if resume == "auto":
+            return ckpt.latest_checkpoint(self.run_dir)
+        if resume != "never":
+            return resume if os.path.isabs(resume) else os.path.join(self.wf.base_dir, resume)
+        return None
+
+    def _save_workflow_copy(self) -> None:
+        data = {"source": self.source, "base_dir": self.wf.base_dir}
+        with open(os.path.join(self.run_dir, WORKFLOW_COPY), "w", encoding="utf-8") as f:
+            yaml.safe_dump({"run": data, "workflow": _plain(self.wf)}, f, sort_keys=False)
+
+    def _register_loggers(self) -> None:
+        from posttrain.loggers import ConsoleLogger, JsonlLogger, TensorboardLogger
+
+        for name in self.wf.trainer.logger:
+            if name == "console":
+                plugin = ConsoleLogger(self.console, self.wf.trainer.max_steps)
+            elif name == "jsonl":
+                plugin = JsonlLogger(self.run_dir)
+            else:
+                plugin = TensorboardLogger(self.run_dir)
+            self.host.pm.register(plugin, name=f"logger-{name}")
+
+    def _start_groups(self) -> None:
+        self.launcher = make_launcher(self.wf)
+        for name, role in self.wf.roles().items():
+            if name == "critic":
+                raise UserError(
+                    "critic: PPO with a value model is not implemented yet; use "
+                    "algorithm.name: grpo"
+                )
+            t0 = time.perf_counter()
+            self.groups[name] = self.launcher.start_group(
+                group_spec(self.wf, name, role, self.run_dir, self.device)
+            )
+            self.console.print(
+                f"started {name}: {role.strategy_args.strategy_name} x "
+                f"{role.num_ranks} ranks ({time.perf_counter() - t0:.1f}s)"
+            )
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def run(self) -> list[dict[str, float]]:
+        from posttrain.models import load_tokenizer
+
+        resume_from = self._prepare_run_dir()
+        self._save_workflow_copy()
+        infer_role = self.wf.actor_infer
+        self.tokenizer = load_tokenizer(infer_role.model_args, self.wf.base_dir)
+        self.prompts = load_prompts(self.wf.data, self.wf.base_dir, self.tokenizer)
+        self.reward_fn = resolve_reward_function(self.wf.reward.function, self.host.hook)
+        sampler = PromptSampler(
+            size=len(self.prompts), seed=self.wf.data.seed, shuffle=self.wf.data.shuffle
+        )
+        try:
+            self._start_groups()
+            self.sharing = TimeSharing(self.groups, enabled=self.device == "cuda")
+            self.transport = self._make_transport()
+            if resume_from:
+                self._resume(resume_from, sampler)
+            self._register_loggers()
+            self._loop(sampler)
+        finally:
+            if self.launcher is not None:
+                self.launcher.shutdown()
+        self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.state.history)
+        return self.state.history
+
+    def _make_transport(self):
+        train, infer = self.groups["actor_train"], self.groups["actor_infer"]
+        name = self.host.hook.posttrain_select_weight_transport(
+            source=train, target=infer, colocated=colocated(train, infer)
+        )
+        transports: dict[str, type] = {}
+        for mapping in self.host.hook.posttrain_add_weight_transports():
+            transports.update(mapping or {})
+        if name not in transports:
+            raise UserError(
+                f"weight transport '{name}' is not provided by any plugin "
+                f"(available: {', '.join(sorted(transports))})"
+            )
+        return transports[name](bucket_bytes=self.wf.trainer.weight_sync_bucket_mb << 20)
+
+    def _resume(self, path: str, sampler: PromptSampler) -> None:
+        manifest, state = ckpt.load_driver_state(path)
+        for role in manifest.roles:
+            if role not in self.groups:
+                raise UserError(f"checkpoint {path} holds role '{role}' that this workflow lacks")
+            self.groups[role].call("load_checkpoint", os.path.join(path, role))
+        self.state = DriverState(
+            step=state["step"], sampler=state["sampler"], history=state["history"]
+        )
+        sampler.load_state(self.state.sampler)
+        self._sync_weights()
+        self.console.print(f"resumed from {path} at step {self.state.step}")
+
+    def _loop(self, sampler: PromptSampler) -> None:
+        t = self.wf.trainer
+        timer = PhaseTimer(self.console, t.max_steps, self.state.step, t.progress)
+        try:
+            while self.state.step < t.max_steps:
+                self.state.step += 1
+                step_start = time.perf_counter()
+                metrics = self._step(sampler, timer)
+                if (t.save_steps and self.state.step % t.save_steps == 0) or (
+                    t.save_final and self.state.step == t.max_steps
+                ):
+                    with timer.phase("checkpoint"):
+                        self._checkpoint(sampler)
+                metrics.update(timer.pop())
+                metrics["time/step"] = time.perf_counter() - step_start
+                metrics["perf/tokens_per_s"] = metrics.pop("_tokens") / metrics["time/step"]
+                metrics["step"] = self.state.step
+                self.state.history.append(metrics)
+                self.host.hook.posttrain_log_metrics(
+                    step=self.state.step, metrics=metrics, run_dir=self.run_dir
+                )
+        finally:
+            timer.stop()
+
+    def _step(self, sampler: PromptSampler, timer: PhaseTimer) -> dict[str, float]:
+        algo = self.wf.algorithm
+        picked = [self.prompts[i] for i in sampler.next(algo.rollout_batch_size)]
+        with timer.phase("rollout"):
+            samples = self._rollout([p.ids for p in picked])
+        with timer.phase("reward"):
+            rewards = self._rewards(picked, samples)
+        batch = build_sequence_batch(
+            samples.prompt_ids, samples.response_ids, self.tokenizer.pad_token_id
+        )
+        with timer.phase("logprobs"):
+            batch, kl_metrics = self._logprobs(batch)
+        batch, adv_metrics = self._advantages(batch, rewards)
+        with timer.phase("train"):
+            train_metrics = self._train(batch)
+        with timer.phase("weight_sync"):
+            sync = self._sync_weights()
+        lengths = [len(r) for r in samples.response_ids]
+        return {
+            "reward/mean": float(rewards.mean()),
+            "reward/max": float(rewards.max()),
+            "response/length_mean": sum(lengths) / len(lengths),
+            "weight_sync/mb": sync.get("bytes", 0) / 2**20,
+            "_tokens": float(batch.attention_mask.sum()),
+            **kl_metrics,
+            **adv_metrics,
+            **train_metrics,
+        }
+
+    # -- phases ----------------------------------------------------------------------------
+
+    def _rollout(self, prompt_ids: list[tuple[int, ...]]) -> RolloutSamples:
+        self.sharing.activate("actor_infer")
+        infer = self.groups["actor_infer"]
+        gen = self.wf.actor_infer.generating_args
+        sampling = SamplingParams(
+            n=self.wf.algorithm.group_size,
+            temperature=gen.temperature if gen else 1.0,
+            top_p=gen.top_p if gen else 1.0,
+            top_k=gen.top_k if gen else -1,
+            max_new_tokens=gen.max_new_tokens if gen else 32,
+            stop_token_ids=tuple(gen.stop_token_ids) if gen else (),
+        )
+        dp = infer.dp_size
+        per = len(prompt_ids) // dp
+        requests = [
+            GenerationRequest(
+                prompt_ids=[list(p) for p in prompt_ids[i * per : (i + 1) * per]],
+                sampling=sampling,
+                seed=self.wf.trainer.seed * 1_000_003 + self.state.step * 1009 + i,
+            )
+            for i in range(dp)
+        ]
+        return RolloutSamples.concat(infer.call_dp("generate", requests))
+
+    def _rewards(self, picked, samples: RolloutSamples):
+        import torch
+
+        n = self.wf.algorithm.group_size
+        stop = set(
+            self.wf.actor_infer.generating_args.stop_token_ids
+            if self.wf.actor_infer.generating_args
+            else ()
+        ) | {self.tokenizer.eos_token_id}
+        values = []
+        for i, response in enumerate(samples.response_ids):
+            prompt = picked[i // n]
+            ids = response[:-1] if response and response[-1] in stop else response
+            text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            values.append(
+                float(self.reward_fn(text, prompt.answer, prompt.text, **self.wf.reward.kwargs))
+            )
+        return torch.tensor(values, dtype=torch.float32)
+
+    def _split_call(self, role: str, method: str, batch: SequenceBatch) -> list[Any]:
+        group = self.groups[role]
+        return group.call_dp(method, batch.split(group.dp_size))
+
+    def _logprobs(self, batch: SequenceBatch) -> tuple[SequenceBatch, dict[str, float]]:
+        from posttrain.algorithms.kl import kl_penalty
+        from posttrain.protocol import concat_tensor_rows
+
+        self.sharing.activate("actor_train")
+        old = concat_tensor_rows(self._split_call("actor_train", "compute_logprobs", batch))
+        batch = batch.with_tensors(old_logprobs=old * batch.response_mask)
+        metrics: dict[str, float] = {}
+        if "reference" in self.groups:
+            self.sharing.activate("reference")
+            ref = concat_tensor_rows(self._split_call("reference", "compute_logprobs", batch))
+            batch = batch.with_tensors(ref_logprobs=ref * batch.response_mask)
+            kl = kl_penalty(old, ref, self.wf.algorithm.kl_estimator) * batch.response_mask
+            metrics["actor/kl"] = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
+            batch.meta["seq_kl"] = kl.sum(dim=1)
+        else:
+            metrics["actor/kl"] = 0.0
+        return batch, metrics
+
+    def _advantages(self, batch: SequenceBatch, rewards):
+        from posttrain.algorithms.grpo import group_advantages
+
+        algo = self.wf.algorithm
+        scores = rewards
+        if algo.kl_coef and algo.kl_mode == "reward" and "seq_kl" in batch.meta:
+            scores = rewards - algo.kl_coef * batch.meta.pop("seq_kl")
+        batch.meta.pop("seq_kl", None)
+        adv = group_advantages(scores, algo.group_size, algo.norm_adv_by_std)
+        batch = batch.with_tensors(advantages=adv[:, None] * batch.response_mask)
+        return batch, {"adv/abs_mean": float(adv.abs().mean())}
+
+    def _train(self, batch: SequenceBatch) -> dict[str, float]:
+        algo = self.wf.algorithm
+        group = self.groups["actor_train"]
+        self.sharing.activate("actor_train")
+        totals: dict[str, float] = {}
+        updates = 0
+        for _ in range(algo.ppo_epochs):
+            for mini in batch.split(algo.num_mini_batches):
+                mini.meta.update(
+                    global_tokens=float(mini.response_mask.sum()),
+                    global_seqs=float(len(mini)),
+                    dp_size=group.dp_size,
+                )
+                answers = group.call_dp("train_step", mini.split(group.dp_size))
+                updates += 1
+                for key in answers[0]:
+                    if key.endswith(("grad_norm", "lr")):
+                        totals[key] = totals.get(key, 0.0) + answers[0][key]
+                    else:
+                        totals[key] = totals.get(key, 0.0) + sum(a[key] for a in answers)
+        return {k: v / updates for k, v in totals.items()}
+
+    def _sync_weights(self) -> dict:
+        self.sharing.activate("actor_infer")
+        result = self.host.hook.posttrain_sync_weights(
+            source=self.groups["actor_train"],
+            target=self.groups["actor_infer"],
+            transport=self.transport,
+        )
+        return result or {}
+
+    def _checkpoint(self, sampler: PromptSampler) -> None:
+        def save_roles(tmp: str) -> dict[str, Any]:
+            layouts = {}
+            for role in TRAINED_ROLES:
+                if role in self.groups:
+                    group = self.groups[role]
+                    answers = group.call("save_checkpoint", os.path.join(tmp, role))
+                    layouts[role] = {
+                        "strategy": getattr(self.wf, role).strategy_args.strategy_name,
+                        "world_size": group.world_size,
+                        "dp_size": group.dp_size,
+                        "layout": answers[0],
+                    }
+            return layouts
+
+        state = {"step": self.state.step, "sampler": sampler.state(), "history": self.state.history}
+        path = ckpt.save_checkpoint(
+            self.run_dir,
+            self.state.step,
+            save_roles,
+            state,
+            package_versions(self.host),
+            self.wf.trainer.save_total_limit,
+        )
+        manifest = ckpt.verify(path)
+        self.host.hook.posttrain_checkpoint_saved(checkpoint_dir=path, manifest=manifest)
+
+
+def _plain(value: Any) -> Any:
+    """The workflow as plain YAML data (strategy configs included)."""
+    if attrs.has(type(value)):
+        return {f.name: _plain(getattr(value, f.name)) for f in attrs.fields(type(value))}
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [_plain(v) for v in value]
+    return value
+
+
+def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> list[dict]:
+    from rich.console import Console
+
+    console = console or Console()
+    trainer = Trainer(workflow, host, console, source=source)
+    console.print(f"run directory: {trainer.run_dir}")
+    history = trainer.run()
+    console.print(
+        f"done: {len(history)} steps this run; curves at "
+        f"{os.path.join(trainer.run_dir, 'curves.png')}"
+    )
+    return history

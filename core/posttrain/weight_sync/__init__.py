@@ -1,0 +1,1 @@
+"""Weight sync in three parts: export (trainer hook), transport (here), import (rollout hook)."""

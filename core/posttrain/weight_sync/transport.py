@@ -1,0 +1,103 @@
+"""Transports move exported buckets from the trainer group to the rollout group.
+
+A transport runs on the driver and drives both groups; the rank-side half of a transport lives
+in :mod:`posttrain.weight_sync.rank_side` and is invoked through ``run_function``.
+"""
+
+from __future__ import annotations
+
+import abc
+from typing import Any
+
+from posttrain.launcher.base import WorkerGroup
+
+RANK_SIDE = "posttrain.weight_sync.rank_side"
+
+
+class WeightTransport(abc.ABC):
+    name: str = ""
+
+    def __init__(self, bucket_bytes: int):
+        self.bucket_bytes = bucket_bytes
+
+    @abc.abstractmethod
+    def run(self, source: WorkerGroup, target: WorkerGroup) -> dict[str, Any]:
+        """Move every bucket once; return ``{"bytes": ..., "buckets": ...}``."""
+
+    def close(self, source: WorkerGroup, target: WorkerGroup) -> None:  # noqa: B027
+        """Release what the transport set up (default: nothing)."""
+
+
+class SharedMemoryTransport(WeightTransport):
+    """Buckets travel as shared-memory tensors through the driver (same host)."""
+
+    name = "shared_memory"
+
+    def run(self, source: WorkerGroup, target: WorkerGroup) -> dict[str, Any]:
+        source.call("export_begin", self.bucket_bytes)
+        total, count = 0, 0
+        while True:
+            bucket = source.call("export_next")[0]
+            if bucket is None:
+                break
+            if bucket:
+                target.call("import_weights", [bucket])
+                total += bucket.nbytes
+                count += 1
+        return {"bytes": total, "buckets": count}
+
+
+class BroadcastTransport(WeightTransport):
+    """A torch.distributed broadcast from trainer rank 0 to every rollout rank (gloo on CPU,
+    NCCL on GPU), over a process group made for the sync only."""
+
+    name = "broadcast"
+
+    def __init__(self, bucket_bytes: int):
+        super().__init__(bucket_bytes)
+        self._joined = False
+
+    def _join(self, source: WorkerGroup, target: WorkerGroup) -> None:
+        from posttrain.launcher.local import free_port
+
+        port = free_port()
+        size = 1 + target.world_size
+        fn = f"{RANK_SIDE}:join_sync_group"
+        src = source.submit(
+            "run_function",
+            per_rank_args=[
+                (fn, "127.0.0.1", port, 0 if r == 0 else -1, size) for r in range(source.world_size)
+            ],
+        )
+        dst = target.submit(
+            "run_function",
+            per_rank_args=[(fn, "127.0.0.1", port, 1 + r, size) for r in range(target.world_size)],
+        )
+        src.wait()
+        dst.wait()
+        self._joined = True
+
+    def run(self, source: WorkerGroup, target: WorkerGroup) -> dict[str, Any]:
+        if not self._joined:
+            self._join(source, target)
+        source.call("export_begin", self.bucket_bytes)
+        total, count = 0, 0
+        while True:
+            meta = source.call("run_function", f"{RANK_SIDE}:export_next_meta")[0]
+            if meta is None:
+                break
+            if not meta:
+                continue
+            send = source.submit("run_function", args=(f"{RANK_SIDE}:broadcast_pending",))
+            recv = target.submit("run_function", args=(f"{RANK_SIDE}:receive_and_import", meta))
+            send.wait()
+            recv.wait()
+            total += sum(n for _, _, _, n in meta)
+            count += 1
+        return {"bytes": total, "buckets": count}
+
+    def close(self, source: WorkerGroup, target: WorkerGroup) -> None:
+        if self._joined:
+            source.call("run_function", f"{RANK_SIDE}:leave_sync_group")
+            target.call("run_function", f"{RANK_SIDE}:leave_sync_group")
+            self._joined = False

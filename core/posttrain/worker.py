@@ -1,0 +1,126 @@
+"""What one rank of a worker group knows, and the calls the driver makes on it.
+
+A :class:`WorkerContext` is handed to every worker hook. Backends keep their engine objects in
+``worker.state`` (a plain dict they own) and their model handle in ``worker.model``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+
+from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs
+from posttrain.errors import PosttrainError
+
+
+@attrs.define(kw_only=True)
+class WorkerContext:
+    role: str
+    strategy_name: str
+    config: Any  # the strategy's structured strategy_config
+    model_args: ModelArgs
+    training_args: TrainingArgs | None = None
+    generating_args: GeneratingArgs | None = None
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    device: str = "cpu"
+    seed: int = 42
+    run_dir: str = ""
+    base_dir: str = "."
+    # Algorithm settings the backend needs for its loss (e.g. micro-batch normalisation).
+    algorithm: Any = None
+    hook: Any = None  # the plugin host's hook relay, to call other hooks
+    parallel: dict[str, int] = attrs.field(factory=dict)
+    model: Any = None
+    state: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def dp_rank(self) -> int:
+        return self.parallel.get("dp_rank", self.rank)
+
+    @property
+    def dp_size(self) -> int:
+        return self.parallel.get("dp_size", self.world_size)
+
+    def resolve_path(self, path: str) -> str:
+        import os
+
+        return path if os.path.isabs(path) else os.path.join(self.base_dir, path)
+
+
+class NoImplementationError(PosttrainError):
+    pass
+
+
+class WorkerRuntime:
+    """The methods a launcher invokes on a rank; each one calls the strategy's hook."""
+
+    def __init__(self, ctx: WorkerContext):
+        self.ctx = ctx
+        self._export: Iterator | None = None
+
+    def _call(self, hook_name: str, **kwargs: Any) -> Any:
+        result = getattr(self.ctx.hook, hook_name)(worker=self.ctx, **kwargs)
+        if result is None:
+            raise NoImplementationError(
+                f"no installed plugin implements {hook_name} for strategy "
+                f"'{self.ctx.strategy_name}' (role {self.ctx.role})"
+            )
+        return result
+
+    def setup(self) -> dict[str, int]:
+        self.ctx.parallel = dict(self._call("posttrain_setup_parallel"))
+        self.ctx.model = self._call("posttrain_load_model")
+        return self.ctx.parallel
+
+    def generate(self, request):
+        return self._call("posttrain_generate", request=request)
+
+    def compute_logprobs(self, batch):
+        return self._call("posttrain_compute_logprobs", batch=batch)
+
+    def train_step(self, batch):
+        from posttrain.algorithms.policy_loss import PolicyLoss
+
+        return self._call(
+            "posttrain_train_step", batch=batch, loss_fn=PolicyLoss(self.ctx.algorithm)
+        )
+
+    def export_begin(self, bucket_bytes: int) -> None:
+        self._export = iter(self._call("posttrain_export_weights", bucket_bytes=bucket_bytes))
+
+    def export_next(self):
+        """The next bucket (empty on ranks that do not hold the gathered weights) or None."""
+        if self._export is None:
+            raise PosttrainError("export_next called before export_begin")
+        bucket = next(self._export, None)
+        if bucket is None:
+            self._export = None
+        return bucket
+
+    def import_weights(self, buckets) -> bool:
+        return self._call("posttrain_import_weights", buckets=buckets)
+
+    def save_checkpoint(self, path: str) -> dict:
+        return self._call("posttrain_save_checkpoint", path=path)
+
+    def load_checkpoint(self, path: str) -> bool:
+        return self._call("posttrain_load_checkpoint", path=path)
+
+    def export_hf(self, path: str) -> bool:
+        return self._call("posttrain_export_hf", path=path)
+
+    def release_memory(self, tags: list[str]) -> bool:
+        return self._call("posttrain_release_memory", tags=tags)
+
+    def resume_memory(self, tags: list[str]) -> bool:
+        return self._call("posttrain_resume_memory", tags=tags)
+
+    def shutdown(self) -> bool:
+        return bool(self.ctx.hook.posttrain_shutdown_worker(worker=self.ctx))
+
+    def ping(self) -> str:
+        return "pong"

@@ -1,0 +1,593 @@
+"""Engine side of ``fsdp2_train`` / ``fsdp2_infer``: an HF causal LM sharded with FSDP2.
+
+Every decoder layer is its own ``fully_shard`` unit and the root holds the rest (embeddings, final
+norm, LM head: tied embeddings stay one parameter in one unit). Parameter names stay HF names,
+since ``fully_shard`` swaps module classes in place and HF gradient checkpointing wraps no module.
+
+Collectives (all-gathers in forward, ``full_tensor``, DCP) need every rank to make the same calls
+in the same order: micro-batch counts are agreed on with an all-reduce before a step, and ranks
+with fewer micro-batches run zero-weight ones.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import attrs
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from posttrain.distributed import destroy_default_process_group, init_default_process_group
+from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
+from posttrain.modeling import shifted_entropy, shifted_token_logprobs
+from posttrain.models import load_causal_lm, load_tokenizer, torch_dtype
+from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
+
+log = logging.getLogger(__name__)
+
+TRAIN = "fsdp2_train"
+# Wrapper segments other tools insert into parameter names; HF names have none of them.
+_WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+_MAX_SHARD_BYTES = 5 * 2**30
+_logged_once: set[str] = set()
+
+
+# --------------------------------------------------------------------------------------------
+# Set-up
+# --------------------------------------------------------------------------------------------
+
+
+def _is_cuda(worker) -> bool:
+    return str(worker.device).startswith("cuda")
+
+
+def _device(worker) -> torch.device:
+    if _is_cuda(worker):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def setup_parallel(worker) -> dict[str, int]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    init_default_process_group(worker.device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    worker.state["mesh"] = init_device_mesh("cuda" if _is_cuda(worker) else "cpu", (world,),
+                                            mesh_dim_names=("dp",))
+    return {"dp_rank": rank, "dp_size": world}
+
+
+def _decoder_layers(model) -> list[torch.nn.Module]:
+    """The modules HF says must not be split across devices (decoder layers)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    layers = [m for m in model.modules() if type(m).__name__ in names]
+    if not layers:  # no hint: every block of the first ModuleList
+        for module in model.modules():
+            if isinstance(module, torch.nn.ModuleList):
+                return list(module)
+    return layers
+
+
+def _shard(worker, model, param_dtype: str | None, reduce_dtype: str | None,
+           reshard_after_forward: bool, cpu_offload: bool) -> None:
+    from torch.distributed.fsdp import (
+        CPUOffloadPolicy,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
+
+    mp = MixedPrecisionPolicy(
+        param_dtype=torch_dtype(param_dtype) if param_dtype else None,
+        reduce_dtype=torch_dtype(reduce_dtype) if reduce_dtype else None,
+    )
+    offload: OffloadPolicy = OffloadPolicy()
+    if cpu_offload:
+        if _is_cuda(worker):
+            offload = CPUOffloadPolicy()
+        else:
+            log.debug("fsdp: cpu_offload has no effect on a CPU device")
+    kwargs = {"mesh": worker.state["mesh"], "mp_policy": mp, "offload_policy": offload}
+    for layer in _decoder_layers(model):
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+
+
+def load_model(worker):
+    cfg = worker.config
+    train = worker.strategy_name == TRAIN
+    model_args = worker.model_args
+    if train:  # float32 master weights; the forward runs in param_dtype
+        model_args = attrs.evolve(model_args, dtype="fp32")
+    # Loaded on the host; fully_shard moves each rank's shard to the mesh's device.
+    model = load_causal_lm(model_args, worker.base_dir, "cpu")
+    if train and not worker.model_args.disable_gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    param_dtype = cfg.param_dtype or worker.model_args.dtype
+    if param_dtype == model_args.dtype:
+        param_dtype = None  # no cast needed
+    reduce_dtype = getattr(cfg, "reduce_dtype", None)
+    _shard(worker, model, param_dtype, reduce_dtype, cfg.reshard_after_forward,
+           getattr(cfg, "cpu_offload", False))
+    if train:
+        _build_optimizer(worker, model)
+        model.train()
+    else:
+        model.eval()
+        for p in model.parameters():
+            p.requires_grad_(False)
+    worker.state["step"] = 0
+    return model
+
+
+def _build_optimizer(worker, model) -> None:
+    args = worker.training_args
+    if args is None:
+        raise ValueError(f"role {worker.role}: fsdp2_train needs training_args")
+    optimizer = torch.optim.AdamW(
+        [p for p in model.parameters() if p.requires_grad],
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+    )
+    worker.state["optimizer"] = optimizer
+    worker.state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+
+
+def lr_lambda(args):
+    """HF-style schedule multiplier: linear warmup from 0, then constant / linear / cosine decay
+    to 0 at ``max_steps`` (constant when ``max_steps`` is unknown)."""
+    total = args.max_steps if args.max_steps and args.max_steps > 0 else 0
+    warmup = args.warmup_steps or (math.ceil(args.warmup_ratio * total) if total else 0)
+    kind = args.lr_scheduler_type
+    if kind != "constant" and not total:
+        _log_once(f"fsdp: lr_scheduler_type={kind} needs training_args.max_steps > 0; "
+                  "decay disabled", level=logging.WARNING)
+
+    def multiplier(step: int) -> float:
+        if step < warmup:
+            return step / max(1, warmup)
+        if kind == "constant" or not total:
+            return 1.0
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        if kind == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return multiplier
+
+
+# --------------------------------------------------------------------------------------------
+# Micro-batches
+# --------------------------------------------------------------------------------------------
+
+
+def _agree_max(worker, value: int) -> int:
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=_device(worker))
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _micro_batch_size(worker, for_logprobs: bool) -> int:
+    cfg = worker.config
+    if worker.strategy_name != TRAIN:
+        return cfg.micro_batch_size or worker.state.get("infer_batch_size") or 8
+    if for_logprobs and cfg.logprob_micro_batch_size:
+        return cfg.logprob_micro_batch_size
+    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+
+
+def plan_micro_batches(worker, batch: SequenceBatch, for_logprobs: bool = False
+                       ) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches (row indices) and the number every rank will run."""
+    args = worker.training_args
+    dynamic = (worker.strategy_name == TRAIN and args is not None
+               and args.use_dynamic_batch_size)
+    if dynamic:
+        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
+    else:
+        groups = fixed_micro_batches(len(batch), _micro_batch_size(worker, for_logprobs))
+    count = _agree_max(worker, len(groups))
+    if dynamic and len(groups) < count <= len(batch):
+        # Spread this rank's rows over as many micro-batches as the busiest rank runs.
+        spread = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch,
+                                            min_micro_batches=count)
+        if len(spread) == count:
+            groups = spread
+    return groups, count
+
+
+def _filler(batch: SequenceBatch) -> SequenceBatch:
+    """A one-row micro-batch that scores nothing (response_mask 0): keeps collectives in step."""
+    if len(batch):
+        mb = batch.select([0])
+        tensors = dict(mb.tensors)
+        tensors["attention_mask"] = torch.zeros_like(tensors["attention_mask"])
+        tensors["attention_mask"][:, :2] = 1
+        tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
+        return SequenceBatch(tensors, dict(batch.meta)).trimmed()
+    tensors = {k: torch.zeros((1, 2), dtype=v.dtype) if v.dim() == 2 else
+               torch.zeros((1, *v.shape[1:]), dtype=v.dtype) for k, v in batch.tensors.items()}
+    tensors["attention_mask"] = torch.ones((1, 2), dtype=torch.long)
+    return SequenceBatch(tensors, dict(batch.meta))
+
+
+def _to_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
+    return SequenceBatch({k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()},
+                         dict(batch.meta))
+
+
+def _forward_logits(model, mb: SequenceBatch) -> torch.Tensor:
+    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
+                 use_cache=False).logits
+
+
+# --------------------------------------------------------------------------------------------
+# Training and scoring
+# --------------------------------------------------------------------------------------------
+
+
+def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+    model = worker.model
+    optimizer = worker.state["optimizer"]
+    scheduler = worker.state["scheduler"]
+    device = _device(worker)
+    entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
+    model.train()
+
+    groups, count = plan_micro_batches(worker, batch)
+    metrics: dict[str, float] = {}
+    for i in range(count):
+        real = i < len(groups)
+        mb = batch.select(groups[i]).trimmed() if real else _filler(batch)
+        mb = _to_device(mb, device)
+        logits = _forward_logits(model, mb)
+        logprobs = shifted_token_logprobs(logits, mb.input_ids)
+        if entropy_grad:
+            entropy = shifted_entropy(logits)
+        else:
+            with torch.no_grad():
+                entropy = shifted_entropy(logits.detach())
+        loss, mb_metrics = loss_fn(logprobs, entropy, mb)
+        if not real:
+            loss = loss * 0.0
+        loss.backward()
+        del logits, logprobs, entropy, loss
+        if real:
+            for key, value in mb_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+
+    grad_norm = _clip_grad_norm(model, worker.training_args.max_grad_norm)
+    lr = float(scheduler.get_last_lr()[0])
+    if math.isfinite(grad_norm):
+        optimizer.step()
+    else:
+        log.warning("fsdp: non-finite grad norm (%s) at step %d: update skipped", grad_norm,
+                    worker.state["step"])
+    optimizer.zero_grad(set_to_none=True)
+    scheduler.step()
+    worker.state["step"] += 1
+    metrics["actor/grad_norm"] = grad_norm
+    metrics["actor/lr"] = lr
+    return metrics
+
+
+def _clip_grad_norm(model, max_norm: float | None) -> float:
+    params = [p for p in model.parameters() if p.grad is not None]
+    if not params:
+        return 0.0
+    limit = max_norm if max_norm and max_norm > 0 else float("inf")
+    norm = torch.nn.utils.clip_grad_norm_(params, limit)
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+@torch.no_grad()
+def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+    model = worker.model
+    device = _device(worker)
+    was_training = model.training
+    model.eval()
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
+    for i in range(count):
+        real = i < len(groups)
+        mb = batch.select(groups[i]).trimmed() if real else _filler(batch)
+        mb = _to_device(mb, device)
+        logits = _forward_logits(model, mb)
+        if real:
+            lp = shifted_token_logprobs(logits, mb.input_ids) * mb.attention_mask
+            index = torch.as_tensor(groups[i], dtype=torch.long)
+            out[index, : lp.shape[1]] = lp.float().cpu()
+        del logits
+    model.train(was_training)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Weights out: sync buckets and HF export
+# --------------------------------------------------------------------------------------------
+
+
+def hf_name(name: str) -> str:
+    for prefix in _WRAPPER_PREFIXES:
+        name = name.replace(prefix, "")
+    return name
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _export_dtype(worker) -> torch.dtype:
+    return torch_dtype(worker.model_args.dtype)
+
+
+def export_weights(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
+    """Generator: gathers lazily (collectively), rank 0 keeps the tensors, others yield empty
+    buckets of the same count (they bucket shape-only meta tensors the same way)."""
+    return _export_buckets(worker, bucket_bytes)
+
+
+def _export_buckets(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
+    rank0 = _is_rank0()
+    for bucket in bucketize(_gathered(worker, keep=rank0), bucket_bytes):
+        yield bucket if rank0 else WeightBucket()
+
+
+def _gathered(worker, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every state-dict entry, on CPU in the export dtype; with
+    ``keep=False`` a meta tensor of the same shape stands in (the gather still runs)."""
+    model = worker.model
+    dtype = _export_dtype(worker)
+    # Tied weights appear under several names: gather once.
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    alias = {n: names[0] for names in owners.values() if len(names) > 1 for n in names}
+    cache: dict[str, torch.Tensor] = {}
+    for name, value in model.state_dict().items():
+        source = alias.get(name)
+        if source is not None and source in cache:
+            yield hf_name(name), cache[source]
+            continue
+        full = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            tensor = full.detach().to(device="cpu", dtype=dtype, copy=True)
+        else:
+            tensor = torch.empty(full.shape, dtype=dtype, device="meta")
+        del full
+        if source is not None:
+            cache[source] = tensor
+        yield hf_name(name), tensor
+
+
+def full_state_dict(worker) -> dict[str, torch.Tensor]:
+    """The full HF-named state dict on rank 0 (CPU, master dtype); empty on other ranks."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    state = get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True,
+                                                                        cpu_offload=True))
+    return {hf_name(k): v for k, v in state.items()} if _is_rank0() else {}
+
+
+def export_hf(worker, path: str) -> bool:
+    state = full_state_dict(worker)
+    if _is_rank0():
+        _write_hf_dir(worker, state, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    model = worker.model
+    dtype = _export_dtype(worker)
+    config = copy.deepcopy(model.config)
+    config.dtype = dtype
+    if getattr(config, "tie_word_embeddings", False):
+        # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
+        for name in _tied_head_names(model):
+            state.pop(name, None)
+    tensors = _untie({k: v.detach().to(dtype).contiguous() for k, v in state.items()})
+    shards = _shard_names(tensors, _MAX_SHARD_BYTES)
+    if len(shards) == 1:
+        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    else:
+        weight_map = {}
+        for i, names in enumerate(shards):
+            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+            save_file({n: tensors[n] for n in names}, os.path.join(path, fname),
+                      metadata={"format": "pt"})
+            weight_map.update(dict.fromkeys(names, fname))
+        total = sum(t.numel() * t.element_size() for t in tensors.values())
+        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
+    config.save_pretrained(path)
+    generation_config = getattr(model, "generation_config", None)
+    if generation_config is not None:
+        generation_config.save_pretrained(path)
+    try:
+        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
+    except Exception as exc:  # the weights are still usable with the original tokenizer
+        log.warning("fsdp: export_hf could not save the tokenizer: %s", exc)
+
+
+def _tied_head_names(model) -> list[str]:
+    out = model.get_output_embeddings()
+    inp = model.get_input_embeddings()
+    if out is None or inp is None or out.weight is not inp.weight:
+        return []
+    names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is out.weight]
+    keep = [n for n, p in model.named_parameters() if p is out.weight]  # the first name stays
+    return [hf_name(n) for n in names if n not in keep]
+
+
+def _shard_names(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
+    shards: list[list[str]] = [[]]
+    size = 0
+    for name, t in tensors.items():
+        n = t.numel() * t.element_size()
+        if shards[-1] and size + n > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(name)
+        size += n
+    return shards
+
+
+def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """safetensors refuses tensors that share memory: store copies."""
+    seen: set[int] = set()
+    out = {}
+    for name, tensor in state.items():
+        ptr = tensor.untyped_storage().data_ptr()
+        out[name] = tensor.clone() if ptr in seen else tensor
+        seen.add(ptr)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints (torch DCP)
+# --------------------------------------------------------------------------------------------
+
+
+def _extra_path(path: str, rank: int) -> str:
+    return os.path.join(path, f"extra_state_rank{rank}.pt")
+
+
+def _dcp_state(worker) -> dict[str, Any]:
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
+
+    optimizer = worker.state.get("optimizer")
+    if optimizer is None:
+        return {"model": get_model_state_dict(worker.model)}
+    model_sd, optim_sd = get_state_dict(worker.model, optimizer)
+    return {"model": model_sd, "optimizer": optim_sd}
+
+
+def save_checkpoint(worker, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    os.makedirs(path, exist_ok=True)
+    dcp.save(_dcp_state(worker), checkpoint_id=os.path.join(path, "dcp"))
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    scheduler = worker.state.get("scheduler")
+    extra = {
+        "step": worker.state.get("step", 0),
+        "scheduler": scheduler.state_dict() if scheduler is not None else None,
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state() if _is_cuda(worker) else None,
+        "world_size": world,
+    }
+    torch.save(extra, _extra_path(path, rank))
+    if rank == 0:
+        with open(os.path.join(path, "fsdp_layout.json"), "w") as f:
+            json.dump({"format": "torch_dcp", "dp_size": world,
+                       "strategy": worker.strategy_name}, f)
+    if dist.is_initialized():
+        dist.barrier()
+    return {"format": "torch_dcp", "dp_size": world}
+
+
+def load_checkpoint(worker, path: str) -> bool:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
+
+    state = _dcp_state(worker)
+    dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    optimizer = worker.state.get("optimizer")
+    if optimizer is None:
+        set_model_state_dict(worker.model, state["model"])
+    else:
+        set_state_dict(worker.model, optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    own = _extra_path(path, rank)
+    extra_file = own if os.path.exists(own) else _extra_path(path, 0)
+    if os.path.exists(extra_file):
+        extra = torch.load(extra_file, weights_only=False)
+        worker.state["step"] = extra.get("step", 0)
+        scheduler = worker.state.get("scheduler")
+        if scheduler is not None and extra.get("scheduler") is not None:
+            scheduler.load_state_dict(extra["scheduler"])
+        if extra.get("world_size") == world and extra_file == own:  # same layout: same RNG
+            torch.set_rng_state(extra["rng_cpu"])
+            if extra.get("rng_cuda") is not None and _is_cuda(worker):
+                torch.cuda.set_rng_state(extra["rng_cuda"])
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Memory lifecycle and shutdown
+# --------------------------------------------------------------------------------------------
+
+
+def _log_once(message: str, level: int = logging.DEBUG) -> None:
+    if message not in _logged_once:
+        _logged_once.add(message)
+        log.log(level, message)
+
+
+def _move_optimizer(worker, device) -> None:
+    optimizer = worker.state.get("optimizer")
+    if optimizer is None:
+        return
+    for state in optimizer.state.values():
+        for key, value in state.items():
+            if isinstance(value, torch.Tensor):
+                state[key] = value.to(device, non_blocking=True)
+
+
+def release_memory(worker, tags: list[str]) -> bool:
+    if not _is_cuda(worker):
+        _log_once("fsdp: release_memory on a CPU device: nothing to free")
+        return True
+    tags = set(tags or ("weights",))
+    if tags & {"weights", "grads"}:
+        worker.model.zero_grad(set_to_none=True)
+        worker.model.cpu()
+    if "optimizer" in tags:
+        _move_optimizer(worker, "cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return True
+
+
+def resume_memory(worker, tags: list[str]) -> bool:
+    if not _is_cuda(worker):
+        return True
+    tags = set(tags or ("weights",))
+    device = _device(worker)
+    offloaded = getattr(worker.config, "cpu_offload", False)
+    if tags & {"weights", "grads"} and not offloaded:
+        worker.model.to(device)
+    if "optimizer" in tags and not offloaded:
+        _move_optimizer(worker, device)
+    torch.cuda.synchronize()
+    return True
+
+
+def shutdown(worker) -> bool:
+    worker.state.clear()
+    worker.model = None
+    destroy_default_process_group()
+    return True
