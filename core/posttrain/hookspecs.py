@@ -7,8 +7,8 @@ Plugins implement these with ``@posttrain.hookimpl``. Two kinds of hooks exist:
 
 Worker hooks that act on one strategy are ``firstresult``: every implementation first checks
 ``worker.strategy_name`` and returns ``None`` when the strategy is not its own, so the plugin that
-owns the strategy answers. Cross-cutting plugins wrap them with ``hookwrapper=True`` (to time,
-log or transform) without owning a strategy. The model for this module is pytest's
+owns the strategy answers. Cross-cutting plugins wrap them with ``wrapper=True`` (or the older
+``hookwrapper=True``) to time, log or transform, without owning a strategy. The model for this module is pytest's
 ``_pytest/hookspec.py``.
 """
 
@@ -76,8 +76,10 @@ def posttrain_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add subcommands to the ``posttrain`` CLI.
 
     Called on the driver while the argument parser is built. Add a parser with
-    ``subparsers.add_parser(...)`` and ``set_defaults(handler=callable(args) -> int)``; the
-    handler's return value is the exit code. Not firstresult.
+    ``subparsers.add_parser(...)`` and ``set_defaults(handler=fn)``; the CLI calls
+    ``fn(args, host) -> int`` (``host`` is the :class:`posttrain.plugin_host.PluginHost`) and
+    exits with its return value. Raise :class:`posttrain.errors.UserError` for user mistakes.
+    Not firstresult.
     """
 
 

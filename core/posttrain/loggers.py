@@ -39,7 +39,7 @@ class ConsoleLogger:
         ]
         if phases:
             parts.append("[" + ", ".join(phases) + "]")
-        self.console.print(" | ".join(parts), highlight=False)
+        self.console.print(" | ".join(parts), highlight=False, markup=False)
 
 
 class JsonlLogger:

@@ -34,9 +34,15 @@ def numeric_match(
 
 
 def reward_function_names(hook) -> dict[str, str]:
+    """Every registered reward name; one name declared by two plugins is an error naming both."""
     names: dict[str, str] = {}
-    for mapping in hook.posttrain_add_reward_functions():
-        names.update(mapping or {})
+    owners: dict[str, str] = {}
+    for impl in hook.posttrain_add_reward_functions.get_hookimpls():
+        for name, target in (impl.function() or {}).items():
+            if name in owners:
+                raise UserError(f"reward function '{name}' is declared by two plugins: "
+                                f"'{owners[name]}' and '{impl.plugin_name}'")
+            names[name], owners[name] = target, impl.plugin_name
     return names
 
 

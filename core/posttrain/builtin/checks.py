@@ -30,11 +30,18 @@ def posttrain_environment_checks():
 
 @hookimpl(trylast=True)
 def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorReport):
-    _check_roles(workflow, report)
+    # A section that failed to structure was reported already; checks that read it would only
+    # add misleading errors about its defaults (e.g. "needs an 'actor_train' role").
+    failed = report.failed_sections
+    if not failed & {"algorithm", *REQUIRED_ROLES["ppo"], "reference"}:
+        _check_roles(workflow, report)
     _check_models(workflow, report)
-    _check_data(workflow, report)
-    _check_batches(workflow, strategies, report)
-    _check_trainer(workflow, report)
+    if "data" not in failed:
+        _check_data(workflow, report)
+    if "algorithm" not in failed:
+        _check_batches(workflow, strategies, report)
+    if "trainer" not in failed:
+        _check_trainer(workflow, report)
 
 
 def _check_roles(wf: Workflow, report: ErrorReport) -> None:
@@ -42,7 +49,7 @@ def _check_roles(wf: Workflow, report: ErrorReport) -> None:
         if getattr(wf, role) is None:
             report.error(
                 role,
-                f"algorithm '{wf.algorithm.name}' needs a '{role}' role",
+                f"algorithm '{wf.algorithm.name}' needs the '{role}' role",
                 f"add a {role}: block with strategy_args and device_mapping",
             )
     if wf.algorithm.kl_coef and wf.reference is None:

@@ -66,6 +66,10 @@ def _strict_dict(value: Any, type_: Any) -> dict:
     return dict(value)
 
 
+def _is_list(tp: Any) -> bool:
+    return typing.get_origin(tp) is list
+
+
 def make_converter() -> cattrs.Converter:
     conv = cattrs.Converter(forbid_extra_keys=True, detailed_validation=True)
     conv.register_structure_hook(int, _strict_int)
@@ -74,6 +78,24 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook(str, _strict_str)
     conv.register_structure_hook_func(lambda t: t == tuple[int, ...], _device_mapping)
     conv.register_structure_hook_func(lambda t: t == dict[str, Any], _strict_dict)
+
+    # cattrs builds a list from any iterable: a string would become a list of its characters.
+    def _list_hook_factory(tp: Any):
+        try:
+            from cattrs.cols import list_structure_factory
+
+            inner = list_structure_factory(tp, conv)
+        except ImportError:  # cattrs < 24.1
+            inner = conv._structure_list
+
+        def hook(value: Any, _type: Any):
+            if not isinstance(value, list | tuple):
+                raise _TypeMismatch("a list", value)
+            return inner(value, _type)
+
+        return hook
+
+    conv.register_structure_hook_factory(_is_list, _list_hook_factory)
 
     def _mapping_for_class(cls: type) -> bool:
         return attrs.has(cls)
@@ -150,7 +172,8 @@ def _leaf_hint(exc: BaseException, tp: Any) -> str:
     choices = _literal_choices(tp)
     if choices is not None:
         value = str(exc).split(" not in literal")[0]
-        return did_you_mean(value, [str(c) for c in choices]).replace("expected one of: ", "")
+        hint = did_you_mean(value, [str(c) for c in choices])
+        return hint if hint.startswith("did you mean") else ""  # the message lists the choices
     if isinstance(exc, _TypeMismatch) and "device indices" in str(exc):
         cause = exc.__cause__
         return f"{cause}; e.g. [0, 1] or 'list(range(0, 8))'" if cause else ""

@@ -27,6 +27,9 @@ class ErrorReport:
 
     errors: list[ConfigIssue] = attrs.field(factory=list)
     notes: list[ConfigIssue] = attrs.field(factory=list)
+    # Sections present in the YAML that failed to structure (they hold defaults or None in the
+    # Workflow): cross-field checks skip them instead of reporting a second, misleading error.
+    failed_sections: set[str] = attrs.field(factory=set)
 
     def error(self, path: str, message: str, hint: str = "") -> None:
         issue = ConfigIssue(path, message, hint)

@@ -10,7 +10,7 @@ import attrs
 
 from posttrain.config.converter import structure_into
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
-from posttrain.config.sections import ROLE_NAMES, Workflow
+from posttrain.config.sections import ROLE_NAMES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
 from posttrain.strategy import KNOWN_PROVIDERS
@@ -41,7 +41,7 @@ def load_workflow(
     and the report; the caller decides what to do with errors."""
     report = report or ErrorReport()
     raw = load_yaml_text(read_workflow_file(path), path, report)
-    if report:
+    if raw is None and report:  # a syntax error; duplicate keys still let the checks go on
         return None, report
     base_dir = os.path.dirname(os.path.abspath(path))
     return build_workflow(raw, host, report, base_dir=base_dir, overrides=overrides)
@@ -83,6 +83,8 @@ def build_workflow(
         structured = structure_into(value, _SECTION_TYPES[key], key, report)
         if structured is not None:
             sections[key] = structured
+        elif value is not None:
+            report.failed_sections.add(key)
     workflow = Workflow(**sections, base_dir=base_dir)
     workflow = _structure_strategy_configs(workflow, raw, host, report)
     try:
@@ -101,6 +103,7 @@ def _merge_model_args(raw: dict) -> dict:
     top = raw.get("model_args")
     if not isinstance(top, dict):
         return raw
+    top = _inheritable(top)
     merged = dict(raw)
     for role in ROLE_NAMES:
         block = raw.get(role)
@@ -109,6 +112,17 @@ def _merge_model_args(raw: dict) -> dict:
             if own is None or isinstance(own, dict):
                 merged[role] = {**block, "model_args": {**top, **(own or {})}}
     return merged
+
+
+def _inheritable(top: dict) -> dict:
+    """The top-level model_args that are valid on their own: a bad one is reported once, at its
+    own path, not again under every role that inherits it."""
+    names = {f.name for f in attrs.fields(ModelArgs)}
+    return {
+        key: value
+        for key, value in top.items()
+        if key in names and structure_into({key: value}, ModelArgs, "", ErrorReport()) is not None
+    }
 
 
 def _apply_overrides(raw: dict, overrides: dict[str, Any], report: ErrorReport) -> dict:
@@ -148,8 +162,18 @@ def _structure_strategy_configs(
         report.error("plugins", str(exc))
         return workflow
     updates = {}
-    for role_name, role in workflow.roles().items():
-        name = role.strategy_args.strategy_name
+    for role_name in ROLE_NAMES:
+        role = getattr(workflow, role_name)
+        if role is not None:
+            name, config = role.strategy_args.strategy_name, role.strategy_args.strategy_config
+        else:
+            # The role failed to structure (reported already); still check its strategy, so
+            # every error shows at once. Its config is checked but has nowhere to go.
+            block = raw.get(role_name)
+            args = block.get("strategy_args") if isinstance(block, dict) else None
+            if not isinstance(args, dict) or not isinstance(args.get("strategy_name"), str):
+                continue
+            name, config = args["strategy_name"], args.get("strategy_config")
         path = join_path(role_name, "strategy_args", "strategy_name")
         spec = strategies.get(name)
         if spec is None:
@@ -164,10 +188,8 @@ def _structure_strategy_configs(
             report.error(path, f"unknown strategy '{name}'", hint)
             continue
         config_path = join_path(role_name, "strategy_args", "strategy_config")
-        config = structure_into(
-            role.strategy_args.strategy_config or {}, spec.config_class, config_path, report
-        )
-        if config is not None:
+        config = structure_into(config or {}, spec.config_class, config_path, report)
+        if config is not None and role is not None:
             updates[role_name] = attrs.evolve(
                 role, strategy_args=attrs.evolve(role.strategy_args, strategy_config=config)
             )

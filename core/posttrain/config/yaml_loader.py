@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 import yaml
@@ -24,6 +25,15 @@ class _StrictLoader(yaml.SafeLoader):
         return super().construct_mapping(node, deep=deep)
 
 
+# YAML 1.1 reads ``1e-6`` (no dot) as a string; ROLL's loader (OmegaConf) reads it as a float,
+# and ROLL workflows write learning rates that way. Same pattern as OmegaConf's.
+_StrictLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:float",
+    re.compile(r"^[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)$"),
+    list("-+0123456789"),
+)
+
+
 def load_yaml_text(text: str, source: str, report: ErrorReport) -> Any:
     """Parse ``text``; syntax errors and duplicate keys go to ``report``. Returns None on error."""
     loader = _StrictLoader(text)
@@ -41,7 +51,7 @@ def load_yaml_text(text: str, source: str, report: ErrorReport) -> Any:
         return None
     finally:
         loader.dispose()
-    for key, line in loader.duplicates:
+    for key, line in sorted(loader.duplicates, key=lambda d: d[1]):
         report.error(
             "",
             f"duplicate key '{key}' at line {line}",

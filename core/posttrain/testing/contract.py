@@ -1,0 +1,301 @@
+"""Contract tests for one strategy, run on its real engine through the local launcher.
+
+Which tests apply follows the strategy's declared capabilities: rollout engines generate and
+import weights; trainers train, export weights and checkpoint; every strategy that computes
+log-probs must agree with a plain transformers forward pass on the same weights.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+import pytest
+
+from posttrain.config.sections import (
+    AlgorithmConfig,
+    GeneratingArgs,
+    ModelArgs,
+    RoleConfig,
+    StrategyArgs,
+    TrainingArgs,
+)
+from posttrain.protocol import (
+    GenerationRequest,
+    SamplingParams,
+    SequenceBatch,
+    build_sequence_batch,
+)
+
+PROMPTS = [[1, 7, 14, 8, 17], [1, 5, 14, 6, 17], [1, 13, 14, 4, 17], [1, 4, 14, 4, 17]]
+
+
+def _structure_config(strategy: str, raw: dict[str, Any]):
+    from posttrain.config.converter import CONVERTER
+    from posttrain.plugin_host import create_plugin_host
+
+    spec = create_plugin_host().strategies().get(strategy)
+    if spec is None:
+        pytest.skip(f"strategy {strategy!r} is not installed")
+    return spec, CONVERTER.structure(raw, spec.config_class)
+
+
+def reference_logprobs(model_path: str, state: dict | None, batch: SequenceBatch):
+    """Log-probs of ``batch`` from a plain transformers forward pass (the ground truth)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.modeling import shifted_token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+    if state is not None:
+        model.load_state_dict(state, strict=False)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return shifted_token_logprobs(logits, batch.input_ids) * batch.attention_mask
+
+
+def perturbed_state(model_path: str, seed: int = 7, scale: float = 0.05) -> dict:
+    """The model's weights plus seeded noise: what a weight import must reproduce exactly."""
+    import torch
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(model_path, "model.safetensors"))
+    gen = torch.Generator().manual_seed(seed)
+    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in state.items()}
+
+
+def samples_batch(out, pad_id: int = 0) -> SequenceBatch:
+    return build_sequence_batch(out.prompt_ids, out.response_ids, pad_id)
+
+
+def max_sample_logprob_diff(out, ref) -> float:
+    worst = 0.0
+    for i, (p, r, lps) in enumerate(zip(out.prompt_ids, out.response_ids,
+                                        out.response_logprobs)):
+        for j, lp in enumerate(lps):
+            worst = max(worst, abs(float(ref[i, len(p) + j]) - lp))
+    return worst
+
+
+def synthetic_train_batch(seed: int = 0, dp_size: int = 1) -> SequenceBatch:
+    """Uneven-length sequences with advantages, as the loop hands them to ``train_step``."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    prompts, responses = [], []
+    for i in range(8):
+        prompts.append(PROMPTS[i % len(PROMPTS)])
+        length = 1 + i % 3
+        responses.append(torch.randint(4, 19, (length,), generator=gen).tolist())
+    batch = build_sequence_batch(prompts, responses, 0)
+    adv = torch.randn(len(batch), generator=gen)
+    batch = batch.with_tensors(old_logprobs=torch.zeros_like(batch.response_mask) - 2.5,
+                               advantages=adv[:, None] * batch.response_mask)
+    batch.meta.update(global_tokens=float(batch.response_mask.sum()),
+                      global_seqs=float(len(batch)), dp_size=dp_size)
+    return batch
+
+
+class StrategyContract:
+    """Subclass with ``strategy = "name"``; optionally ``strategy_config``, ``world_size``."""
+
+    strategy: ClassVar[str] = ""
+    strategy_config: ClassVar[dict[str, Any]] = {}
+    world_size: ClassVar[int] = 1
+    logprob_tolerance: ClassVar[float] = 1e-5
+    supports_checkpoint: ClassVar[bool | None] = None  # None: trainers yes, others no
+    group_timeout_s: ClassVar[float] = 240.0
+
+    # -- helpers ---------------------------------------------------------------------------
+
+    @pytest.fixture(scope="class")
+    def spec_and_config(self):
+        return _structure_config(self.strategy, dict(self.strategy_config))
+
+    @pytest.fixture
+    def start(self, spec_and_config, tiny_model_path, tmp_path):
+        """``start(strategy=None, config=None, world_size=None)`` -> a started worker group."""
+        from posttrain.launcher.base import GroupSpec
+        from posttrain.launcher.local import LocalLauncher
+
+        launcher = LocalLauncher(call_timeout_s=self.group_timeout_s,
+                                 start_timeout_s=self.group_timeout_s)
+
+        def start(strategy: str | None = None, config: Any = None,
+                  world_size: int | None = None, role: str = "actor_train"):
+            if strategy is None:
+                strategy, config = self.strategy, spec_and_config[1]
+            elif config is None:
+                config = _structure_config(strategy, {})[1]
+            ranks = world_size or self.world_size
+            role_config = RoleConfig(
+                strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
+                device_mapping=tuple(range(ranks)),
+                model_args=ModelArgs(model_name_or_path=tiny_model_path),
+                training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0),
+                generating_args=GeneratingArgs())
+            spec = GroupSpec(role=role, config=role_config, algorithm=AlgorithmConfig(),
+                             seed=1234, run_dir=str(tmp_path / "run"), base_dir=str(tmp_path),
+                             device="cpu", threads=1)
+            return launcher.start_group(spec)
+
+        yield start
+        launcher.shutdown()
+
+    def kind(self, spec_and_config) -> str:
+        return spec_and_config[0].capabilities.kind
+
+    def require(self, spec_and_config, *kinds: str) -> None:
+        if self.kind(spec_and_config) not in kinds:
+            pytest.skip(f"{self.strategy} is a {self.kind(spec_and_config)} strategy")
+
+    # -- every strategy --------------------------------------------------------------------
+
+    def test_setup_reports_data_parallel_coordinates(self, start):
+        group = start()
+        assert len(group.parallel) == self.world_size
+        assert self.world_size % group.dp_size == 0
+        assert {p["dp_rank"] for p in group.parallel} == set(range(group.dp_size))
+        assert all(p["dp_size"] == group.dp_size for p in group.parallel)
+
+    def test_logprobs_match_transformers_forward(self, spec_and_config, start,
+                                                 tiny_model_path):
+        if not spec_and_config[0].capabilities.computes_logprobs:
+            pytest.skip("strategy does not compute log-probs")
+        group = start()
+        batch = synthetic_train_batch()
+        shares = group.call_dp("compute_logprobs", batch.split(group.dp_size))
+        from posttrain.protocol import concat_tensor_rows
+
+        got = concat_tensor_rows(shares) * batch.attention_mask
+        ref = reference_logprobs(tiny_model_path, None, batch)
+        assert float((got - ref).abs().max()) <= self.logprob_tolerance
+
+    # -- rollout engines -------------------------------------------------------------------
+
+    def _generate(self, group, n: int = 3, max_new_tokens: int = 6, seed: int = 5):
+        from posttrain.protocol import RolloutSamples
+
+        sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens)
+        shares = [GenerationRequest(prompt_ids=PROMPTS[(2 * i) % 4:(2 * i) % 4 + 2],
+                                    sampling=sampling, seed=seed + i)
+                  for i in range(group.dp_size)]
+        return RolloutSamples.concat(group.call_dp("generate", shares))
+
+    def test_generate_logprobs_match_transformers_forward(self, spec_and_config, start,
+                                                          tiny_model_path):
+        self.require(spec_and_config, "rollout")
+        group = start()
+        out = self._generate(group)
+        assert len(out) == 2 * group.dp_size * 3
+        assert all(1 <= len(r) <= 6 for r in out.response_ids)
+        assert all(len(r) == len(lp) for r, lp in zip(out.response_ids, out.response_logprobs))
+        ref = reference_logprobs(tiny_model_path, None, samples_batch(out))
+        assert max_sample_logprob_diff(out, ref) <= self.logprob_tolerance
+
+    def test_import_weights_then_logprobs_match(self, spec_and_config, start, tiny_model_path):
+        self.require(spec_and_config, "rollout")
+        from posttrain.protocol import bucketize
+
+        group = start()
+        state = perturbed_state(tiny_model_path)
+        for bucket in bucketize(sorted(state.items()), bucket_bytes=64 << 10):
+            group.call("import_weights", [bucket])
+        out = self._generate(group)
+        ref = reference_logprobs(tiny_model_path, state, samples_batch(out))
+        assert max_sample_logprob_diff(out, ref) <= self.logprob_tolerance
+        before = reference_logprobs(tiny_model_path, None, samples_batch(out))
+        assert max_sample_logprob_diff(out, before) > 100 * self.logprob_tolerance
+
+    # -- trainers --------------------------------------------------------------------------
+
+    def _export(self, group) -> dict:
+        group.call("export_begin", 64 << 10)
+        state: dict = {}
+        while True:
+            bucket = group.call("export_next")[0]
+            if bucket is None:
+                return state
+            names = [n for n, _ in bucket.tensors]
+            assert len(names) == len(set(names))
+            state.update(dict(bucket.tensors))
+
+    def test_export_weights_equal_loaded_checkpoint(self, spec_and_config, start,
+                                                    tiny_model_path):
+        self.require(spec_and_config, "train")
+        from safetensors.torch import load_file
+
+        group = start()
+        exported = self._export(group)
+        expected = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+        assert set(expected) <= set(exported)
+        for name, tensor in expected.items():
+            assert exported[name].dtype == tensor.dtype
+            assert bool((exported[name] == tensor).all()), name
+
+    def test_train_then_sync_to_hf_infer_logprob_parity(self, spec_and_config, start):
+        self.require(spec_and_config, "train")
+        from posttrain.weight_sync.transport import SharedMemoryTransport
+
+        trainer = start()
+        batch = synthetic_train_batch(dp_size=trainer.dp_size)
+        metrics = trainer.call_dp("train_step", batch.split(trainer.dp_size))
+        assert all(isinstance(v, float) for v in metrics[0].values())
+        rollout = start("hf_infer", world_size=1, role="actor_infer")
+        stats = SharedMemoryTransport(bucket_bytes=64 << 10).run(trainer, rollout)
+        assert stats["buckets"] >= 1
+        out = self._generate(rollout)
+        sample_batch = samples_batch(out)
+        from posttrain.protocol import concat_tensor_rows
+
+        per = len(sample_batch) // trainer.dp_size
+        shares = [sample_batch.select(list(range(i * per, (i + 1) * per)))
+                  for i in range(trainer.dp_size)]
+        got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
+        assert max_sample_logprob_diff(out, got) <= self.logprob_tolerance
+
+    def _rollout_checkpoint_round_trip(self, start, model_path: str, path: str) -> None:
+        from posttrain.protocol import bucketize
+
+        first = start()
+        for bucket in bucketize(sorted(perturbed_state(model_path).items()), 64 << 10):
+            first.call("import_weights", [bucket])
+        first.call("save_checkpoint", path)
+        second = start()
+        second.call("load_checkpoint", path)
+        a, b = self._generate(first), self._generate(second)
+        assert a.response_ids == b.response_ids
+        assert a.response_logprobs == b.response_logprobs
+
+    def test_checkpoint_round_trip_is_exact(self, spec_and_config, start, tmp_path,
+                                            tiny_model_path):
+        supports = self.supports_checkpoint
+        if supports is None:
+            supports = self.kind(spec_and_config) == "train"
+        if not supports:
+            pytest.skip(f"{self.strategy} keeps no training state")
+        if self.kind(spec_and_config) == "rollout":
+            self._rollout_checkpoint_round_trip(start, tiny_model_path, str(tmp_path / "ckpt"))
+            return
+        import torch
+
+        first = start()
+        batch = synthetic_train_batch(dp_size=first.dp_size)
+        first.call_dp("train_step", batch.split(first.dp_size))
+        path = str(tmp_path / "ckpt")
+        first.call("save_checkpoint", path)
+        saved = self._export(first)
+        second = start()
+        second.call("load_checkpoint", path)
+        loaded = self._export(second)
+        assert saved.keys() == loaded.keys()
+        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
+        # The next step from the restored state equals the next step of the original.
+        next_batch = synthetic_train_batch(seed=1, dp_size=first.dp_size)
+        first.call_dp("train_step", next_batch.split(first.dp_size))
+        second.call_dp("train_step", next_batch.split(second.dp_size))
+        a, b = self._export(first), self._export(second)
+        assert all(torch.equal(a[k], b[k]) for k in a)
+

@@ -1,0 +1,29 @@
+"""pytest plugin of the conformance kit: shared fixtures (a tiny model built once per session)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "conformance: posttrain strategy contract test")
+
+
+@pytest.fixture(scope="session")
+def posttrain_cache(tmp_path_factory):
+    """A session-wide preset cache, unless the user points POSTTRAIN_CACHE somewhere."""
+    if os.environ.get("POSTTRAIN_CACHE"):
+        return os.environ["POSTTRAIN_CACHE"]
+    path = str(tmp_path_factory.mktemp("posttrain-cache"))
+    os.environ["POSTTRAIN_CACHE"] = path  # inherited by worker processes
+    return path
+
+
+@pytest.fixture(scope="session")
+def tiny_model_path(posttrain_cache):
+    """The HF directory of ``preset:tiny-qwen2``, built once per session."""
+    from posttrain.presets import preset_path
+
+    return preset_path("preset:tiny-qwen2")

@@ -1,0 +1,60 @@
+"""The entry-point module of posttrain-example-plugin (cheap to import: no torch, no engine).
+
+It implements three hooks:
+
+* ``posttrain_add_reward_functions``: the named reward ``digit_match``;
+* ``posttrain_sync_weights`` as a hook wrapper: times every weight sync and appends one JSON line
+  per sync to ``$POSTTRAIN_EXAMPLE_TIMINGS_DIR/weight_sync_times.jsonl`` (default: the current
+  directory);
+* ``posttrain_add_cli_commands``: the subcommand ``posttrain example-hello``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+from posttrain import hookimpl
+
+TIMINGS_ENV = "POSTTRAIN_EXAMPLE_TIMINGS_DIR"
+TIMINGS_FILE = "weight_sync_times.jsonl"
+
+# Every sync timed in this process: {"sync": n, "seconds": s, "bytes": b, "buckets": k}.
+SYNC_TIMES: list[dict] = []
+
+
+@hookimpl
+def posttrain_add_reward_functions():
+    return {"digit_match": "posttrain_example_plugin.rewards:digit_match"}
+
+
+def timings_path() -> str:
+    return os.path.join(os.environ.get(TIMINGS_ENV) or os.getcwd(), TIMINGS_FILE)
+
+
+@hookimpl(wrapper=True)
+def posttrain_sync_weights(source, target, transport):
+    start = time.perf_counter()
+    result = yield
+    record = {"sync": len(SYNC_TIMES) + 1, "seconds": time.perf_counter() - start}
+    if isinstance(result, dict):
+        record.update({k: result[k] for k in ("bytes", "buckets") if k in result})
+    SYNC_TIMES.append(record)
+    path = timings_path()
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    return result  # unchanged
+
+
+@hookimpl
+def posttrain_add_cli_commands(subparsers):
+    parser = subparsers.add_parser("example-hello", help="say hello from the example plugin")
+    parser.add_argument("--name", default="world", help="who to greet")
+    parser.set_defaults(handler=_hello)
+
+
+def _hello(args, host=None) -> int:
+    print(f"hello, {args.name}, from posttrain-example-plugin")
+    return 0
