@@ -1,0 +1,188 @@
+"""The `posttrain` command line: validate (errors, exit code, speed, no torch), plugins, doctor."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import os
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from posttrain.cli import EXIT_OK, EXIT_USER, main
+
+BAD_WORKFLOW = """\
+model_args: {{model_name_or_path: {model}}}
+data: {{synthetic: {{task: single_digit_addition}}}}
+algorithm: {{name: grpo, group_size: 2, rollout_batch_size: 4}}
+actor_train:
+  strategy_args:
+    strategy_name: megatron_train
+    strategy_config: {{tensor_model_parallel_size: 1}}
+  device_mapping: list(range(0, 2))
+actor_infer:
+  strategy_args:
+    strategy_name: hf_infer
+    strategy_config: {{batch_sise: 4}}
+  device_mapping: [0]
+trainer: {{max_steps: ten, max_step: 3}}
+"""
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.pop("POSTTRAIN_PLUGINS", None)
+    env.update(COLUMNS="400", **extra)
+    return env
+
+
+@pytest.fixture
+def bad_workflow(write_workflow, model_dir):
+    return write_workflow(BAD_WORKFLOW.format(model=model_dir))
+
+
+def test_validate_reports_every_error_with_paths_and_hints(bad_workflow):
+    # Autoload off: megatron_train is surely not provided, whatever is installed here.
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "validate", bad_workflow],
+        capture_output=True,
+        text=True,
+        env=_env(POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD="1"),
+        timeout=60,
+    )
+    wall = time.perf_counter() - start
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == EXIT_USER, out
+    assert "Traceback" not in out
+    assert f"{bad_workflow}: 4 error(s)" in out
+    lines = [line.strip() for line in out.splitlines() if line.strip().startswith("- ")]
+    assert lines == [
+        "- trainer.max_steps: expected an integer, got str 'ten'",
+        "- trainer.max_step: unknown key (did you mean 'max_steps'?)",
+        "- actor_train.strategy_args.strategy_name: unknown strategy 'megatron_train' "
+        "('megatron_train' is provided by posttrain-megatron (pip install ./plugins/megatron); "
+        "installed strategies: hf_infer)",
+        "- actor_infer.strategy_args.strategy_config.batch_sise: unknown key "
+        "(did you mean 'batch_size'?)",
+    ]
+    assert wall < 5.0, f"the whole validate subprocess took {wall:.2f} s"
+
+
+def test_validate_is_fast_and_imports_no_torch(bad_workflow):
+    """Measured inside the subprocess (no interpreter start-up), with every installed plugin."""
+    code = textwrap.dedent(
+        """\
+        import sys, time
+        start = time.perf_counter()
+        from posttrain.cli import main
+        rc = main(["validate", sys.argv[1]])
+        elapsed = time.perf_counter() - start
+        heavy = sorted(m for m in ("torch", "transformers", "vllm", "sglang", "megatron")
+                       if m in sys.modules)
+        print(f"RESULT rc={rc} elapsed={elapsed:.4f} heavy={','.join(heavy) or '-'}")
+        """
+    )
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-c", code, bad_workflow],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        timeout=60,
+    )
+    wall = time.perf_counter() - start
+    result = [line for line in proc.stdout.splitlines() if line.startswith("RESULT")]
+    assert result, proc.stdout + proc.stderr
+    fields = dict(item.split("=", 1) for item in result[0].split()[1:])
+    assert fields["rc"] == str(EXIT_USER)
+    assert fields["heavy"] == "-", f"validate imported {fields['heavy']}"
+    assert float(fields["elapsed"]) < 1.0, f"validate took {fields['elapsed']} s in-process"
+    assert wall < 5.0, f"the whole subprocess took {wall:.2f} s"
+
+
+def test_validate_ok_exits_zero(write_workflow, model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("COLUMNS", "400")
+    path = write_workflow(
+        f"""\
+        model_args: {{model_name_or_path: {model_dir}}}
+        data: {{synthetic: {{}}}}
+        algorithm: {{name: grpo, group_size: 2, rollout_batch_size: 4}}
+        actor_train:
+          strategy_args: {{strategy_name: hf_infer}}
+          device_mapping: [0, 1]
+        actor_infer:
+          strategy_args: {{strategy_name: hf_infer}}
+          device_mapping: list(range(2))
+        """
+    )
+    assert main(["validate", path]) == EXIT_OK
+    out = capsys.readouterr().out
+    assert f"ok: {path} (actor_train=hf_infer[2], actor_infer=hf_infer[2])" in out
+
+
+def test_validate_set_override(write_workflow, model_dir, capsys, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    path = write_workflow(BAD_WORKFLOW.format(model=model_dir))
+    code = main(["validate", path, "--set", "trainer.max_steps=5", "--set", "trainer.max_step=~"])
+    err = capsys.readouterr().err
+    assert code == EXIT_USER
+    assert "trainer.max_steps" not in err
+    assert "3 error(s)" in err
+
+
+def test_missing_workflow_file_is_a_user_error(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "missing.yaml")]) == EXIT_USER
+    err = capsys.readouterr().err
+    assert "workflow file not found" in err
+    assert "Traceback" not in err
+
+
+def test_bad_set_syntax_is_a_user_error(tmp_path, capsys):
+    assert main(["validate", str(tmp_path / "w.yaml"), "--set", "novalue"]) == EXIT_USER
+    assert "expected KEY=VALUE" in capsys.readouterr().err
+
+
+def test_plugins_lists_builtins_and_hf_infer(capsys, monkeypatch):
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("COLUMNS", "1000")
+    assert main(["plugins"]) == EXIT_OK
+    out = capsys.readouterr().out
+    from posttrain.plugin_host import BUILTIN_PLUGINS
+
+    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 5}
+    for name in BUILTIN_PLUGINS:
+        assert name in rows, out
+        assert "builtin" in rows[name]
+    assert "hf_infer" in rows["posttrain.builtin.hf_infer_plugin"]
+    assert "add_strategies" in rows["posttrain.builtin.hf_infer_plugin"]
+
+
+def test_plugins_with_installed_entry_points_imports_no_torch():
+    code = (
+        "import sys\nfrom posttrain.cli import main\nrc = main(['plugins'])\n"
+        "print('RESULT', rc, 'torch' in sys.modules)"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, env=_env(), timeout=60
+    )
+    assert "Traceback" not in proc.stdout + proc.stderr
+    assert "hf_infer" in proc.stdout
+    assert proc.stdout.strip().splitlines()[-1] == "RESULT 0 False", proc.stdout + proc.stderr
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_doctor_lists_torch_ok(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "400")
+    main(["doctor"])
+    out = capsys.readouterr().out
+    torch_rows = [line for line in out.splitlines() if "│ torch " in line]
+    assert len(torch_rows) == 1, out
+    cells = [c.strip() for c in torch_rows[0].split("│")[1:-1]]
+    plugin, package, installed, _tested, status = cells
+    assert (plugin, package, status) == ("posttrain", "torch", "ok")
+    assert installed == importlib.metadata.version("torch")  # read from metadata, not imported

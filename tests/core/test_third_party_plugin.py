@@ -1,0 +1,183 @@
+"""The example third-party plugin, installed through its entry point into a fresh venv, and the
+plugin guide's coverage of every hook."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from plugin_venv import REPO, build_plugin_venv, run_in_venv
+
+from posttrain import hookspecs
+
+GUIDE = REPO / "docs" / "plugin-guide.md"
+EXAMPLE = REPO / "examples" / "third_party_plugin"
+
+
+def _hookspec_names() -> list[str]:
+    return sorted(
+        name
+        for name in dir(hookspecs)
+        if name.startswith("posttrain_") and callable(getattr(hookspecs, name))
+    )
+
+
+def test_plugin_guide_names_every_hook():
+    text = GUIDE.read_text(encoding="utf-8")
+    names = _hookspec_names()
+    assert len(names) > 20
+    missing = [n for n in names if n not in text]
+    assert not missing, f"docs/plugin-guide.md does not mention: {missing}"
+
+
+def test_plugin_guide_hook_table_matches_hookspecs():
+    """Each hook has one row in the guide's table, and its firstresult column is right."""
+    rows = dict(
+        (m.group(1), (m.group(2).strip(), m.group(3)))
+        for m in re.finditer(
+            r"^\| `(posttrain_\w+)` \| ([^|]+) \| (yes|no) \|",
+            GUIDE.read_text(encoding="utf-8"),
+            re.MULTILINE,
+        )
+    )
+    assert sorted(rows) == _hookspec_names()
+    for name, (process, firstresult) in rows.items():
+        spec_opts = getattr(hookspecs, name).posttrain_spec
+        assert (firstresult == "yes") == bool(spec_opts.get("firstresult")), name
+        assert process in ("driver", "worker", "driver and worker"), name
+        takes_worker = "worker" in getattr(hookspecs, name).__code__.co_varnames
+        assert takes_worker == (process == "worker"), f"{name}: process column is {process}"
+
+
+@pytest.fixture(scope="module")
+def example_venv(tmp_path_factory):
+    root = tmp_path_factory.mktemp("example_plugin")
+    return build_plugin_venv(root, EXAMPLE), root / "work"
+
+
+CHECK_HOST = r"""
+import json, os, sys
+
+before = set(sys.modules)
+import posttrain_example_plugin.plugin  # the entry-point module
+mod_torch_free = "torch" not in set(sys.modules) - before
+
+from posttrain.plugin_host import create_plugin_host
+from posttrain.rewards import resolve_reward_function
+
+host = create_plugin_host()
+info = {p.name: [p.source, p.distribution, p.version, p.error] for p in host.plugins}
+names = {}
+for mapping in host.hook.posttrain_add_reward_functions():
+    names.update(mapping or {})
+fn = resolve_reward_function("digit_match", host.hook)
+scores = [
+    fn("The answer is 7.", "7"),
+    fn("8 apples", "#### 7"),
+    fn("no digits here", "3"),
+    fn("x = 42", "4 (forty-two)"),
+]
+
+
+class TinyTransport:
+    calls = 0
+
+    def run(self, source, target):
+        TinyTransport.calls += 1
+        self.returned = {"bytes": 10, "buckets": 1}
+        return self.returned
+
+
+transport = TinyTransport()
+result = host.hook.posttrain_sync_weights(source="train", target="infer", transport=transport)
+print(json.dumps({
+    "plugins": info,
+    "hooks": host.hooks_of("example"),
+    "rewards": names,
+    "scores": scores,
+    "result": result,
+    "same_object": result is transport.returned,
+    "transport_calls": TinyTransport.calls,
+    "entry_module_torch_free": mod_torch_free,
+}))
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_plugin_through_entry_point(example_venv):
+    python, work = example_venv
+
+    proc = run_in_venv(python, ["-m", "posttrain.cli", "plugins"], work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "example" in proc.stdout
+    assert "posttrain-example-plugin 0.1.0" in proc.stdout
+    assert "hf_infer" in proc.stdout
+    assert "failed" not in proc.stdout + proc.stderr
+
+    proc = run_in_venv(python, ["-m", "posttrain.cli", "example-hello", "--name", "tester"], work)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "hello, tester" in proc.stdout
+
+    timings = work / "timings"
+    proc = run_in_venv(python, ["-c", CHECK_HOST], work, POSTTRAIN_EXAMPLE_TIMINGS_DIR=str(timings))
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    out = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert out["plugins"]["example"] == ["entry point", "posttrain-example-plugin", "0.1.0", ""]
+    assert out["hooks"] == [
+        "posttrain_add_cli_commands",
+        "posttrain_add_reward_functions",
+        "posttrain_sync_weights",
+    ]
+    assert out["entry_module_torch_free"]
+    assert out["rewards"]["digit_match"] == "posttrain_example_plugin.rewards:digit_match"
+    assert out["rewards"]["exact_match"]  # built-ins still there
+    assert out["scores"] == [1.0, 0.0, 0.0, 1.0]
+    # The wrapper passes the core's result through unchanged and runs the transport once.
+    assert out["result"] == {"bytes": 10, "buckets": 1}
+    assert out["same_object"] is True
+    assert out["transport_calls"] == 1
+    lines = (timings / "weight_sync_times.jsonl").read_text().splitlines()
+    assert len(lines) == 1
+    record = json.loads(lines[0])
+    assert record["sync"] == 1 and record["bytes"] == 10 and record["buckets"] == 1
+    assert 0.0 <= record["seconds"] < 60.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_plugin_env_switches(example_venv):
+    python, work = example_venv
+    snippet = (
+        "from posttrain.plugin_host import create_plugin_host;"
+        "print(sorted(p.name for p in create_plugin_host().plugins if p.source == 'entry point'))"
+    )
+    proc = run_in_venv(python, ["-c", snippet], work, POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD="1")
+    assert proc.returncode == 0, proc.stderr
+    assert "example" not in proc.stdout
+    proc = run_in_venv(python, ["-c", snippet], work, POSTTRAIN_PLUGINS="someone_else")
+    assert "example" not in proc.stdout
+    proc = run_in_venv(python, ["-c", snippet], work, POSTTRAIN_PLUGINS="posttrain-example-plugin")
+    assert "'example'" in proc.stdout
+    proc = run_in_venv(
+        python,
+        ["-m", "posttrain.cli", "example-hello"],
+        work,
+        POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD="1",
+    )
+    assert proc.returncode == 2  # argparse: unknown subcommand once the plugin is off
+
+
+def test_example_source_imports_only_documented_names():
+    """The example is written from the guide: it imports nothing of posttrain beyond it."""
+    documented = {"posttrain"}
+    guide = GUIDE.read_text(encoding="utf-8")
+    for source in (EXAMPLE / "src").rglob("*.py"):
+        for match in re.finditer(
+            r"^\s*(?:from|import) (posttrain[\w.]*)", source.read_text(), re.MULTILINE
+        ):
+            module = match.group(1)
+            if module.startswith("posttrain_example_plugin"):
+                continue
+            assert module in documented or f"`{module}" in guide, (source, module)
