@@ -32,8 +32,9 @@ def test_sequence_lengths_of_a_batch():
     from posttrain.protocol import SequenceBatch
 
     mask = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
-    batch = SequenceBatch({"input_ids": mask.clone(), "attention_mask": mask,
-                           "response_mask": mask.float()})
+    batch = SequenceBatch(
+        {"input_ids": mask.clone(), "attention_mask": mask, "response_mask": mask.float()}
+    )
     assert sequence_lengths(batch) == [3, 2, 4]
     assert token_budget_micro_batches(batch, 5) in ([[0], [1, 2]], [[0, 1], [2]])
 

@@ -59,8 +59,9 @@ def setup_parallel(worker) -> dict[str, int]:
 
     init_default_process_group(worker.device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    worker.state["mesh"] = init_device_mesh("cuda" if _is_cuda(worker) else "cpu", (world,),
-                                            mesh_dim_names=("dp",))
+    worker.state["mesh"] = init_device_mesh(
+        "cuda" if _is_cuda(worker) else "cpu", (world,), mesh_dim_names=("dp",)
+    )
     return {"dp_rank": rank, "dp_size": world}
 
 
@@ -75,8 +76,14 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
     return layers
 
 
-def _shard(worker, model, param_dtype: str | None, reduce_dtype: str | None,
-           reshard_after_forward: bool, cpu_offload: bool) -> None:
+def _shard(
+    worker,
+    model,
+    param_dtype: str | None,
+    reduce_dtype: str | None,
+    reshard_after_forward: bool,
+    cpu_offload: bool,
+) -> None:
     from torch.distributed.fsdp import (
         CPUOffloadPolicy,
         MixedPrecisionPolicy,
@@ -109,13 +116,19 @@ def load_model(worker):
     # Loaded on the host; fully_shard moves each rank's shard to the mesh's device.
     model = load_causal_lm(model_args, worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        _enable_checkpointing(model)
     param_dtype = cfg.param_dtype or worker.model_args.dtype
     if param_dtype == model_args.dtype:
         param_dtype = None  # no cast needed
     reduce_dtype = getattr(cfg, "reduce_dtype", None)
-    _shard(worker, model, param_dtype, reduce_dtype, cfg.reshard_after_forward,
-           getattr(cfg, "cpu_offload", False))
+    _shard(
+        worker,
+        model,
+        param_dtype,
+        reduce_dtype,
+        cfg.reshard_after_forward,
+        getattr(cfg, "cpu_offload", False),
+    )
     if train:
         _build_optimizer(worker, model)
         model.train()
@@ -125,6 +138,14 @@ def load_model(worker):
             p.requires_grad_(False)
     worker.state["step"] = 0
     return model
+
+
+def _enable_checkpointing(model) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _build_optimizer(worker, model) -> None:
@@ -149,8 +170,10 @@ def lr_lambda(args):
     warmup = args.warmup_steps or (math.ceil(args.warmup_ratio * total) if total else 0)
     kind = args.lr_scheduler_type
     if kind != "constant" and not total:
-        _log_once(f"fsdp: lr_scheduler_type={kind} needs training_args.max_steps > 0; "
-                  "decay disabled", level=logging.WARNING)
+        _log_once(
+            f"fsdp: lr_scheduler_type={kind} needs training_args.max_steps > 0; decay disabled",
+            level=logging.WARNING,
+        )
 
     def multiplier(step: int) -> float:
         if step < warmup:
@@ -187,12 +210,12 @@ def _micro_batch_size(worker, for_logprobs: bool) -> int:
     return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
 
 
-def plan_micro_batches(worker, batch: SequenceBatch, for_logprobs: bool = False
-                       ) -> tuple[list[list[int]], int]:
+def plan_micro_batches(
+    worker, batch: SequenceBatch, for_logprobs: bool = False
+) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run."""
     args = worker.training_args
-    dynamic = (worker.strategy_name == TRAIN and args is not None
-               and args.use_dynamic_batch_size)
+    dynamic = worker.strategy_name == TRAIN and args is not None and args.use_dynamic_batch_size
     if dynamic:
         groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
     else:
@@ -200,8 +223,9 @@ def plan_micro_batches(worker, batch: SequenceBatch, for_logprobs: bool = False
     count = _agree_max(worker, len(groups))
     if dynamic and len(groups) < count <= len(batch):
         # Spread this rank's rows over as many micro-batches as the busiest rank runs.
-        spread = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch,
-                                            min_micro_batches=count)
+        spread = token_budget_micro_batches(
+            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
+        )
         if len(spread) == count:
             groups = spread
     return groups, count
@@ -216,20 +240,24 @@ def _filler(batch: SequenceBatch) -> SequenceBatch:
         tensors["attention_mask"][:, :2] = 1
         tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
         return SequenceBatch(tensors, dict(batch.meta)).trimmed()
-    tensors = {k: torch.zeros((1, 2), dtype=v.dtype) if v.dim() == 2 else
-               torch.zeros((1, *v.shape[1:]), dtype=v.dtype) for k, v in batch.tensors.items()}
+    tensors = {
+        k: torch.zeros((1, 2), dtype=v.dtype)
+        if v.dim() == 2
+        else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
+        for k, v in batch.tensors.items()
+    }
     tensors["attention_mask"] = torch.ones((1, 2), dtype=torch.long)
     return SequenceBatch(tensors, dict(batch.meta))
 
 
 def _to_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
-    return SequenceBatch({k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()},
-                         dict(batch.meta))
+    return SequenceBatch(
+        {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}, dict(batch.meta)
+    )
 
 
 def _forward_logits(model, mb: SequenceBatch) -> torch.Tensor:
-    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask,
-                 use_cache=False).logits
+    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
 
 
 # --------------------------------------------------------------------------------------------
@@ -272,8 +300,11 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     if math.isfinite(grad_norm):
         optimizer.step()
     else:
-        log.warning("fsdp: non-finite grad norm (%s) at step %d: update skipped", grad_norm,
-                    worker.state["step"])
+        log.warning(
+            "fsdp: non-finite grad norm (%s) at step %d: update skipped",
+            grad_norm,
+            worker.state["step"],
+        )
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     worker.state["step"] += 1
@@ -377,8 +408,9 @@ def full_state_dict(worker) -> dict[str, torch.Tensor]:
     """The full HF-named state dict on rank 0 (CPU, master dtype); empty on other ranks."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(worker.model, options=StateDictOptions(full_state_dict=True,
-                                                                        cpu_offload=True))
+    state = get_model_state_dict(
+        worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
     return {hf_name(k): v for k, v in state.items()} if _is_rank0() else {}
 
 
@@ -411,8 +443,9 @@ def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
         weight_map = {}
         for i, names in enumerate(shards):
             fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file({n: tensors[n] for n in names}, os.path.join(path, fname),
-                      metadata={"format": "pt"})
+            save_file(
+                {n: tensors[n] for n in names}, os.path.join(path, fname), metadata={"format": "pt"}
+            )
             weight_map.update(dict.fromkeys(names, fname))
         total = sum(t.numel() * t.element_size() for t in tensors.values())
         with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
@@ -498,8 +531,9 @@ def save_checkpoint(worker, path: str) -> dict:
     torch.save(extra, _extra_path(path, rank))
     if rank == 0:
         with open(os.path.join(path, "fsdp_layout.json"), "w") as f:
-            json.dump({"format": "torch_dcp", "dp_size": world,
-                       "strategy": worker.strategy_name}, f)
+            json.dump(
+                {"format": "torch_dcp", "dp_size": world, "strategy": worker.strategy_name}, f
+            )
     if dist.is_initialized():
         dist.barrier()
     return {"format": "torch_dcp", "dp_size": world}
@@ -515,8 +549,12 @@ def load_checkpoint(worker, path: str) -> bool:
     if optimizer is None:
         set_model_state_dict(worker.model, state["model"])
     else:
-        set_state_dict(worker.model, optimizer, model_state_dict=state["model"],
-                       optim_state_dict=state["optimizer"])
+        set_state_dict(
+            worker.model,
+            optimizer,
+            model_state_dict=state["model"],
+            optim_state_dict=state["optimizer"],
+        )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
     own = _extra_path(path, rank)
@@ -589,5 +627,8 @@ def resume_memory(worker, tags: list[str]) -> bool:
 def shutdown(worker) -> bool:
     worker.state.clear()
     worker.model = None
+    if dist.is_initialized():
+        # A rank tearing down gloo while a peer still finishes a collective aborts the peer.
+        dist.barrier()
     destroy_default_process_group()
     return True

@@ -47,8 +47,7 @@ class FSDP2TrainConfig:
     # Rows per micro-batch; None: training_args.per_device_train_batch_size.
     micro_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
     # Rows per forward pass when computing log-probs; None: micro_batch_size.
-    logprob_micro_batch_size: int | None = attrs.field(default=None,
-                                                      validator=_positive_or_none)
+    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
 
 
 @attrs.frozen(kw_only=True)
@@ -69,10 +68,10 @@ def posttrain_add_strategies():
         StrategySpec(
             name=TRAIN,
             config_class=FSDP2TrainConfig,
-            capabilities=Capabilities(kind="train", exports_hf_weights=True,
-                                      computes_logprobs=True),
-            description="training with PyTorch FSDP2 (fully_shard per decoder layer), "
-                        "torch DCP checkpoints",
+            capabilities=Capabilities(
+                kind="train", exports_hf_weights=True, computes_logprobs=True
+            ),
+            description="training with PyTorch FSDP2 and torch DCP checkpoints",
         ),
         StrategySpec(
             name=INFER,

@@ -1,0 +1,286 @@
+"""Rank functions run by the FSDP2 tests in spawned processes (importable by the children).
+
+Each scenario builds :class:`WorkerContext` objects by hand, drives them through
+:class:`WorkerRuntime` (so the plugin's hooks are what runs) and writes what the parent process
+compares into ``out_dir`` with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+MODEL = "preset:tiny-qwen2"
+BATCH_ROWS = 8
+STEPS = 3
+SAVE_AFTER = 2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 200.0, **kwargs):
+    """Run ``scenario`` on ``world_size`` spawned ranks (gloo); raise on failure or timeout."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.start_processes(
+        _entry,
+        args=(world_size, port, scenario, out_dir, kwargs),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"scenario {scenario} on {world_size} ranks timed out")
+
+
+def _entry(rank: int, world_size: int, port: int, scenario: str, out_dir: str, kwargs: dict):
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    import torch.distributed as dist
+
+    try:
+        SCENARIOS[scenario](rank, world_size, out_dir, **kwargs)
+    except Exception:
+        traceback.print_exc()
+        raise
+    if dist.is_initialized():
+        # Leave together: a rank tearing gloo down while a peer still finishes a collective
+        # aborts the peer.
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+
+
+def hook_relay():
+    import pluggy
+
+    import posttrain_fsdp.plugin
+    from posttrain import hookspecs
+
+    pm = pluggy.PluginManager("posttrain")
+    pm.add_hookspecs(hookspecs)
+    pm.register(posttrain_fsdp.plugin, name="fsdp")
+    return pm.hook
+
+
+def make_runtime(
+    rank: int, world_size: int, strategy: str = "fsdp2_train", config=None, **training
+):
+    from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
+    from posttrain.worker import WorkerContext, WorkerRuntime
+    from posttrain_fsdp.plugin import FSDP2InferConfig, FSDP2TrainConfig
+
+    train = strategy == "fsdp2_train"
+    if config is None:
+        config = FSDP2TrainConfig(micro_batch_size=3) if train else FSDP2InferConfig()
+    targs = {
+        "learning_rate": 1e-3,
+        "weight_decay": 0.01,
+        "max_grad_norm": 1.0,
+        "lr_scheduler_type": "cosine",
+        "max_steps": 10,
+        **training,
+    }
+    ctx = WorkerContext(
+        role="actor_train" if train else "reference",
+        strategy_name=strategy,
+        config=config,
+        model_args=ModelArgs(model_name_or_path=MODEL, disable_gradient_checkpointing=False),
+        training_args=TrainingArgs(**targs) if train else None,
+        rank=rank,
+        world_size=world_size,
+        algorithm=AlgorithmConfig(entropy_coef=1e-3),
+        hook=hook_relay(),
+    )
+    runtime = WorkerRuntime(ctx)
+    runtime.setup()
+    return runtime
+
+
+def step_batch(step: int, vocab: int):
+    """The whole step's batch (every rank builds the same one): random tokens, ragged lengths,
+    global normalisation counts in meta; old log-probs are filled in by the caller."""
+    import torch
+
+    from posttrain.protocol import build_sequence_batch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    prompts, responses = [], []
+    for _ in range(BATCH_ROWS):
+        p = int(torch.randint(2, 7, (1,), generator=g))
+        r = int(torch.randint(1, 12, (1,), generator=g))
+        prompts.append(torch.randint(4, vocab, (p,), generator=g).tolist())
+        responses.append(torch.randint(4, vocab, (r,), generator=g).tolist())
+    batch = build_sequence_batch(prompts, responses, pad_token_id=0)
+    adv = torch.randn(BATCH_ROWS, 1, generator=g).expand_as(batch.response_mask).contiguous()
+    batch = batch.with_tensors(advantages=adv * batch.response_mask)
+    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=BATCH_ROWS)
+    return batch
+
+
+def rank_share(batch, rank: int, world_size: int, rows: list[list[int]] | None = None):
+    share = batch.select(rows[rank]) if rows else batch.split(world_size)[rank]
+    share.meta["dp_size"] = world_size
+    return share
+
+
+def train_one(runtime, step: int, rank: int, world_size: int, rows=None) -> dict:
+    """One RL step: old log-probs from the current model, then the policy update."""
+    vocab = runtime.ctx.model.config.vocab_size
+    share = rank_share(step_batch(step, vocab), rank, world_size, rows)
+    old = runtime.compute_logprobs(share)
+    # Perturb so the importance ratio is not exactly one (exercises clipping).
+    share = share.with_tensors(old_logprobs=old + 0.05 * (share.response_mask - 0.5))
+    return runtime.train_step(share)
+
+
+def full_params(runtime) -> dict:
+    from posttrain_fsdp.engine import full_state_dict
+
+    return full_state_dict(runtime.ctx)
+
+
+def full_optim(runtime) -> dict:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(
+        runtime.ctx.model,
+        runtime.ctx.state["optimizer"],
+        options=StateDictOptions(full_state_dict=True, cpu_offload=True),
+    )
+
+
+def probe_batch(vocab: int):
+    import torch
+
+    from posttrain.protocol import build_sequence_batch
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (4, 6, 3, 5)]
+    responses = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (5, 2, 7, 4)]
+    return build_sequence_batch(prompts, responses, pad_token_id=0)
+
+
+# --------------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------------
+
+
+def scenario_train(rank: int, world_size: int, out_dir: str, extras: bool = False):
+    """3 steps with fixed micro-batches; with ``extras``: a checkpoint and dumps after step 2,
+    weight export, HF export, probe logits, then dynamic / uneven-share variants."""
+    import torch
+
+    def save(obj, name):
+        if rank == 0:
+            torch.save(obj, os.path.join(out_dir, name))
+
+    rt = make_runtime(rank, world_size)
+    metrics = []
+    for step in range(STEPS):
+        metrics.append(train_one(rt, step, rank, world_size))
+        if extras and step + 1 == SAVE_AFTER:
+            layout = rt.save_checkpoint(os.path.join(out_dir, "ckpt"))
+            save(layout, "layout.pt")
+            save(full_params(rt), "params_at_save.pt")
+            save(full_optim(rt), "optim_at_save.pt")
+    all_metrics = [None] * world_size
+    torch.distributed.all_gather_object(all_metrics, metrics)
+    save(all_metrics, f"metrics_w{world_size}.pt")
+    save(full_params(rt), f"params_w{world_size}.pt")
+    if not extras:
+        return
+
+    # Weight export, collectively; small buckets so there are many.
+    rt.export_begin(bucket_bytes=64 * 1024)
+    buckets = []
+    while (bucket := rt.export_next()) is not None:
+        buckets.append([(n, t.clone()) for n, t in bucket.tensors])
+    counts = [None] * world_size
+    torch.distributed.all_gather_object(counts, [len(b) for b in buckets])
+    save({"buckets": buckets, "counts_per_rank": counts}, "export.pt")
+    rt.export_hf(os.path.join(out_dir, "hf"))
+
+    # Probe logits / log-probs of the trained model (forward is collective).
+    probe = probe_batch(rt.ctx.model.config.vocab_size)
+    with torch.no_grad():
+        rt.ctx.model.eval()
+        logits = rt.ctx.model(input_ids=probe.input_ids, attention_mask=probe.attention_mask).logits
+        rt.ctx.model.train()
+    save({"logits": logits, "logprobs": rt.compute_logprobs(probe)}, "probe.pt")
+
+    # Dynamic micro-batches: a token budget that gives the ranks different micro-batch counts.
+    dyn = make_runtime(rank, world_size, use_dynamic_batch_size=True, max_tokens_per_micro_batch=14)
+    plans = []
+    for step in range(STEPS):
+        from posttrain_fsdp.engine import plan_micro_batches
+
+        share = rank_share(step_batch(step, dyn.ctx.model.config.vocab_size), rank, world_size)
+        plans.append(plan_micro_batches(dyn.ctx, share))
+        train_one(dyn, step, rank, world_size)
+    all_plans = [None] * world_size
+    torch.distributed.all_gather_object(all_plans, plans)
+    save(all_plans, "dynamic_plans.pt")
+    save(full_params(dyn), "params_dynamic.pt")
+
+    # Uneven shares (7 rows / 1 row, micro-batch size 2): rank 1 runs zero-weight fillers.
+    rows = [list(range(BATCH_ROWS - 1)), [BATCH_ROWS - 1]] if world_size == 2 else None
+    from posttrain_fsdp.plugin import FSDP2TrainConfig
+
+    uneven = make_runtime(rank, world_size, config=FSDP2TrainConfig(micro_batch_size=2))
+    for step in range(STEPS):
+        train_one(uneven, step, rank, world_size, rows=rows)
+    save(full_params(uneven), "params_uneven.pt")
+
+
+def scenario_resume(rank: int, world_size: int, out_dir: str):
+    """Fresh ranks load the checkpoint written after step 2, dump state, run step 3."""
+    import torch
+
+    def save(obj, name):
+        if rank == 0:
+            torch.save(obj, os.path.join(out_dir, name))
+
+    rt = make_runtime(rank, world_size)
+    rt.load_checkpoint(os.path.join(out_dir, "ckpt"))
+    save(full_params(rt), "params_loaded.pt")
+    save(full_optim(rt), "optim_loaded.pt")
+    save(rt.ctx.state["scheduler"].get_last_lr(), "lr_loaded.pt")
+    for step in range(SAVE_AFTER, STEPS):
+        train_one(rt, step, rank, world_size)
+    save(full_params(rt), "params_resumed.pt")
+
+    # fsdp2_infer (reference role): log-probs of the initial weights, micro-batches of 3.
+    from posttrain_fsdp.plugin import FSDP2InferConfig
+
+    ref = make_runtime(rank, world_size, "fsdp2_infer", FSDP2InferConfig(micro_batch_size=3))
+    probe = probe_batch(ref.ctx.model.config.vocab_size)
+    save(ref.compute_logprobs(rank_share(probe, rank, world_size)), "ref_logprobs_rank0.pt")
+    rt.shutdown()
+
+
+SCENARIOS = {"train": scenario_train, "resume": scenario_resume}
