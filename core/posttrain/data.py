@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from collections.abc import Mapping
 
 import attrs
 
@@ -79,7 +80,7 @@ def load_prompts(cfg: DataConfig, base_dir: str, tokenizer) -> list[Prompt]:
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
             )
-            if isinstance(ids, dict):
+            if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a UserDict)
                 ids = ids["input_ids"]
         else:
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]

@@ -174,7 +174,9 @@ def fused_group(name: str) -> str:
     """The module whose weights must travel together: q/k/v share ``...self_attn``, gate/up
     share ``...mlp`` (engines fuse them; a bucket holding only part of them yields NaNs)."""
     parts = name.split(".")
-    return ".".join(parts[:-2]) if len(parts) > 2 else name
+    # "model.layers.3.self_attn.q_proj.weight" -> "model.layers.3.self_attn"; top-level weights
+    # such as "model.embed_tokens.weight" travel on their own.
+    return ".".join(parts[:-2]) if len(parts) > 3 else name
 
 
 def bucketize(

@@ -1,13 +1,15 @@
 """Shared helper for plugin-installation tests: a throwaway virtual environment.
 
-The venv sees the system site-packages (posttrain, pluggy, setuptools, pip), so installing a
-plugin into it takes seconds, needs no network, and leaves the test machine's environment alone.
+The venv sees the running interpreter's site-packages (posttrain, pluggy, setuptools, pip) through
+a ``.pth`` file, whether the tests run from a venv or not, so installing a plugin into it takes
+seconds, needs no network, and leaves the test machine's environment alone.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import site
 import subprocess
 import sys
 from pathlib import Path
@@ -26,12 +28,13 @@ def build_plugin_venv(root: Path, *packages: Path) -> Path:
     """
     venv = root / "venv"
     subprocess.run(
-        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)],
+        [sys.executable, "-m", "venv", "--without-pip", str(venv)],
         check=True,
         capture_output=True,
         text=True,
     )
     python = venv / "bin" / "python"
+    _inherit_site_packages(python)
     for package in packages:
         copy = root / "src" / package.name
         shutil.copytree(
@@ -58,6 +61,22 @@ def build_plugin_venv(root: Path, *packages: Path) -> Path:
         assert proc.returncode == 0, f"pip install {package} failed:\n{proc.stdout}\n{proc.stderr}"
     (root / "work").mkdir(exist_ok=True)
     return python
+
+
+def _inherit_site_packages(python: Path) -> None:
+    """Make the running interpreter's site dirs (and their .pth files) visible in the venv.
+
+    ``--system-site-packages`` would expose the *base* interpreter's packages, which lack
+    posttrain when the tests themselves run inside a virtual environment (as in CI)."""
+    target = subprocess.run(
+        [str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout.strip()
+    dirs = [d for d in (*site.getsitepackages(), site.getusersitepackages()) if os.path.isdir(d)]
+    lines = [f"import site; site.addsitedir({d!r})" for d in dirs]
+    Path(target, "_posttrain_parent_site.pth").write_text("\n".join(lines) + "\n")
 
 
 def clean_env(**extra: str) -> dict[str, str]:

@@ -82,7 +82,7 @@ class LocalWorkerGroup(WorkerGroup):
             try:
                 conn.send((method, tuple(call_args), kwargs or {}))
             except (BrokenPipeError, OSError) as exc:
-                raise self._dead(rank, f"cannot send {method}: {exc}") from None
+                raise self._dead(rank, f"when sent {method} ({exc})") from None
         return _LocalPending(self, method)
 
     def _collect(self, method: str, timeout_s: float | None = None) -> list[Any]:
@@ -97,7 +97,7 @@ class LocalWorkerGroup(WorkerGroup):
                     try:
                         status, value, trace = conn.recv()
                     except (EOFError, OSError):
-                        raise self._dead(rank, f"lost during {method}") from None
+                        raise self._dead(rank, f"during {method}") from None
                     pending.discard(rank)
                     if status == "error" and first_error is None:
                         first_error = WorkerError(self.role, rank, value, trace)
@@ -105,9 +105,7 @@ class LocalWorkerGroup(WorkerGroup):
                         deadline = min(deadline, time.monotonic() + 10.0)
                     results[rank] = value
                 elif not self.procs[rank].is_alive():
-                    raise self._dead(
-                        rank, f"exited with code {self.procs[rank].exitcode} during {method}"
-                    )
+                    raise self._dead(rank, f"during {method}")
             if pending and time.monotonic() > deadline:
                 if first_error:
                     raise first_error
@@ -121,8 +119,14 @@ class LocalWorkerGroup(WorkerGroup):
             raise first_error
         return results
 
-    def _dead(self, rank: int, what: str) -> WorkerError:
-        return WorkerError(self.role, rank, f"worker process {what}", tail(self.log_paths[rank]))
+    def _dead(self, rank: int, when: str) -> WorkerError:
+        proc = self.procs[rank]
+        if proc.exitcode is None:
+            proc.join(timeout=2.0)  # a closed pipe: the process is most likely on its way out
+        what = "lost" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        return WorkerError(
+            self.role, rank, f"worker process {what} {when}", tail(self.log_paths[rank])
+        )
 
     def shutdown(self) -> None:
         if self._stopped:

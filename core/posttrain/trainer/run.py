@@ -332,8 +332,6 @@ class Trainer:
             kl = kl_penalty(old, ref, self.wf.algorithm.kl_estimator) * batch.response_mask
             metrics["actor/kl"] = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
             batch.meta["seq_kl"] = kl.sum(dim=1)
-        else:
-            metrics["actor/kl"] = 0.0
         return batch, metrics
 
     def _advantages(self, batch: SequenceBatch, rewards):

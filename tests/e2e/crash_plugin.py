@@ -1,0 +1,19 @@
+"""Test-only plugin, loaded through a workflow's ``plugins:`` list: kills the driver with SIGKILL
+while a checkpoint is being written (after a role saved its state, before the manifest exists).
+
+Enabled by ``POSTTRAIN_TEST_CRASH_AT_CHECKPOINT=N`` (the step whose checkpoint is interrupted).
+"""
+
+import os
+import signal
+
+from posttrain import hookimpl
+
+
+@hookimpl(wrapper=True)
+def posttrain_save_checkpoint(worker, path):
+    result = yield
+    step = os.environ.get("POSTTRAIN_TEST_CRASH_AT_CHECKPOINT")
+    if step and f".checkpoint-{step}.tmp" in path and worker.rank == 0:
+        os.kill(os.getppid(), signal.SIGKILL)
+    return result

@@ -1,0 +1,24 @@
+"""README command 1's workflow learns: reward from chance to >= 0.8 (last 10 steps)."""
+
+import subprocess
+
+import pytest
+from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_quickstart_learns_addition(tmp_path, e2e_cache):
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        posttrain_cmd("run", str(QUICKSTART), "--set", f"trainer.output_dir={run_dir}",
+                      "--set", "trainer.resume=never", "--set", "trainer.logger=[jsonl]"),
+        capture_output=True, text=True, env=run_env(), timeout=580)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = read_metrics(run_dir)
+    rewards = [m["reward/mean"] for m in metrics]
+    assert len(rewards) == 400
+    assert sum(rewards[:5]) / 5 < 0.2, "the tiny model should start near chance"
+    assert sum(rewards[-10:]) / 10 >= 0.8
+    assert (run_dir / "curves.png").stat().st_size > 10_000
+    assert (run_dir / "checkpoint-400" / "manifest.json").exists()
