@@ -1,7 +1,7 @@
 """Time per phase of the quickstart (rollout, reward, log-probs, training, weight sync,
 checkpoint), steps/s and tokens/s, printed as a table.
 
-    python benchmarks/quickstart.py [--steps 100] [--save-steps 25] [--workflow examples/quickstart.yaml]
+    python benchmarks/quickstart.py [--steps 100] [--save-steps 25] [--workflow WORKFLOW.yaml]
 """
 
 from __future__ import annotations
@@ -28,10 +28,23 @@ def main() -> int:
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
-        cmd = [sys.executable, "-m", "posttrain.cli", "run", args.workflow,
-               "--set", f"trainer.output_dir={run_dir}", "--set", f"trainer.max_steps={args.steps}",
-               "--set", f"trainer.save_steps={args.save_steps}", "--set", "trainer.resume=never",
-               "--set", "trainer.logger=[jsonl]"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "posttrain.cli",
+            "run",
+            args.workflow,
+            "--set",
+            f"trainer.output_dir={run_dir}",
+            "--set",
+            f"trainer.max_steps={args.steps}",
+            "--set",
+            f"trainer.save_steps={args.save_steps}",
+            "--set",
+            "trainer.resume=never",
+            "--set",
+            "trainer.logger=[jsonl]",
+        ]
         for item in args.set:
             cmd += ["--set", item]
         start = time.perf_counter()
@@ -40,7 +53,8 @@ def main() -> int:
         if proc.returncode:
             print(proc.stdout[-2000:], proc.stderr[-2000:], file=sys.stderr)
             return proc.returncode
-        metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+        metrics = [json.loads(line) for line in lines]
     steady = metrics[1:] if len(metrics) > 1 else metrics  # step 1 warms caches up
     loop_time = sum(m["time/step"] for m in metrics)
     tokens = sum(m["perf/tokens_per_s"] * m["time/step"] for m in metrics)
@@ -48,9 +62,14 @@ def main() -> int:
     for phase in PHASES:
         values = [m.get(f"time/{phase}", 0.0) for m in steady]
         per_call = [v for v in values if v > 0]
-        rows.append((phase, 1000 * statistics.mean(values),
-                     1000 * statistics.mean(per_call) if per_call else 0.0,
-                     100 * sum(values) / sum(m["time/step"] for m in steady)))
+        rows.append(
+            (
+                phase,
+                1000 * statistics.mean(values),
+                1000 * statistics.mean(per_call) if per_call else 0.0,
+                100 * sum(values) / sum(m["time/step"] for m in steady),
+            )
+        )
     print(f"quickstart benchmark: {args.steps} steps, {Path(args.workflow).name}")
     print(f"{'phase':<12} {'ms/step':>9} {'ms/call':>9} {'share':>7}")
     for phase, per_step, per_call, share in rows:

@@ -8,8 +8,8 @@ Plugins implement these with ``@posttrain.hookimpl``. Two kinds of hooks exist:
 Worker hooks that act on one strategy are ``firstresult``: every implementation first checks
 ``worker.strategy_name`` and returns ``None`` when the strategy is not its own, so the plugin that
 owns the strategy answers. Cross-cutting plugins wrap them with ``wrapper=True`` (or the older
-``hookwrapper=True``) to time, log or transform, without owning a strategy. The model for this module is pytest's
-``_pytest/hookspec.py``.
+``hookwrapper=True``) to time, log or transform, without owning a strategy. The model for this
+module is pytest's ``_pytest/hookspec.py``.
 """
 
 from __future__ import annotations

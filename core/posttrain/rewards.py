@@ -40,8 +40,10 @@ def reward_function_names(hook) -> dict[str, str]:
     for impl in hook.posttrain_add_reward_functions.get_hookimpls():
         for name, target in (impl.function() or {}).items():
             if name in owners:
-                raise UserError(f"reward function '{name}' is declared by two plugins: "
-                                f"'{owners[name]}' and '{impl.plugin_name}'")
+                raise UserError(
+                    f"reward function '{name}' is declared by two plugins: "
+                    f"'{owners[name]}' and '{impl.plugin_name}'"
+                )
             names[name], owners[name] = target, impl.plugin_name
     return names
 

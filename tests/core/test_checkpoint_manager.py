@@ -17,8 +17,9 @@ def write_roles(tmp: str) -> dict:
 
 
 def save(run_dir, step, roles=write_roles, limit=None):
-    return manager.save_checkpoint(str(run_dir), step, roles, {"step": step, "sampler": {}},
-                                   {"posttrain": "0"}, limit)
+    return manager.save_checkpoint(
+        str(run_dir), step, roles, {"step": step, "sampler": {}}, {"posttrain": "0"}, limit
+    )
 
 
 def test_saved_checkpoint_has_manifest_with_checksums(tmp_path):
@@ -59,7 +60,7 @@ def test_corrupted_file_is_refused_with_its_name(tmp_path, damage):
         os.truncate(target, 100)
     else:
         os.remove(target)
-    with pytest.raises(CheckpointError, match="actor_train/weights.bin"):
+    with pytest.raises(CheckpointError, match=r"actor_train/weights\.bin"):
         manager.load_driver_state(path)
 
 
@@ -67,10 +68,10 @@ def test_missing_or_broken_manifest_is_refused(tmp_path):
     path = save(tmp_path, 1)
     with open(os.path.join(path, "manifest.json"), "w") as f:
         f.write("{not json")
-    with pytest.raises(CheckpointError, match="manifest.json"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json"):
         verify(path)
     os.remove(os.path.join(path, "manifest.json"))
-    with pytest.raises(CheckpointError, match="manifest.json is missing"):
+    with pytest.raises(CheckpointError, match=r"manifest\.json is missing"):
         verify(path)
 
 

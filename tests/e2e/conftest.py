@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -21,7 +20,8 @@ def posttrain_cmd(*args: str) -> list[str]:
 def run_env(**extra: str) -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
-        [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])])
+        [str(Path(__file__).parent), *filter(None, [env.get("PYTHONPATH")])]
+    )
     env.update(extra)
     return env
 

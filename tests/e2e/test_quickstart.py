@@ -11,9 +11,21 @@ from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
 def test_quickstart_learns_addition(tmp_path, e2e_cache):
     run_dir = tmp_path / "run"
     proc = subprocess.run(
-        posttrain_cmd("run", str(QUICKSTART), "--set", f"trainer.output_dir={run_dir}",
-                      "--set", "trainer.resume=never", "--set", "trainer.logger=[jsonl]"),
-        capture_output=True, text=True, env=run_env(), timeout=580)
+        posttrain_cmd(
+            "run",
+            str(QUICKSTART),
+            "--set",
+            f"trainer.output_dir={run_dir}",
+            "--set",
+            "trainer.resume=never",
+            "--set",
+            "trainer.logger=[jsonl]",
+        ),
+        capture_output=True,
+        text=True,
+        env=run_env(),
+        timeout=580,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(run_dir)
     rewards = [m["reward/mean"] for m in metrics]

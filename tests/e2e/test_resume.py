@@ -13,24 +13,45 @@ import torch
 from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
 from safetensors.torch import load_file
 
-SMALL = ("--set", "trainer.max_steps=10", "--set", "trainer.save_steps=3",
-         "--set", "algorithm.rollout_batch_size=8", "--set", "algorithm.group_size=4",
-         "--set", "trainer.logger=[jsonl]", "--set", "trainer.resume=auto")
+SMALL = (
+    "--set",
+    "trainer.max_steps=10",
+    "--set",
+    "trainer.save_steps=3",
+    "--set",
+    "algorithm.rollout_batch_size=8",
+    "--set",
+    "algorithm.group_size=4",
+    "--set",
+    "trainer.logger=[jsonl]",
+    "--set",
+    "trainer.resume=auto",
+)
 
 
 def run(run_dir: Path, *extra: str, env=None, check=True) -> subprocess.CompletedProcess:
     proc = subprocess.run(
-        posttrain_cmd("run", str(QUICKSTART), *SMALL, "--set", f"trainer.output_dir={run_dir}",
-                      *extra), capture_output=True, text=True, env=env or run_env(),
-        timeout=300)
+        posttrain_cmd(
+            "run", str(QUICKSTART), *SMALL, "--set", f"trainer.output_dir={run_dir}", *extra
+        ),
+        capture_output=True,
+        text=True,
+        env=env or run_env(),
+        timeout=300,
+    )
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
-    proc = subprocess.run(posttrain_cmd("export-hf", str(run_dir / "checkpoint-10"), str(out)),
-                          capture_output=True, text=True, env=run_env(), timeout=300)
+    proc = subprocess.run(
+        posttrain_cmd("export-hf", str(run_dir / "checkpoint-10"), str(out)),
+        capture_output=True,
+        text=True,
+        env=run_env(),
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return load_file(str(out / "model.safetensors"))
 
@@ -62,12 +83,18 @@ def test_sigkill_between_checkpoints_then_resume(tmp_path, uninterrupted):
     run_dir = tmp_path / "killed"
     proc = subprocess.Popen(
         posttrain_cmd("run", str(QUICKSTART), *SMALL, "--set", f"trainer.output_dir={run_dir}"),
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=run_env())
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=run_env(),
+    )
     deadline = time.monotonic() + 240
     metrics = run_dir / "metrics.jsonl"
     while time.monotonic() < deadline:
-        if (run_dir / "checkpoint-3").exists() and metrics.exists() and \
-                len(metrics.read_text().splitlines()) >= 4:
+        if (
+            (run_dir / "checkpoint-3").exists()
+            and metrics.exists()
+            and len(metrics.read_text().splitlines()) >= 4
+        ):
             break
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
@@ -81,8 +108,13 @@ def test_sigkill_between_checkpoints_then_resume(tmp_path, uninterrupted):
 @pytest.mark.timeout(900)
 def test_sigkill_while_writing_a_checkpoint_then_resume(tmp_path, uninterrupted):
     run_dir = tmp_path / "killed-in-save"
-    crash = run(run_dir, "--set", "plugins=[crash_plugin]", check=False,
-                env=run_env(POSTTRAIN_TEST_CRASH_AT_CHECKPOINT="6"))
+    crash = run(
+        run_dir,
+        "--set",
+        "plugins=[crash_plugin]",
+        check=False,
+        env=run_env(POSTTRAIN_TEST_CRASH_AT_CHECKPOINT="6"),
+    )
     assert crash.returncode == -signal.SIGKILL
     # The interrupted checkpoint was never renamed into place; the previous one is intact.
     assert (run_dir / ".checkpoint-6.tmp").exists()

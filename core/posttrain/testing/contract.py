@@ -72,8 +72,7 @@ def samples_batch(out, pad_id: int = 0) -> SequenceBatch:
 
 def max_sample_logprob_diff(out, ref) -> float:
     worst = 0.0
-    for i, (p, r, lps) in enumerate(zip(out.prompt_ids, out.response_ids,
-                                        out.response_logprobs)):
+    for i, (p, lps) in enumerate(zip(out.prompt_ids, out.response_logprobs)):
         for j, lp in enumerate(lps):
             worst = max(worst, abs(float(ref[i, len(p) + j]) - lp))
     return worst
@@ -91,10 +90,15 @@ def synthetic_train_batch(seed: int = 0, dp_size: int = 1) -> SequenceBatch:
         responses.append(torch.randint(4, 19, (length,), generator=gen).tolist())
     batch = build_sequence_batch(prompts, responses, 0)
     adv = torch.randn(len(batch), generator=gen)
-    batch = batch.with_tensors(old_logprobs=torch.zeros_like(batch.response_mask) - 2.5,
-                               advantages=adv[:, None] * batch.response_mask)
-    batch.meta.update(global_tokens=float(batch.response_mask.sum()),
-                      global_seqs=float(len(batch)), dp_size=dp_size)
+    batch = batch.with_tensors(
+        old_logprobs=torch.zeros_like(batch.response_mask) - 2.5,
+        advantages=adv[:, None] * batch.response_mask,
+    )
+    batch.meta.update(
+        global_tokens=float(batch.response_mask.sum()),
+        global_seqs=float(len(batch)),
+        dp_size=dp_size,
+    )
     return batch
 
 
@@ -120,11 +124,16 @@ class StrategyContract:
         from posttrain.launcher.base import GroupSpec
         from posttrain.launcher.local import LocalLauncher
 
-        launcher = LocalLauncher(call_timeout_s=self.group_timeout_s,
-                                 start_timeout_s=self.group_timeout_s)
+        launcher = LocalLauncher(
+            call_timeout_s=self.group_timeout_s, start_timeout_s=self.group_timeout_s
+        )
 
-        def start(strategy: str | None = None, config: Any = None,
-                  world_size: int | None = None, role: str = "actor_train"):
+        def start(
+            strategy: str | None = None,
+            config: Any = None,
+            world_size: int | None = None,
+            role: str = "actor_train",
+        ):
             if strategy is None:
                 strategy, config = self.strategy, spec_and_config[1]
             elif config is None:
@@ -135,10 +144,18 @@ class StrategyContract:
                 device_mapping=tuple(range(ranks)),
                 model_args=ModelArgs(model_name_or_path=tiny_model_path),
                 training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0),
-                generating_args=GeneratingArgs())
-            spec = GroupSpec(role=role, config=role_config, algorithm=AlgorithmConfig(),
-                             seed=1234, run_dir=str(tmp_path / "run"), base_dir=str(tmp_path),
-                             device="cpu", threads=1)
+                generating_args=GeneratingArgs(),
+            )
+            spec = GroupSpec(
+                role=role,
+                config=role_config,
+                algorithm=AlgorithmConfig(),
+                seed=1234,
+                run_dir=str(tmp_path / "run"),
+                base_dir=str(tmp_path),
+                device="cpu",
+                threads=1,
+            )
             return launcher.start_group(spec)
 
         yield start
@@ -160,8 +177,7 @@ class StrategyContract:
         assert {p["dp_rank"] for p in group.parallel} == set(range(group.dp_size))
         assert all(p["dp_size"] == group.dp_size for p in group.parallel)
 
-    def test_logprobs_match_transformers_forward(self, spec_and_config, start,
-                                                 tiny_model_path):
+    def test_logprobs_match_transformers_forward(self, spec_and_config, start, tiny_model_path):
         if not spec_and_config[0].capabilities.computes_logprobs:
             pytest.skip("strategy does not compute log-probs")
         group = start()
@@ -179,13 +195,17 @@ class StrategyContract:
         from posttrain.protocol import RolloutSamples
 
         sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens)
-        shares = [GenerationRequest(prompt_ids=PROMPTS[(2 * i) % 4:(2 * i) % 4 + 2],
-                                    sampling=sampling, seed=seed + i)
-                  for i in range(group.dp_size)]
+        shares = [
+            GenerationRequest(
+                prompt_ids=PROMPTS[(2 * i) % 4 : (2 * i) % 4 + 2], sampling=sampling, seed=seed + i
+            )
+            for i in range(group.dp_size)
+        ]
         return RolloutSamples.concat(group.call_dp("generate", shares))
 
-    def test_generate_logprobs_match_transformers_forward(self, spec_and_config, start,
-                                                          tiny_model_path):
+    def test_generate_logprobs_match_transformers_forward(
+        self, spec_and_config, start, tiny_model_path
+    ):
         self.require(spec_and_config, "rollout")
         group = start()
         out = self._generate(group)
@@ -222,8 +242,7 @@ class StrategyContract:
             assert len(names) == len(set(names))
             state.update(dict(bucket.tensors))
 
-    def test_export_weights_equal_loaded_checkpoint(self, spec_and_config, start,
-                                                    tiny_model_path):
+    def test_export_weights_equal_loaded_checkpoint(self, spec_and_config, start, tiny_model_path):
         self.require(spec_and_config, "train")
         from safetensors.torch import load_file
 
@@ -251,8 +270,9 @@ class StrategyContract:
         from posttrain.protocol import concat_tensor_rows
 
         per = len(sample_batch) // trainer.dp_size
-        shares = [sample_batch.select(list(range(i * per, (i + 1) * per)))
-                  for i in range(trainer.dp_size)]
+        shares = [
+            sample_batch.select(list(range(i * per, (i + 1) * per))) for i in range(trainer.dp_size)
+        ]
         got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
         assert max_sample_logprob_diff(out, got) <= self.logprob_tolerance
 
@@ -269,8 +289,9 @@ class StrategyContract:
         assert a.response_ids == b.response_ids
         assert a.response_logprobs == b.response_logprobs
 
-    def test_checkpoint_round_trip_is_exact(self, spec_and_config, start, tmp_path,
-                                            tiny_model_path):
+    def test_checkpoint_round_trip_is_exact(
+        self, spec_and_config, start, tmp_path, tiny_model_path
+    ):
         supports = self.supports_checkpoint
         if supports is None:
             supports = self.kind(spec_and_config) == "train"
@@ -298,4 +319,3 @@ class StrategyContract:
         second.call_dp("train_step", next_batch.split(second.dp_size))
         a, b = self._export(first), self._export(second)
         assert all(torch.equal(a[k], b[k]) for k in a)
-

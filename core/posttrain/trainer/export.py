@@ -34,8 +34,9 @@ def export_checkpoint_to_hf(checkpoint_dir: str, output: str, host, console) -> 
         with open(copy, encoding="utf-8") as f:
             saved = yaml.safe_load(f)
     except OSError as exc:
-        raise CheckpointError(f"{copy} is needed to rebuild the trainer and cannot be read "
-                              f"({exc})") from None
+        raise CheckpointError(
+            f"{copy} is needed to rebuild the trainer and cannot be read ({exc})"
+        ) from None
     raw = dict(saved["workflow"])
     raw.pop("base_dir", None)
     report = ErrorReport()
@@ -44,15 +45,18 @@ def export_checkpoint_to_hf(checkpoint_dir: str, output: str, host, console) -> 
     role = getattr(workflow, EXPORTED_ROLE)
     layout = manifest.roles[EXPORTED_ROLE]
     if role.num_ranks != layout["world_size"]:
-        raise CheckpointError(f"{copy} maps {role.num_ranks} ranks but the checkpoint was "
-                              f"saved by {layout['world_size']}")
+        raise CheckpointError(
+            f"{copy} maps {role.num_ranks} ranks but the checkpoint was "
+            f"saved by {layout['world_size']}"
+        )
     output = os.path.abspath(output)
     staging = output + ".tmp-export"
     shutil.rmtree(staging, ignore_errors=True)
     launcher = make_launcher(workflow)
     try:
-        group = launcher.start_group(group_spec(workflow, EXPORTED_ROLE, role, run_dir,
-                                                resolve_device(workflow)))
+        group = launcher.start_group(
+            group_spec(workflow, EXPORTED_ROLE, role, run_dir, resolve_device(workflow))
+        )
         group.call("load_checkpoint", os.path.join(checkpoint_dir, EXPORTED_ROLE))
         group.call("export_hf", staging)
     finally:
