@@ -21,7 +21,7 @@ from posttrain.strategy import KNOWN_PROVIDERS, StrategySpec
 
 ENTRY_POINT_GROUP = "posttrain"
 BUILTIN_PLUGINS = (
-    "posttrain.builtin.hf_infer_plugin",
+    "posttrain.builtin.hf_infer_plugin:plugin",
     "posttrain.builtin.rewards",
     "posttrain.builtin.transports",
     "posttrain.builtin.plotting",
@@ -171,10 +171,12 @@ def create_plugin_host(extra_plugins: list[ModuleType | object] | None = None) -
     pm = pluggy.PluginManager("posttrain")
     pm.add_hookspecs(hookspecs)
     host = PluginHost(pm)
-    for module_name in BUILTIN_PLUGINS:
+    for name in BUILTIN_PLUGINS:
+        # "module" registers the module's functions; "module:attr" a plugin object.
+        module_name, _, attr = name.partition(":")
         module = importlib.import_module(module_name)
         host._register(
-            module,
+            getattr(module, attr) if attr else module,
             module_name,
             PluginInfo(
                 name=module_name, source="builtin", distribution="posttrain", version=__version__

@@ -112,8 +112,9 @@ def test_validate_ok_exits_zero(write_workflow, model_dir, capsys, monkeypatch):
         model_args: {{model_name_or_path: {model_dir}}}
         data: {{synthetic: {{}}}}
         algorithm: {{name: grpo, group_size: 2, rollout_batch_size: 4}}
+        plugins: [export_source_plugin]
         actor_train:
-          strategy_args: {{strategy_name: hf_infer}}
+          strategy_args: {{strategy_name: contract_fake_export}}
           device_mapping: [0, 1]
         actor_infer:
           strategy_args: {{strategy_name: hf_infer}}
@@ -122,7 +123,7 @@ def test_validate_ok_exits_zero(write_workflow, model_dir, capsys, monkeypatch):
     )
     assert main(["validate", path]) == EXIT_OK
     out = capsys.readouterr().out
-    assert f"ok: {path} (actor_train=hf_infer[2], actor_infer=hf_infer[2])" in out
+    assert f"ok: {path} (actor_train=contract_fake_export[2], actor_infer=hf_infer[2])" in out
 
 
 def test_validate_set_override(write_workflow, model_dir, capsys, monkeypatch):
@@ -155,7 +156,7 @@ def test_plugins_lists_builtins_and_hf_infer(capsys, monkeypatch):
     from posttrain.plugin_host import BUILTIN_PLUGINS
 
     rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 5}
-    for name in BUILTIN_PLUGINS:
+    for name in (entry.partition(":")[0] for entry in BUILTIN_PLUGINS):
         assert name in rows, out
         assert "builtin" in rows[name]
     assert "hf_infer" in rows["posttrain.builtin.hf_infer_plugin"]

@@ -171,10 +171,20 @@ def export_hf(worker, path: str) -> bool:
     return True
 
 
-def move_model(worker, device: str) -> bool:
-    worker.model.to(device)
-    if device == "cpu" and torch.cuda.is_available():
+def release_memory(worker, tags: list[str]) -> bool:
+    """Move the weights to host memory while a colocated role uses the device."""
+    worker.model.to("cpu")
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return True
+
+
+def resume_memory(worker, tags: list[str]) -> bool:
+    worker.model.to(worker.device)
+    return True
+
+
+def shutdown(worker) -> bool:
     return True
 
 

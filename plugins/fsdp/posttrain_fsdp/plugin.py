@@ -1,8 +1,8 @@
 """The ``fsdp2_train`` and ``fsdp2_infer`` strategies: HF models sharded with PyTorch FSDP2.
 
 This module is cheap to import (no torch): ``posttrain validate`` and ``posttrain plugins`` load
-it. The hooks import :mod:`posttrain_fsdp.engine` when a rank of one of these strategies first
-needs it.
+it. The worker hooks (from :class:`posttrain.engine_hooks.EngineHooks`) import
+:mod:`posttrain_fsdp.engine` when a rank of one of these strategies first needs it.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ from typing import Literal
 import attrs
 
 from posttrain import hookimpl
+from posttrain.engine_hooks import EngineHooks
 from posttrain.strategy import Capabilities, StrategySpec
 
 TRAIN = "fsdp2_train"
@@ -62,98 +63,28 @@ class FSDP2InferConfig:
     cpu_offload: bool = False
 
 
-@hookimpl
-def posttrain_add_strategies():
-    return [
-        StrategySpec(
-            name=TRAIN,
-            config_class=FSDP2TrainConfig,
-            capabilities=Capabilities(
-                kind="train", exports_hf_weights=True, computes_logprobs=True
+class FSDPPlugin(EngineHooks):
+    strategies = STRATEGIES
+    engine = "posttrain_fsdp.engine"
+
+    @hookimpl
+    def posttrain_add_strategies(self):
+        return [
+            StrategySpec(
+                name=TRAIN,
+                config_class=FSDP2TrainConfig,
+                capabilities=Capabilities(
+                    kind="train", exports_hf_weights=True, computes_logprobs=True
+                ),
+                description="training with PyTorch FSDP2 and torch DCP checkpoints",
             ),
-            description="training with PyTorch FSDP2 and torch DCP checkpoints",
-        ),
-        StrategySpec(
-            name=INFER,
-            config_class=FSDP2InferConfig,
-            capabilities=Capabilities(kind="infer", computes_logprobs=True),
-            description="log-probs (reference / old policy) with a PyTorch FSDP2-sharded model",
-        ),
-    ]
+            StrategySpec(
+                name=INFER,
+                config_class=FSDP2InferConfig,
+                capabilities=Capabilities(kind="infer", computes_logprobs=True),
+                description="log-probs (reference / old policy) with an FSDP2-sharded model",
+            ),
+        ]
 
 
-def _engine(worker):
-    if worker.strategy_name not in STRATEGIES:
-        return None
-    from posttrain_fsdp import engine
-
-    return engine
-
-
-@hookimpl
-def posttrain_setup_parallel(worker):
-    engine = _engine(worker)
-    return engine.setup_parallel(worker) if engine else None
-
-
-@hookimpl
-def posttrain_load_model(worker):
-    engine = _engine(worker)
-    return engine.load_model(worker) if engine else None
-
-
-@hookimpl
-def posttrain_compute_logprobs(worker, batch):
-    engine = _engine(worker)
-    return engine.compute_logprobs(worker, batch) if engine else None
-
-
-@hookimpl
-def posttrain_train_step(worker, batch, loss_fn):
-    if worker.strategy_name != TRAIN:
-        return None
-    from posttrain_fsdp import engine
-
-    return engine.train_step(worker, batch, loss_fn)
-
-
-@hookimpl
-def posttrain_export_weights(worker, bucket_bytes):
-    engine = _engine(worker)
-    return engine.export_weights(worker, bucket_bytes) if engine else None
-
-
-@hookimpl
-def posttrain_save_checkpoint(worker, path):
-    engine = _engine(worker)
-    return engine.save_checkpoint(worker, path) if engine else None
-
-
-@hookimpl
-def posttrain_load_checkpoint(worker, path):
-    engine = _engine(worker)
-    return engine.load_checkpoint(worker, path) if engine else None
-
-
-@hookimpl
-def posttrain_export_hf(worker, path):
-    engine = _engine(worker)
-    return engine.export_hf(worker, path) if engine else None
-
-
-@hookimpl
-def posttrain_release_memory(worker, tags):
-    engine = _engine(worker)
-    return engine.release_memory(worker, tags) if engine else None
-
-
-@hookimpl
-def posttrain_resume_memory(worker, tags):
-    engine = _engine(worker)
-    return engine.resume_memory(worker, tags) if engine else None
-
-
-@hookimpl
-def posttrain_shutdown_worker(worker):
-    engine = _engine(worker)
-    return engine.shutdown(worker) if engine else None
+plugin = FSDPPlugin()
