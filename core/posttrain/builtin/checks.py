@@ -10,6 +10,7 @@ from posttrain import hookimpl
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import Workflow
 from posttrain.doctor import EnvCheck
+from posttrain.launcher.base import partial_overlaps
 from posttrain.presets import PRESETS, is_preset
 
 REQUIRED_ROLES = {
@@ -35,6 +36,7 @@ def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorRep
     failed = report.failed_sections
     if not failed & {"algorithm", *REQUIRED_ROLES["ppo"], "reference"}:
         _check_roles(workflow, report)
+    _check_strategy_kinds(workflow, strategies, report)
     _check_models(workflow, report)
     if "data" not in failed:
         _check_data(workflow, report)
@@ -42,6 +44,38 @@ def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorRep
         _check_batches(workflow, strategies, report)
     if "trainer" not in failed:
         _check_trainer(workflow, report)
+    if "cluster" not in failed:
+        _check_cluster(workflow, report)
+
+
+# What each role asks of its strategy: the kinds that can fill it.
+ROLE_KINDS = {
+    "actor_train": ("train",),
+    "actor_infer": ("rollout",),
+    "reference": ("infer", "train", "rollout"),
+    "critic": ("train",),
+}
+
+
+def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None:
+    for name, role in wf.roles().items():
+        spec = strategies.get(role.strategy_args.strategy_name)
+        if spec is None:
+            continue  # unknown strategy: already reported
+        kinds = ROLE_KINDS[name]
+        if spec.capabilities.kind not in kinds:
+            fitting = sorted(s for s, sp in strategies.items() if sp.capabilities.kind in kinds)
+            report.error(
+                join_path(name, "strategy_args", "strategy_name"),
+                f"'{spec.name}' is a {spec.capabilities.kind} strategy; {name} needs "
+                f"one of kind {' or '.join(kinds)}",
+                f"installed: {', '.join(fitting) or 'none'}",
+            )
+        elif name == "reference" and not spec.capabilities.computes_logprobs:
+            report.error(
+                join_path(name, "strategy_args", "strategy_name"),
+                f"'{spec.name}' does not compute log-probs, which reference needs",
+            )
 
 
 def _check_roles(wf: Workflow, report: ErrorReport) -> None:
@@ -209,3 +243,15 @@ def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
                 f"module '{module}' cannot be found",
                 "put it next to the workflow or on PYTHONPATH",
             )
+
+
+def _check_cluster(wf: Workflow, report: ErrorReport) -> None:
+    if wf.cluster.launcher != "ray":
+        return  # the local launcher runs any mapping
+    for _, b, message in partial_overlaps(wf.roles()):
+        report.error(
+            join_path(b, "device_mapping"),
+            message,
+            "map both roles to the same devices, or one to a subset of the other's, "
+            "or to devices of their own",
+        )

@@ -77,6 +77,10 @@ class WorkerGroup(abc.ABC):
     def shutdown(self) -> None:
         """Stop every rank (idempotent)."""
 
+    def master_address(self) -> str:
+        """The address of rank 0's host, for rendezvous with other groups (weight sync)."""
+        return "127.0.0.1"
+
 
 class Launcher(abc.ABC):
     @abc.abstractmethod
@@ -97,3 +101,24 @@ def tail(path: str, lines: int = 20) -> str:
             return "".join(f.readlines()[-lines:])
     except OSError:
         return ""
+
+
+def partial_overlaps(roles: dict[str, RoleConfig]) -> list[tuple[str, str, str]]:
+    """``(role_a, role_b, message)`` for each two roles whose device mappings overlap without
+    one holding the other (the ray launcher colocates equal mappings and subsets only)."""
+    found = []
+    names = list(roles)
+    for i, a in enumerate(names):
+        for b in names[i + 1 :]:
+            da, db = set(roles[a].device_mapping), set(roles[b].device_mapping)
+            if da & db and not (da <= db or db <= da):
+                found.append(
+                    (
+                        a,
+                        b,
+                        f"{a}.device_mapping {sorted(da)} and {b}.device_mapping {sorted(db)} "
+                        "overlap only in part; the ray launcher colocates roles on the same "
+                        "devices, or on a subset of another role's devices",
+                    )
+                )
+    return found

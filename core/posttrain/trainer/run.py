@@ -52,9 +52,11 @@ def make_launcher(workflow: Workflow) -> Launcher:
         return LocalLauncher(
             call_timeout_s=cluster.call_timeout_s, start_timeout_s=cluster.start_timeout_s
         )
-    raise UserError(
-        f"cluster.launcher: '{cluster.launcher}' is not available in this version; use 'local'"
-    )
+    if cluster.launcher == "ray":
+        from posttrain.launcher.ray_launcher import RayLauncher
+
+        return RayLauncher(cluster, workflow.roles(), resolve_device(workflow))
+    raise UserError(f"cluster.launcher: '{cluster.launcher}' is not available; use local or ray")
 
 
 def group_spec(

@@ -12,6 +12,15 @@ _GROUP = "_sync_group"
 _PENDING = "_sync_pending_bucket"
 
 
+def free_port(runtime) -> int:
+    """A TCP port free on this rank's host (the sync group's store listens there)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("", 0))
+        return s.getsockname()[1]
+
+
 def join_sync_group(
     runtime, addr: str, port: int, group_rank: int, size: int, timeout_s: float = 300.0
 ) -> bool:

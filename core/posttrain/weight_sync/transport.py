@@ -58,20 +58,20 @@ class BroadcastTransport(WeightTransport):
         self._joined = False
 
     def _join(self, source: WorkerGroup, target: WorkerGroup) -> None:
-        from posttrain.launcher.local import free_port
-
-        port = free_port()
+        # Trainer rank 0 hosts the store: its host's address, a port free there.
+        addr = source.master_address()
+        port = source.call("run_function", f"{RANK_SIDE}:free_port")[0]
         size = 1 + target.world_size
         fn = f"{RANK_SIDE}:join_sync_group"
         src = source.submit(
             "run_function",
             per_rank_args=[
-                (fn, "127.0.0.1", port, 0 if r == 0 else -1, size) for r in range(source.world_size)
+                (fn, addr, port, 0 if r == 0 else -1, size) for r in range(source.world_size)
             ],
         )
         dst = target.submit(
             "run_function",
-            per_rank_args=[(fn, "127.0.0.1", port, 1 + r, size) for r in range(target.world_size)],
+            per_rank_args=[(fn, addr, port, 1 + r, size) for r in range(target.world_size)],
         )
         src.wait()
         dst.wait()

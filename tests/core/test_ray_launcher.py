@@ -1,0 +1,147 @@
+"""The ray launcher: partial overlap refused by validate (without importing Ray), placement of
+colocated roles on shared bundles, rank environment, logs, and errors naming role/rank/node."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from posttrain.errors import WorkerError
+from posttrain.launcher.base import partial_overlaps
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+
+
+def test_partial_overlaps_allows_equal_subset_and_disjoint_mappings():
+    def roles(**maps):
+        return {name: SimpleNamespace(device_mapping=tuple(m)) for name, m in maps.items()}
+
+    assert partial_overlaps(roles(a=[0, 1], b=[0, 1], c=[1], d=[2, 3])) == []
+    found = partial_overlaps(roles(a=[0, 1], b=[1, 2]))
+    assert [(a, b) for a, b, _ in found] == [("a", "b")]
+    assert "overlap only in part" in found[0][2]
+
+
+def _validate(*overrides: str) -> subprocess.CompletedProcess:
+    code = textwrap.dedent(
+        """\
+        import sys
+        from posttrain.cli import main
+        rc = main(["validate", *sys.argv[1:]])
+        print(f"RESULT rc={rc} ray={'ray' in sys.modules} torch={'torch' in sys.modules}")
+        """
+    )
+    sets = [item for o in overrides for item in ("--set", o)]
+    return subprocess.run(
+        [sys.executable, "-c", code, str(QUICKSTART), *sets],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+def test_validate_refuses_partial_overlap_with_ray_only_and_imports_no_ray():
+    partial = "actor_infer.device_mapping=[1,2]"
+    proc = _validate("cluster.launcher=ray", partial)
+    out = proc.stdout + proc.stderr
+    assert "RESULT rc=2 ray=False torch=False" in out, out
+    assert "actor_infer.device_mapping: actor_train.device_mapping [0, 1] and" in out
+    assert "overlap only in part" in out
+    proc = _validate("cluster.launcher=local", partial)
+    assert "RESULT rc=0 ray=False" in proc.stdout, proc.stdout + proc.stderr
+    proc = _validate("cluster.launcher=ray")
+    assert "RESULT rc=0 ray=False" in proc.stdout, proc.stdout + proc.stderr
+
+
+@pytest.fixture(scope="module")
+def ray_setup(posttrain_cache, tmp_path_factory):
+    pytest.importorskip("ray")
+    from posttrain.config.workflow import load_workflow
+    from posttrain.launcher.ray_launcher import RayLauncher
+    from posttrain.plugin_host import create_plugin_host
+
+    host = create_plugin_host()
+    overrides = {
+        "cluster.launcher": "ray",
+        "cluster.num_cpus": 2,
+        "cluster.object_store_memory": 256 << 20,
+        "cluster.call_timeout_s": 60,
+        "cluster.runtime_env": {
+            "env_vars": {"PT_TEST_VAR": 7, "PYTHONPATH": str(Path(__file__).parent)}
+        },
+    }
+    workflow, report = load_workflow(str(QUICKSTART), host, overrides)
+    assert workflow is not None, report
+    launcher = RayLauncher(workflow.cluster, workflow.roles(), "cpu")
+    yield workflow, launcher, tmp_path_factory.mktemp("ray-run")
+    launcher.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_colocated_roles_share_bundles(ray_setup):
+    _, launcher, _ = ray_setup
+    train, infer, ref = (
+        launcher.placements[n] for n in ("actor_train", "actor_infer", "reference")
+    )
+    assert train.pg is infer.pg is ref.pg
+    assert (train.bundles, infer.bundles, ref.bundles) == ([0, 1], [0], [1])
+    # 2 CPUs, 2 bundles: half the CPUs in bundles, each bundle split between its 2 ranks.
+    assert train.cpus == infer.cpus + ref.cpus == [0.25, 0.25]
+    assert train.gpus == [0, 0]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_group_env_logs_and_errors(ray_setup):
+    from posttrain.trainer.run import group_spec
+
+    workflow, launcher, run_dir = ray_setup
+    role = workflow.actor_infer
+    group = launcher.start_group(group_spec(workflow, "actor_infer", role, str(run_dir), "cpu"))
+    assert group.call("ping")
+    env = group.call("run_function", "ray_rank_helpers:rank_env")[0]
+    assert env["MASTER_ADDR"] == group.master_address() != ""
+    assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["PT_TEST_VAR"]) == (
+        "0",
+        "1",
+        "0",
+        "7",
+    )
+    log = run_dir / "logs" / "actor_infer.rank0.log"
+    assert "rank_env called on rank 0" in log.read_text()
+
+    with pytest.raises(WorkerError) as raised:
+        group.call("run_function", "ray_rank_helpers:boom")
+    text = f"{raised.value}\n{raised.value.remote_traceback}"
+    assert f"actor_infer rank 0: ValueError: boom (node {group.master_address()})" in text
+    assert "last lines of" in text and "about to fail" in text
+
+    start = time.monotonic()
+    with pytest.raises(WorkerError) as raised:
+        group.call("run_function", "ray_rank_helpers:die")
+    assert time.monotonic() - start < 30
+    text = f"{raised.value}\n{raised.value.remote_traceback}"
+    assert "actor_infer rank 0: worker actor died during run_function (node " in text
+    assert "about to exit" in text
+    group.shutdown()
+    group.shutdown()  # idempotent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_launcher_shutdown_stops_its_ray(ray_setup):
+    import ray
+
+    _, launcher, _ = ray_setup
+    assert ray.is_initialized()
+    launcher.shutdown()
+    assert not ray.is_initialized()
+    launcher.shutdown()  # idempotent
