@@ -111,12 +111,14 @@ class StrategyContract:
     logprob_tolerance: ClassVar[float] = 1e-5
     supports_checkpoint: ClassVar[bool | None] = None  # None: trainers yes, others no
     group_timeout_s: ClassVar[float] = 240.0
+    device: ClassVar[str] = "cpu"  # "cuda" runs the same contract on GPUs (NCCL)
 
     # -- helpers ---------------------------------------------------------------------------
 
     @pytest.fixture(scope="class")
-    def spec_and_config(self):
-        return _structure_config(self.strategy, dict(self.strategy_config))
+    @classmethod
+    def spec_and_config(cls):
+        return _structure_config(cls.strategy, dict(cls.strategy_config))
 
     @pytest.fixture
     def start(self, spec_and_config, tiny_model_path, tmp_path):
@@ -153,7 +155,7 @@ class StrategyContract:
                 seed=1234,
                 run_dir=str(tmp_path / "run"),
                 base_dir=str(tmp_path),
-                device="cpu",
+                device=self.device,
                 threads=1,
             )
             return launcher.start_group(spec)

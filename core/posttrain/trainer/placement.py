@@ -20,14 +20,19 @@ class TimeSharing:
         self.enabled = enabled
         self.released: set[str] = set()
 
-    def activate(self, role: str) -> None:
+    def activate(self, *roles: str) -> None:
+        """Make ``roles`` resident (a weight sync needs trainer and rollout at once); release
+        every other role that shares a device with one of them."""
         if not self.enabled:
             return
-        me = self.groups[role]
+        active = [self.groups[r] for r in roles]
         for name, other in self.groups.items():
-            if name != role and name not in self.released and colocated(me, other):
+            if name in roles or name in self.released:
+                continue
+            if any(colocated(me, other) for me in active):
                 other.call("release_memory", self.TAGS)
                 self.released.add(name)
-        if role in self.released:
-            me.call("resume_memory", self.TAGS)
-            self.released.discard(role)
+        for role in roles:
+            if role in self.released:
+                self.groups[role].call("resume_memory", self.TAGS)
+                self.released.discard(role)

@@ -371,7 +371,7 @@ class Trainer:
         return {k: v / updates for k, v in totals.items()}
 
     def _sync_weights(self) -> dict:
-        self.sharing.activate("actor_infer")
+        self.sharing.activate("actor_train", "actor_infer")
         result = self.host.hook.posttrain_sync_weights(
             source=self.groups["actor_train"],
             target=self.groups["actor_infer"],
