@@ -83,7 +83,7 @@ def hook_relay():
 
     pm = pluggy.PluginManager("posttrain")
     pm.add_hookspecs(hookspecs)
-    pm.register(posttrain_fsdp.plugin, name="fsdp")
+    pm.register(posttrain_fsdp.plugin.plugin, name="fsdp")
     return pm.hook
 
 
