@@ -1,0 +1,1 @@
+"""vLLM rollout strategy for posttrain."""

@@ -1,0 +1,444 @@
+"""Engine side of the ``vllm`` strategy: one vLLM ``LLM`` per data-parallel replica.
+
+Reported log-probs are those of the model's own distribution (temperature 1, before top-k/top-p):
+the engine runs with ``logprobs_mode="raw_logprobs"``, so they compare directly with a trainer's
+forward pass, as ``hf_infer``'s do.
+
+Weight import: with the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``, the default
+here) the tensors go straight to the worker through ``collective_rpc("reload_weights",
+weights_iterator=...)``. With the multiprocessing engine tensors do not survive the RPC, so each
+bucket is written as safetensors into a tmpfs directory and loaded with ``weights_path=``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import multiprocessing
+import os
+import shutil
+import tempfile
+import time
+from contextlib import contextmanager, suppress
+from typing import Any
+
+import torch
+
+from posttrain.errors import UserError
+from posttrain.models import load_tokenizer, resolve_model_path
+from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch
+from posttrain_vllm import worker_side
+
+log = logging.getLogger("posttrain.vllm")
+
+_ENGINE = "vllm_engine"
+_SHM_DIR = "vllm_shm_dir"
+_CPU_SLEEP_WARNED = "vllm_cpu_sleep_warned"
+CPU_KV_CACHE_BYTES = 64 << 20
+_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
+_MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
+_EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+def _is_cuda(worker) -> bool:
+    return worker.device.startswith("cuda")
+
+
+def multiprocessing_engine() -> bool:
+    """Whether vLLM runs its engine core in a separate process (env ``VLLM_ENABLE_V1_...``)."""
+    return os.environ.get(_MP_ENV, "0").strip().lower() in ("1", "true")
+
+
+# ---------------------------------------------------------------------------------------------
+# setup and loading
+# ---------------------------------------------------------------------------------------------
+
+
+def setup_parallel(worker) -> dict[str, int]:
+    """Ranks ``[k*tp, (k+1)*tp)`` form replica ``k``; its first rank drives one engine that
+    spans the replica's GPUs (vLLM tensor parallelism). The other ranks of a replica idle."""
+    tp = worker.config.tensor_parallel_size
+    if worker.world_size % tp:
+        raise UserError(
+            f"vllm: {worker.world_size} ranks cannot be split into replicas of "
+            f"tensor_parallel_size={tp}"
+        )
+    if tp > 1 and not _is_cuda(worker):
+        raise UserError("vllm: tensor_parallel_size > 1 needs GPUs (device is cpu)")
+    return {
+        "dp_rank": worker.rank // tp,
+        "dp_size": worker.world_size // tp,
+        "tp_rank": worker.rank % tp,
+        "tp_size": tp,
+    }
+
+
+def _is_leader(worker) -> bool:
+    return worker.parallel.get("tp_rank", 0) == 0
+
+
+def engine_args(worker) -> dict[str, Any]:
+    """The keyword arguments of ``vllm.LLM`` for this worker (before ``engine_kwargs``)."""
+    cfg = worker.config
+    path = resolve_model_path(worker.model_args.model_name_or_path, worker.base_dir)
+    dtype = cfg.dtype or worker.model_args.dtype
+    args: dict[str, Any] = {
+        "model": path,
+        "dtype": _DTYPES.get(dtype, dtype),
+        "seed": worker.seed if cfg.seed is None else cfg.seed,
+        "enforce_eager": cfg.enforce_eager,
+        "load_format": cfg.load_format,
+        "tensor_parallel_size": cfg.tensor_parallel_size,
+        # Prompts arrive as token ids and the plugin stops on token ids: no tokenizer needed in
+        # the engine (and transformers 5 may reload a local tokenizer with another vocabulary).
+        "skip_tokenizer_init": True,
+        # Log-probs of the model's own distribution, before temperature / top-k / top-p.
+        "logprobs_mode": "raw_logprobs",
+        "trust_remote_code": worker.model_args.trust_remote_code,
+        # Weight import (and re-tying a tied LM head) runs in the worker through this.
+        "worker_extension_cls": worker_side.EXTENSION,
+    }
+    if cfg.kv_cache_memory_bytes is not None:
+        args["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
+    elif not _is_cuda(worker):
+        args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
+    if cfg.gpu_memory_utilization is not None:
+        args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
+    if cfg.max_model_len is not None:
+        args["max_model_len"] = cfg.max_model_len
+    if cfg.enable_prefix_caching is not None:
+        args["enable_prefix_caching"] = cfg.enable_prefix_caching
+    if _sleep_mode(worker):
+        args["enable_sleep_mode"] = True
+    if worker.model_args.tokenizer_name_or_path:
+        args["tokenizer"] = resolve_model_path(
+            worker.model_args.tokenizer_name_or_path, worker.base_dir
+        )
+    return args
+
+
+def _sleep_mode(worker) -> bool:
+    enabled = worker.config.enable_sleep_mode
+    return _is_cuda(worker) if enabled is None else bool(enabled)
+
+
+def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
+    """Unknown ``engine_kwargs`` keys: a clear error naming them and close matches."""
+    import dataclasses
+    import difflib
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    known = {f.name for f in dataclasses.fields(EngineArgs)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        hints = []
+        for key in unknown:
+            close = difflib.get_close_matches(key, known, n=1)
+            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise UserError(
+            "vllm: strategy_config.engine_kwargs has keys vLLM's EngineArgs does not accept: "
+            + ", ".join(hints)
+        )
+
+
+def check_cpu_head_size(path: str) -> None:
+    """vLLM's CPU attention kernels exist for some head sizes only (none below 32); say so
+    before the engine fails deep inside its first forward pass."""
+    if not os.path.isdir(path):
+        return
+    from transformers import AutoConfig
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    cfg = AutoConfig.from_pretrained(path)
+    heads = getattr(cfg, "num_attention_heads", None)
+    head_dim = getattr(cfg, "head_dim", None) or (heads and cfg.hidden_size // heads)
+    supported = CPUAttentionBackend.get_supported_head_sizes()
+    if head_dim and head_dim not in supported:
+        raise UserError(
+            f"vllm: the model's attention head size is {head_dim} (hidden_size "
+            f"{cfg.hidden_size} / {heads} heads); vLLM's CPU attention supports {supported}. "
+            "Use a model with another head size (e.g. preset:small-qwen2) or another strategy."
+        )
+
+
+@contextmanager
+def _children_allowed():
+    """Local launcher ranks are daemonic processes, which multiprocessing forbids to have
+    children; vLLM's multiprocessing engine starts its core process from here. Allow it while
+    the engine starts (the children are still terminated when the rank exits)."""
+    proc = multiprocessing.current_process()
+    daemon = proc._config.get("daemon")
+    proc._config["daemon"] = False
+    try:
+        yield
+    finally:
+        if daemon is not None:
+            proc._config["daemon"] = daemon
+
+
+def load_model(worker):
+    worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
+    if not _is_leader(worker):
+        return {"replica_leader": False}
+    os.environ.setdefault(_MP_ENV, "0")
+    if _is_cuda(worker) and "CUDA_VISIBLE_DEVICES" not in os.environ:
+        # The leader drives the replica's GPUs: its own and the next tp - 1. (A launcher that
+        # already narrowed the visible devices, as Ray does, is left alone.)
+        first = int(os.environ.get("LOCAL_RANK", "0"))
+        tp = worker.config.tensor_parallel_size
+        os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(tp))
+    args = engine_args(worker)
+    if not _is_cuda(worker):
+        check_cpu_head_size(args["model"])
+    extra = dict(worker.config.engine_kwargs)
+    check_engine_kwargs(extra)
+    args.update(extra)
+    threads = torch.get_num_threads()
+    from vllm import LLM
+
+    started = time.monotonic()
+    try:
+        with _children_allowed():
+            llm = LLM(**args)
+    except (TypeError, ValueError) as exc:
+        raise UserError(f"vllm: the engine rejected its arguments: {exc}") from exc
+    finally:
+        # vLLM drops torch to one thread in-process; give the rank back its setting.
+        _restore_threads(threads)
+    log.info(
+        "vLLM %s engine ready in %.1fs",
+        "multiprocess" if multiprocessing_engine() else "in-process",
+        time.monotonic() - started,
+    )
+    worker.state[_ENGINE] = llm
+    return llm
+
+
+def _restore_threads(threads: int) -> None:
+    with suppress(Exception):  # vLLM may have made it a no-op
+        torch.set_num_threads(threads)
+
+
+def _llm(worker):
+    return worker.state.get(_ENGINE)
+
+
+# ---------------------------------------------------------------------------------------------
+# rollout
+# ---------------------------------------------------------------------------------------------
+
+
+def _batch_size(worker) -> int | None:
+    return worker.state.get("infer_batch_size")
+
+
+def _request_seed(seed: int | None, index: int, n: int) -> int | None:
+    """A distinct, reproducible seed per prompt of a request. vLLM gives the ``n`` samples of a
+    prompt ``seed + j``, so the prompts' seeds are ``n`` apart."""
+    if seed is None:
+        return None
+    return (seed * 1_000_003 + index * n) % (2**62)
+
+
+def sampling_params(worker, sampling, seed: int | None, **extra):
+    from vllm import SamplingParams
+
+    eos = worker.state["tokenizer"].eos_token_id
+    stop = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
+    return SamplingParams(
+        n=sampling.n,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        top_k=sampling.top_k if sampling.top_k > 0 else 0,
+        max_tokens=sampling.max_new_tokens,
+        stop_token_ids=stop,
+        logprobs=0,  # the sampled token's log-prob only
+        seed=seed,
+        detokenize=False,
+        **extra,
+    )
+
+
+def generate(worker, request: GenerationRequest) -> RolloutSamples:
+    out = RolloutSamples(prompt_ids=[], response_ids=[], response_logprobs=[])
+    llm = _llm(worker)
+    if llm is None:  # a non-leader rank of a tensor-parallel replica
+        return out
+    from vllm.inputs import TokensPrompt
+
+    prompts = [list(p) for p in request.prompt_ids]
+    params = [
+        sampling_params(
+            worker, request.sampling, _request_seed(request.seed, i, request.sampling.n)
+        )
+        for i in range(len(prompts))
+    ]
+    step = _batch_size(worker) or len(prompts) or 1
+    for start in range(0, len(prompts), step):
+        chunk = prompts[start : start + step]
+        results = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in chunk],
+            params[start : start + step],
+            use_tqdm=False,
+        )
+        for prompt, result in zip(chunk, results):
+            for completion in sorted(result.outputs, key=lambda c: c.index):
+                ids = list(completion.token_ids)
+                logprobs = completion.logprobs or []
+                out.prompt_ids.append(prompt)
+                out.response_ids.append(ids)
+                out.response_logprobs.append(
+                    [float(lp[tok].logprob) for tok, lp in zip(ids, logprobs)]
+                )
+    return out
+
+
+def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+    """Log-probs of given sequences through vLLM's prompt log-probs (one token generated)."""
+    result = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    llm = _llm(worker)
+    if llm is None:
+        return result
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    prompts = [batch.input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
+    params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
+    step = _batch_size(worker) or len(prompts) or 1
+    for start in range(0, len(prompts), step):
+        chunk = prompts[start : start + step]
+        outs = llm.generate(
+            [TokensPrompt(prompt_token_ids=p) for p in chunk], params, use_tqdm=False
+        )
+        for row, (ids, o) in enumerate(zip(chunk, outs), start=start):
+            for t in range(1, len(ids)):
+                result[row, t] = float(o.prompt_logprobs[t][ids[t]].logprob)
+    return result
+
+
+# ---------------------------------------------------------------------------------------------
+# weight sync
+# ---------------------------------------------------------------------------------------------
+
+
+def _shm_dir(worker) -> str:
+    path = worker.state.get(_SHM_DIR)
+    if path is None:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        path = tempfile.mkdtemp(prefix=f"posttrain-vllm-{os.getpid()}-", dir=base)
+        worker.state[_SHM_DIR] = path
+    return path
+
+
+def import_weights(worker, buckets) -> bool:
+    llm = _llm(worker)
+    if llm is None:
+        for _ in buckets:  # drain: transports may hand a generator
+            pass
+        return True
+    via_files = multiprocessing_engine() or worker.config.tensor_parallel_size > 1
+    for bucket in buckets:
+        tensors = [(name, t.detach()) for name, t in bucket.tensors]
+        if not tensors:
+            continue
+        retie = any(name in _EMBED_NAMES for name, _ in tensors)
+        if via_files:
+            _reload_from_files(worker, llm, tensors, retie)
+        else:
+            llm.collective_rpc(
+                "posttrain_reload_weights",
+                kwargs={"weights_iterator": tensors, "retie": retie},
+            )
+    # Cached prefixes hold keys/values of the old weights.
+    llm.reset_prefix_cache()
+    return True
+
+
+def _reload_from_files(worker, llm, tensors, retie: bool) -> None:
+    from safetensors.torch import save_file
+
+    folder = _shm_dir(worker)
+    for name in os.listdir(folder):
+        os.remove(os.path.join(folder, name))
+    seen: set[int] = set()
+    state = {}
+    for name, t in tensors:
+        t = t.contiguous().cpu()
+        if t.data_ptr() in seen:  # safetensors refuses shared storage (tied weights)
+            t = t.clone()
+        seen.add(t.data_ptr())
+        state[name] = t
+    save_file(state, os.path.join(folder, "bucket.safetensors"))
+    try:
+        llm.collective_rpc(
+            "posttrain_reload_weights", kwargs={"weights_path": folder, "retie": retie}
+        )
+    finally:
+        os.remove(os.path.join(folder, "bucket.safetensors"))
+
+
+# ---------------------------------------------------------------------------------------------
+# memory lifecycle and shutdown
+# ---------------------------------------------------------------------------------------------
+
+
+def release_memory(worker, tags) -> bool:
+    llm = _llm(worker)
+    if llm is None:
+        return True
+    if not _sleep_mode(worker):
+        _warn_no_sleep(worker)
+        return True
+    llm.sleep(level=worker.config.sleep_level)
+    return True
+
+
+def resume_memory(worker, tags) -> bool:
+    llm = _llm(worker)
+    if llm is None or not _sleep_mode(worker):
+        return True
+    wake = [t for t in tags if t in ("weights", "kv_cache")]
+    llm.wake_up(tags=wake or None)
+    if not wake or "kv_cache" in wake:
+        llm.reset_prefix_cache()
+    return True
+
+
+def _warn_no_sleep(worker) -> None:
+    if worker.state.get(_CPU_SLEEP_WARNED):
+        return
+    worker.state[_CPU_SLEEP_WARNED] = True
+    reason = "vLLM has no sleep mode on CPU" if not _is_cuda(worker) else "sleep mode is off"
+    log.warning("%s: release/resume memory keeps the engine as it is", reason)
+
+
+def shutdown(worker) -> bool:
+    llm = worker.state.pop(_ENGINE, None)
+    if llm is not None:
+        engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
+        if engine_core is not None and hasattr(engine_core, "shutdown"):
+            try:
+                engine_core.shutdown()
+            except Exception as exc:
+                log.warning("vLLM engine shutdown: %s", exc)
+        del llm
+        worker.model = None
+        gc.collect()
+        try:
+            from vllm.distributed.parallel_state import (
+                destroy_distributed_environment,
+                destroy_model_parallel,
+            )
+
+            destroy_model_parallel()
+            destroy_distributed_environment()
+        except Exception as exc:
+            log.debug("vLLM distributed teardown: %s", exc)
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+    folder = worker.state.pop(_SHM_DIR, None)
+    if folder:
+        shutil.rmtree(folder, ignore_errors=True)
+    return True

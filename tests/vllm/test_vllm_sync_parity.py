@@ -1,0 +1,180 @@
+"""fsdp2_train (2 ranks) -> weight sync -> vllm: rollout log-probs equal the trainer's.
+
+Run with the in-process engine and with vLLM's multiprocessing engine (tensors cannot cross its
+RPC, so the plugin goes through safetensors in tmpfs there).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+
+from posttrain.config.converter import CONVERTER
+from posttrain.config.sections import (
+    AlgorithmConfig,
+    GeneratingArgs,
+    ModelArgs,
+    RoleConfig,
+    StrategyArgs,
+    TrainingArgs,
+)
+from posttrain.launcher.base import GroupSpec
+from posttrain.launcher.local import LocalLauncher
+from posttrain.plugin_host import create_plugin_host
+from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
+from posttrain.testing.contract import (
+    PROMPTS,
+    max_sample_logprob_diff,
+    samples_batch,
+    synthetic_train_batch,
+)
+
+pytest.importorskip("posttrain_fsdp")
+
+TOLERANCE = 1e-4
+
+
+def _spec(strategy, raw, ranks, role, model_path, tmp_path, env=None):
+    config = CONVERTER.structure(raw, create_plugin_host().strategies()[strategy].config_class)
+    return GroupSpec(
+        role=role,
+        config=RoleConfig(
+            strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
+            device_mapping=tuple(range(ranks)),
+            model_args=ModelArgs(model_name_or_path=model_path),
+            training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0),
+            generating_args=GeneratingArgs(),
+        ),
+        algorithm=AlgorithmConfig(),
+        seed=1234,
+        run_dir=str(tmp_path / "run"),
+        base_dir=str(tmp_path),
+        device="cpu",
+        threads=1,
+        env=env or {},
+    )
+
+
+def _descendants() -> set[int]:
+    """Process ids below this one (from /proc, no psutil needed)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), [os.getpid()]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.add(child)
+            todo.append(child)
+    return out
+
+
+def _engine_processes() -> set[int]:
+    """Descendants that are not multiprocessing's own helpers (the resource tracker that the
+    first spawn starts lives as long as this process)."""
+    out = set()
+    for pid in _descendants():
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                cmd = f.read()
+        except OSError:
+            continue
+        if b"resource_tracker" not in cmd and b"forkserver" not in cmd:
+            out.add(pid)
+    return out
+
+
+def _shm_entries() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith("posttrain-vllm-")}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("multiprocessing", ["0", "1"], ids=["inproc", "mp"])
+def test_fsdp2_sync_then_vllm_logprobs_match_trainer(multiprocessing, tiny_model_path, tmp_path):
+    from posttrain.weight_sync.transport import SharedMemoryTransport
+
+    before_procs, before_shm = _engine_processes(), _shm_entries()
+    launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=180)
+    try:
+        trainer = launcher.start_group(
+            _spec("fsdp2_train", {}, 2, "actor_train", tiny_model_path, tmp_path)
+        )
+        batch = synthetic_train_batch(dp_size=trainer.dp_size)
+        trainer.call_dp("train_step", batch.split(trainer.dp_size))
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
+        started = time.monotonic()
+        rollout = launcher.start_group(
+            _spec("vllm", {}, 1, "actor_infer", tiny_model_path, tmp_path, env)
+        )
+        start_s = time.monotonic() - started
+        started = time.monotonic()
+        stats = SharedMemoryTransport(bucket_bytes=64 << 10).run(trainer, rollout)
+        sync_s = time.monotonic() - started
+        assert stats["buckets"] > 1
+        sampling = SamplingParams(n=4, max_new_tokens=8)
+        out = RolloutSamples.concat(
+            rollout.call_dp(
+                "generate", [GenerationRequest(prompt_ids=PROMPTS, sampling=sampling, seed=3)]
+            )
+        )
+        assert len(out) == 16
+        sample_batch = samples_batch(out)
+        shares = sample_batch.split(trainer.dp_size)
+        from posttrain.protocol import concat_tensor_rows
+
+        got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
+        diff = max_sample_logprob_diff(out, got)
+        print(
+            f"\nvllm mp={multiprocessing}: engine start {start_s:.1f}s, sync {sync_s:.2f}s "
+            f"({stats['buckets']} buckets), max |logprob diff| vs fsdp2_train = {diff:.2e}"
+        )
+        assert diff <= TOLERANCE
+        # The engine's own scoring agrees too.
+        scored = concat_tensor_rows(rollout.call_dp("compute_logprobs", [sample_batch]))
+        assert float(((scored - got) * sample_batch.response_mask).abs().max()) <= TOLERANCE
+        # CPU: no sleep mode, release/resume say so and carry on.
+        assert rollout.call("release_memory", ["weights", "kv_cache"]) == [True]
+        assert rollout.call("resume_memory", ["weights", "kv_cache"]) == [True]
+    finally:
+        launcher.shutdown()
+    deadline = time.monotonic() + 20
+    while _engine_processes() - before_procs and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not _engine_processes() - before_procs, "leaked processes"
+    assert _shm_entries() == before_shm, "leaked tmpfs files"
+    log = (tmp_path / "run" / "logs" / "actor_infer.rank0.log").read_text()
+    assert log.count("vLLM has no sleep mode on CPU") == 1
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_two_data_parallel_engines(tiny_model_path, tmp_path):
+    """Two ranks, TP 1: two independent engines, each answering its own share."""
+    from posttrain.testing.contract import reference_logprobs
+
+    launcher = LocalLauncher(call_timeout_s=120, start_timeout_s=120)
+    try:
+        group = launcher.start_group(_spec("vllm", {}, 2, "actor_infer", tiny_model_path, tmp_path))
+        assert group.dp_size == 2
+        assert [p["dp_rank"] for p in group.parallel] == [0, 1]
+        sampling = SamplingParams(n=2, max_new_tokens=4)
+        shares = [
+            GenerationRequest(prompt_ids=PROMPTS[2 * i : 2 * i + 2], sampling=sampling, seed=i)
+            for i in range(2)
+        ]
+        out = RolloutSamples.concat(group.call_dp("generate", shares))
+        assert len(out) == 8
+        assert out.prompt_ids[::2] == PROMPTS
+        ref = reference_logprobs(tiny_model_path, None, samples_batch(out))
+        assert max_sample_logprob_diff(out, ref) <= 1e-5
+    finally:
+        launcher.shutdown()
