@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -24,6 +25,22 @@ def run_env(**extra: str) -> dict[str, str]:
     )
     env.update(extra)
     return env
+
+
+def run_quickstart(
+    run_dir: Path, *overrides: str, env=None, check=True, timeout: float = 300
+) -> subprocess.CompletedProcess:
+    """``posttrain run examples/quickstart.yaml`` into ``run_dir`` with ``--set`` overrides."""
+    proc = subprocess.run(
+        posttrain_cmd("run", str(QUICKSTART), "--set", f"trainer.output_dir={run_dir}", *overrides),
+        capture_output=True,
+        text=True,
+        env=env or run_env(),
+        timeout=timeout,
+    )
+    if check:
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -1,32 +1,16 @@
 """README command 1's workflow learns: reward from chance to >= 0.8 (last 10 steps)."""
 
-import subprocess
-
 import pytest
-from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
+from conftest import read_metrics, run_quickstart
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_quickstart_learns_addition(tmp_path, e2e_cache):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        posttrain_cmd(
-            "run",
-            str(QUICKSTART),
-            "--set",
-            f"trainer.output_dir={run_dir}",
-            "--set",
-            "trainer.resume=never",
-            "--set",
-            "trainer.logger=[jsonl]",
-        ),
-        capture_output=True,
-        text=True,
-        env=run_env(),
-        timeout=580,
+    run_quickstart(
+        run_dir, "--set", "trainer.resume=never", "--set", "trainer.logger=[jsonl]", timeout=580
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(run_dir)
     rewards = [m["reward/mean"] for m in metrics]
     assert len(rewards) == 400

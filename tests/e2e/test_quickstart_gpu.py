@@ -1,11 +1,9 @@
 """The quickstart on CUDA GPUs: fsdp2_train over NCCL, colocated roles time-sharing the devices
 through the memory-lifecycle hooks (skipped without a GPU)."""
 
-import subprocess
-
 import pytest
 import torch
-from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
+from conftest import read_metrics, run_quickstart
 
 
 @pytest.mark.gpu
@@ -13,24 +11,15 @@ from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
 @pytest.mark.timeout(900)
 def test_quickstart_learns_on_gpus(tmp_path, e2e_cache):
     run_dir = tmp_path / "run"
-    proc = subprocess.run(
-        posttrain_cmd(
-            "run",
-            str(QUICKSTART),
-            "--set",
-            f"trainer.output_dir={run_dir}",
-            "--set",
-            "trainer.resume=never",
-            "--set",
-            "trainer.logger=[jsonl]",
-            "--set",
-            "cluster.device=cuda",
-        ),
-        capture_output=True,
-        text=True,
-        env=run_env(),
+    run_quickstart(
+        run_dir,
+        "--set",
+        "trainer.resume=never",
+        "--set",
+        "trainer.logger=[jsonl]",
+        "--set",
+        "cluster.device=cuda",
         timeout=880,
     )
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     rewards = [m["reward/mean"] for m in read_metrics(run_dir)]
     assert sum(rewards[-10:]) / 10 >= 0.8

@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
+from conftest import read_metrics, run_env, run_quickstart
 
 pytest.importorskip("ray")
 
@@ -35,18 +35,14 @@ RAY = ("--set", "cluster.launcher=ray", "--set", "cluster.object_store_memory=26
 
 
 def run(run_dir: Path, *extra: str, env=None, check=True, timeout=300):
-    proc = subprocess.run(
-        posttrain_cmd(
-            "run", str(QUICKSTART), *SMALL, "--set", f"trainer.output_dir={run_dir}", *extra
-        ),
-        capture_output=True,
-        text=True,
+    return run_quickstart(
+        run_dir,
+        *SMALL,
+        *extra,
         env=env or run_env(RAY_AUTH_MODE="disabled"),
+        check=check,
         timeout=timeout,
     )
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
 
 
 def rewards(run_dir: Path) -> list[float]:

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env
+from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env, run_quickstart
 from safetensors.torch import load_file
 
 SMALL = (
@@ -30,18 +30,7 @@ SMALL = (
 
 
 def run(run_dir: Path, *extra: str, env=None, check=True) -> subprocess.CompletedProcess:
-    proc = subprocess.run(
-        posttrain_cmd(
-            "run", str(QUICKSTART), *SMALL, "--set", f"trainer.output_dir={run_dir}", *extra
-        ),
-        capture_output=True,
-        text=True,
-        env=env or run_env(),
-        timeout=300,
-    )
-    if check:
-        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    return proc
+    return run_quickstart(run_dir, *SMALL, *extra, env=env, check=check)
 
 
 def final_weights(run_dir: Path, out: Path) -> dict[str, torch.Tensor]:
