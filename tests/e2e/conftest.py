@@ -27,6 +27,19 @@ def run_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def small_run(max_steps: int, save_steps: int) -> tuple[str, ...]:
+    """``--set`` overrides for a short quickstart (8 prompts x 4 samples) that resumes."""
+    overrides = {
+        "trainer.max_steps": max_steps,
+        "trainer.save_steps": save_steps,
+        "algorithm.rollout_batch_size": 8,
+        "algorithm.group_size": 4,
+        "trainer.logger": "[jsonl]",
+        "trainer.resume": "auto",
+    }
+    return tuple(arg for key, value in overrides.items() for arg in ("--set", f"{key}={value}"))
+
+
 def run_quickstart(
     run_dir: Path, *overrides: str, env=None, check=True, timeout: float = 300
 ) -> subprocess.CompletedProcess:

@@ -13,24 +13,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_env, run_quickstart
+from conftest import read_metrics, run_env, run_quickstart, small_run
 
 pytest.importorskip("ray")
 
-SMALL = (
-    "--set",
-    "trainer.max_steps=6",
-    "--set",
-    "trainer.save_steps=3",
-    "--set",
-    "algorithm.rollout_batch_size=8",
-    "--set",
-    "algorithm.group_size=4",
-    "--set",
-    "trainer.logger=[jsonl]",
-    "--set",
-    "trainer.resume=auto",
-)
+SMALL = small_run(max_steps=6, save_steps=3)
 RAY = ("--set", "cluster.launcher=ray", "--set", "cluster.object_store_memory=268435456")
 
 

@@ -10,23 +10,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env, run_quickstart
+from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env, run_quickstart, small_run
 from safetensors.torch import load_file
 
-SMALL = (
-    "--set",
-    "trainer.max_steps=10",
-    "--set",
-    "trainer.save_steps=3",
-    "--set",
-    "algorithm.rollout_batch_size=8",
-    "--set",
-    "algorithm.group_size=4",
-    "--set",
-    "trainer.logger=[jsonl]",
-    "--set",
-    "trainer.resume=auto",
-)
+SMALL = small_run(max_steps=10, save_steps=3)
 
 
 def run(run_dir: Path, *extra: str, env=None, check=True) -> subprocess.CompletedProcess:

@@ -13,6 +13,7 @@ import torch
 from posttrain.modeling import shifted_token_logprobs
 from posttrain.models import load_causal_lm, load_tokenizer
 from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
+from posttrain.tensors import unshare_storage
 
 
 def setup_parallel(worker) -> dict[str, int]:
@@ -153,7 +154,7 @@ def save_checkpoint(worker, path: str) -> dict:
 
         os.makedirs(path, exist_ok=True)
         state = {k: v.detach().cpu().contiguous() for k, v in worker.model.state_dict().items()}
-        save_file(_untie(state), os.path.join(path, "model.safetensors"))
+        save_file(unshare_storage(state.items()), os.path.join(path, "model.safetensors"))
     return {"format": "safetensors"}
 
 
@@ -186,14 +187,3 @@ def resume_memory(worker, tags: list[str]) -> bool:
 
 def shutdown(worker) -> bool:
     return True
-
-
-def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory (tied embeddings): store copies."""
-    seen: dict[int, str] = {}
-    out = {}
-    for name, tensor in state.items():
-        ptr = tensor.data_ptr()
-        out[name] = tensor.clone() if ptr in seen else tensor
-        seen[ptr] = name
-    return out

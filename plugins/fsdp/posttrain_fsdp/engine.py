@@ -29,6 +29,7 @@ from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_bat
 from posttrain.modeling import shifted_entropy, shifted_token_logprobs
 from posttrain.models import load_causal_lm, load_tokenizer, torch_dtype
 from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
+from posttrain.tensors import unshare_storage
 
 log = logging.getLogger(__name__)
 
@@ -435,7 +436,7 @@ def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
         # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
         for name in _tied_head_names(model):
             state.pop(name, None)
-    tensors = _untie({k: v.detach().to(dtype).contiguous() for k, v in state.items()})
+    tensors = unshare_storage((k, v.detach().to(dtype).contiguous()) for k, v in state.items())
     shards = _shard_names(tensors, _MAX_SHARD_BYTES)
     if len(shards) == 1:
         save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
@@ -481,17 +482,6 @@ def _shard_names(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]
         shards[-1].append(name)
         size += n
     return shards
-
-
-def _untie(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """safetensors refuses tensors that share memory: store copies."""
-    seen: set[int] = set()
-    out = {}
-    for name, tensor in state.items():
-        ptr = tensor.untyped_storage().data_ptr()
-        out[name] = tensor.clone() if ptr in seen else tensor
-        seen.add(ptr)
-    return out
 
 
 # --------------------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ import torch
 from posttrain.errors import UserError
 from posttrain.models import load_tokenizer, resolve_model_path
 from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch
+from posttrain.tensors import unshare_storage
 from posttrain_vllm import worker_side
 
 log = logging.getLogger("posttrain.vllm")
@@ -362,14 +363,7 @@ def _reload_from_files(worker, llm, tensors, retie: bool) -> None:
     folder = _shm_dir(worker)
     for name in os.listdir(folder):
         os.remove(os.path.join(folder, name))
-    seen: set[int] = set()
-    state = {}
-    for name, t in tensors:
-        t = t.contiguous().cpu()
-        if t.data_ptr() in seen:  # safetensors refuses shared storage (tied weights)
-            t = t.clone()
-        seen.add(t.data_ptr())
-        state[name] = t
+    state = unshare_storage((name, t.contiguous().cpu()) for name, t in tensors)
     save_file(state, os.path.join(folder, "bucket.safetensors"))
     try:
         llm.collective_rpc(
