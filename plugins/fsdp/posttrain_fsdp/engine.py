@@ -25,6 +25,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from posttrain.distributed import destroy_default_process_group, init_default_process_group
+from posttrain.lr_schedule import lr_lambda
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
 from posttrain.modeling import shifted_entropy, shifted_token_logprobs
 from posttrain.models import load_causal_lm, load_tokenizer, torch_dtype
@@ -162,31 +163,6 @@ def _build_optimizer(worker, model) -> None:
     )
     worker.state["optimizer"] = optimizer
     worker.state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
-
-
-def lr_lambda(args):
-    """HF-style schedule multiplier: linear warmup from 0, then constant / linear / cosine decay
-    to 0 at ``max_steps`` (constant when ``max_steps`` is unknown)."""
-    total = args.max_steps if args.max_steps and args.max_steps > 0 else 0
-    warmup = args.warmup_steps or (math.ceil(args.warmup_ratio * total) if total else 0)
-    kind = args.lr_scheduler_type
-    if kind != "constant" and not total:
-        _log_once(
-            f"fsdp: lr_scheduler_type={kind} needs training_args.max_steps > 0; decay disabled",
-            level=logging.WARNING,
-        )
-
-    def multiplier(step: int) -> float:
-        if step < warmup:
-            return step / max(1, warmup)
-        if kind == "constant" or not total:
-            return 1.0
-        progress = min(1.0, (step - warmup) / max(1, total - warmup))
-        if kind == "linear":
-            return 1.0 - progress
-        return 0.5 * (1.0 + math.cos(math.pi * progress))
-
-    return multiplier
 
 
 # --------------------------------------------------------------------------------------------

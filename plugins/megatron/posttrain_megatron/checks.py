@@ -1,0 +1,154 @@
+"""``posttrain validate`` checks of megatron roles (driver side; no torch, no megatron import).
+
+Core already checks that the role's device count divides by TP x PP x CP (the data-parallel size
+is what remains). Here: layout against the model's shape, sequence parallelism, expert sizes and
+``override_transformer_config`` keys against megatron-core's TransformerConfig.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Any
+
+from posttrain.config.report import ErrorReport, did_you_mean, join_path
+from posttrain.presets import PRESETS, is_preset
+from posttrain_megatron.config import MegatronParallelConfig
+from posttrain_megatron.transformer_fields import transformer_config_fields
+
+# Set by the plugin from the layout keys; overriding them would desynchronise the two.
+_LAYOUT_KEYS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+    "context_parallel_size",
+    "sequence_parallel",
+)
+
+
+def model_shape(model_path: str | None, base_dir: str) -> dict[str, Any] | None:
+    """The HF config fields the checks need, from a preset or a local config.json."""
+    if not model_path:
+        return None
+    if is_preset(model_path):
+        preset = PRESETS.get(model_path.split(":", 1)[1])
+        if preset is None:
+            return None
+        return {
+            "num_attention_heads": preset.num_attention_heads,
+            "num_key_value_heads": preset.num_key_value_heads,
+            "num_hidden_layers": preset.num_hidden_layers,
+        }
+    local = model_path if os.path.isabs(model_path) else os.path.join(base_dir, model_path)
+    config_file = os.path.join(local, "config.json")
+    if not os.path.exists(config_file):
+        return None  # hub id or missing directory: core reports / notes it
+    with open(config_file, encoding="utf-8") as f:
+        config = json.load(f)
+    return config.get("text_config", config)
+
+
+def check_role(
+    role_name: str, config: MegatronParallelConfig, shape: dict | None, report: ErrorReport
+) -> None:
+    where = join_path(role_name, "strategy_args", "strategy_config")
+    tp = config.tensor_model_parallel_size
+    pp = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size or 1
+    ep = config.expert_model_parallel_size
+
+    if config.sequence_parallel and tp == 1:
+        report.error(
+            f"{where}.sequence_parallel",
+            "sequence parallelism splits activations over tensor-parallel ranks: it needs "
+            "tensor_model_parallel_size > 1",
+            "set sequence_parallel: false or raise tensor_model_parallel_size",
+        )
+    if config.virtual_pipeline_model_parallel_size and pp == 1:
+        report.error(
+            f"{where}.virtual_pipeline_model_parallel_size",
+            "virtual pipeline stages need pipeline_model_parallel_size > 1",
+            "remove virtual_pipeline_model_parallel_size or raise pipeline_model_parallel_size",
+        )
+    if config.context_parallel_size > 1:
+        report.error(
+            f"{where}.context_parallel_size",
+            "context parallelism is not implemented by megatron_train / megatron_infer yet",
+            "set context_parallel_size: 1",
+        )
+    if config.use_dist_checkpointing and not config.dist_checkpointing_path:
+        report.error(
+            f"{where}.dist_checkpointing_path",
+            "use_dist_checkpointing loads the initial weights from a Megatron dist checkpoint: "
+            "give its directory",
+            "set dist_checkpointing_path (make one with `posttrain convert`)",
+        )
+    if not config.use_mbridge and not config.use_dist_checkpointing:
+        report.error(
+            f"{where}.use_mbridge",
+            "no way to load weights: use_mbridge and use_dist_checkpointing are both off",
+            "set use_mbridge: true (HF weights) or use_dist_checkpointing: true",
+        )
+    _check_overrides(where, config.override_transformer_config, report)
+    if shape is None:
+        return
+    heads = shape.get("num_attention_heads")
+    kv_heads = shape.get("num_key_value_heads") or heads
+    layers = shape.get("num_hidden_layers")
+    experts = (
+        shape.get("num_experts") or shape.get("num_local_experts") or shape.get("n_routed_experts")
+    )
+    if heads and heads % tp:
+        report.error(
+            f"{where}.tensor_model_parallel_size",
+            f"the model's {heads} attention heads do not divide over {tp} tensor-parallel ranks",
+            f"use a divisor of {heads}",
+        )
+    elif kv_heads and kv_heads % tp and tp % kv_heads:
+        report.error(
+            f"{where}.tensor_model_parallel_size",
+            f"the model's {kv_heads} key/value heads do not split over (or replicate across) "
+            f"{tp} tensor-parallel ranks",
+            f"use a divisor or a multiple of {kv_heads}",
+        )
+    if layers and layers % (pp * vpp):
+        report.error(
+            f"{where}.pipeline_model_parallel_size",
+            f"the model's {layers} layers do not divide into {pp} pipeline stage(s) x {vpp} "
+            f"virtual stage(s) = {pp * vpp} chunks",
+            f"make pipeline x virtual pipeline sizes a divisor of {layers}",
+        )
+    if ep > 1 and not experts:
+        report.error(
+            f"{where}.expert_model_parallel_size",
+            "the model has no experts (not a MoE model): expert parallelism does not apply",
+            "set expert_model_parallel_size: 1",
+        )
+    elif experts and experts % ep:
+        report.error(
+            f"{where}.expert_model_parallel_size",
+            f"the model's {experts} experts do not divide over {ep} expert-parallel ranks",
+            f"use a divisor of {experts}",
+        )
+
+
+def _check_overrides(where: str, overrides: dict[str, Any], report: ErrorReport) -> None:
+    if not overrides:
+        return
+    fields = transformer_config_fields()
+    for key in overrides:
+        path = f"{where}.override_transformer_config.{key}"
+        if key in _LAYOUT_KEYS:
+            report.error(
+                path,
+                f"{key} is a layout key of the strategy: set it in strategy_config directly",
+                f"move it to strategy_config.{key}",
+            )
+        elif fields is not None and key not in fields:
+            report.error(
+                path,
+                "not a field of megatron-core's TransformerConfig",
+                did_you_mean(key, fields),
+            )

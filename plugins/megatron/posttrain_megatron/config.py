@@ -1,0 +1,91 @@
+"""Typed ``strategy_config`` of ``megatron_train`` and ``megatron_infer`` (no torch import).
+
+Key names are megatron-core's (and ROLL's), so seed workflows from ROLL, verl and Trinity-RFT
+carry over unchanged. ``override_transformer_config`` passes any other
+``megatron.core.transformer.TransformerConfig`` field through; its keys are checked against the
+installed megatron-core at validation time.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import attrs
+
+
+def _at_least(minimum: int):
+    def check(instance, attribute, value):
+        if value is not None and value < minimum:
+            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value!r}")
+
+    return check
+
+
+def _fraction(instance, attribute, value):
+    if not 0.0 <= value <= 1.0:
+        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
+
+
+# "auto": TransformerEngine's spec when it is installed, else "sdpa".
+AttentionBackend = Literal["auto", "sdpa", "local", "transformer_engine"]
+
+
+@attrs.frozen(kw_only=True)
+class MegatronParallelConfig:
+    """Model layout and loading, shared by both strategies."""
+
+    tensor_model_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
+    pipeline_model_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
+    # Model chunks per pipeline rank (interleaved 1F1B); None: no interleaving.
+    virtual_pipeline_model_parallel_size: int | None = attrs.field(
+        default=None, validator=_at_least(1)
+    )
+    expert_model_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
+    # TP size inside expert layers; None: same as tensor_model_parallel_size.
+    expert_tensor_parallel_size: int | None = attrs.field(default=None, validator=_at_least(1))
+    context_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
+    sequence_parallel: bool = False
+    moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
+    moe_grouped_gemm: bool = False
+    # Core attention implementation (see posttrain_megatron.layer_spec).
+    attention_backend: AttentionBackend = "auto"
+    # Load HF weights with mbridge (model_args.model_name_or_path is an HF directory).
+    use_mbridge: bool = True
+    # Load initial weights from a Megatron dist checkpoint at dist_checkpointing_path instead.
+    use_dist_checkpointing: bool = False
+    dist_checkpointing_path: str | None = None
+    # Any other TransformerConfig field, e.g. {apply_rope_fusion: false}.
+    override_transformer_config: dict[str, Any] = attrs.field(factory=dict)
+    # Keep parameters in host memory between phases when colocated (release/resume).
+    param_offload: bool = False
+    # Rows per forward pass when scoring (log-probs); None: the role's infer_batch_size, else 8.
+    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=_at_least(1))
+
+
+@attrs.frozen(kw_only=True)
+class MegatronTrainConfig(MegatronParallelConfig):
+    """``strategy_config`` of ``megatron_train``.
+
+    Micro-batching follows ``training_args`` (``per_device_train_batch_size``,
+    ``use_dynamic_batch_size`` / ``max_tokens_per_micro_batch``) unless ``micro_batch_size`` is set.
+    """
+
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    overlap_param_gather: bool = False
+    moe_layer_recompute: bool = False
+    recompute_granularity: Literal["full", "selective"] | None = None
+    recompute_method: Literal["uniform", "block"] | None = None
+    recompute_num_layers: int | None = attrs.field(default=None, validator=_at_least(1))
+    grad_offload: bool = False
+    optimizer_offload: bool = False
+    # Share of the optimizer state kept on the host when optimizer_offload is on.
+    optimizer_offload_fraction: float = attrs.field(default=1.0, validator=_fraction)
+    # Rows per micro-batch; None: training_args.per_device_train_batch_size.
+    micro_batch_size: int | None = attrs.field(default=None, validator=_at_least(1))
+
+
+@attrs.frozen(kw_only=True)
+class MegatronInferConfig(MegatronParallelConfig):
+    """``strategy_config`` of ``megatron_infer`` (reference / old-policy log-probs); its layout
+    may differ from the trainer's."""

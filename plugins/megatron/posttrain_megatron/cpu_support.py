@@ -1,0 +1,100 @@
+"""CPU support for megatron-core (test support; applied only when the rank has no GPU).
+
+megatron-core assumes CUDA in places that have nothing to do with the computation: it moves
+modules with ``.cuda()``, allocates scratch tensors with ``device="cuda"``, compares
+``tensor.type()`` with ``"torch.cuda.FloatTensor"``, keeps a CUDA RNG tracker for dropout and
+calls ``torch.cuda.synchronize``/``current_device``. On a CPU-only rank (CI, tests, the CPU
+quickstart) :func:`apply` maps all of that onto the CPU:
+
+* a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` arguments, ``.cuda()``
+  and ``.to("cuda")`` to the CPU, and answers ``tensor.type()`` with the CUDA type name;
+* ``torch.nn.Module.cuda`` returns the module unchanged;
+* ``torch.cuda.current_device`` / ``synchronize`` / RNG calls act on the CPU device and RNG, so
+  megatron's RNG tracker forks the CPU generator; CUDA streams are torch's CPU streams (in order).
+
+Nothing here changes what is computed: every kernel is torch's CPU kernel. On a rank with a GPU
+:func:`apply` is never called. :data:`PATCHED_INTERNALS` lists the megatron-core internals these
+patches stand in for; ``tests/megatron/test_cpu_support.py`` fails loudly when one disappears
+from the installed megatron-core, so a new release cannot silently bypass them.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch.overrides import TorchFunctionMode
+
+log = logging.getLogger(__name__)
+
+# (module, attribute) pairs in megatron-core whose CUDA assumptions the patches below cover.
+PATCHED_INTERNALS: tuple[tuple[str, str], ...] = (
+    ("megatron.core.tensor_parallel.random", "_set_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "_get_cuda_rng_state"),
+    ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker"),
+    ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
+    ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"),
+)
+
+_applied = False
+
+
+def _is_cuda(device) -> bool:
+    if isinstance(device, torch.device):
+        return device.type == "cuda"
+    if isinstance(device, str):
+        return device.startswith("cuda")
+    return isinstance(device, int) and not isinstance(device, bool)
+
+
+class CudaToCpu(TorchFunctionMode):
+    """Runs calls that name a CUDA device on the CPU instead."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func is torch.Tensor.cuda:
+            return args[0]
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)
+            return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
+        if _is_cuda(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
+            args = (args[0], "cpu", *args[2:])
+        return func(*args, **kwargs)
+
+
+def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(state, *args, **kwargs) -> None:
+    torch.set_rng_state(state)
+
+
+def apply() -> None:
+    """Install the CPU patches in this process (idempotent). Call before building models."""
+    global _applied
+    if _applied:
+        return
+    if torch.cuda.is_available():
+        raise RuntimeError("posttrain_megatron.cpu_support is for ranks without a GPU")
+    from megatron.core.tensor_parallel import random as mcore_random
+
+    torch.cuda.current_device = lambda: 0
+    torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.cuda.get_rng_state = _cpu_rng_state
+    torch.cuda.set_rng_state = _set_cpu_rng_state
+    torch.cuda.manual_seed = torch.manual_seed
+    # MoE dispatchers and shared experts overlap work on side streams: torch's CPU streams are
+    # the same API, run in order.
+    torch.cuda.Stream = torch.cpu.Stream
+    torch.cuda.current_stream = torch.cpu.current_stream
+    torch.cuda.stream = torch.cpu.stream
+    torch.nn.Module.cuda = lambda self, device=None: self
+    mcore_random._get_cuda_rng_state = _cpu_rng_state
+    mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    # Process-wide: the mode stays pushed for the life of this rank.
+    CudaToCpu().__enter__()
+    _applied = True
+    log.debug("megatron: CPU support patches applied")

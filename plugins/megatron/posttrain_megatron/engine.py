@@ -1,0 +1,142 @@
+"""Engine side of ``megatron_train`` / ``megatron_infer``: the functions the worker hooks call.
+
+``worker.model`` is the list of model chunks (one per virtual pipeline stage); ``worker.state``
+holds the mbridge bridge, the optimizer and the step counters.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+import torch.distributed as dist
+
+from posttrain.distributed import destroy_default_process_group
+from posttrain.lr_schedule import lr_lambda
+from posttrain_megatron.checkpointing import load_checkpoint, save_checkpoint
+from posttrain_megatron.model_builder import (
+    TRAIN,
+    build_models,
+    build_optimizer,
+    inner_optimizers,
+    is_cuda,
+    setup_parallel,
+)
+from posttrain_megatron.training import compute_logprobs, train_step
+from posttrain_megatron.weights import export_hf, export_weights
+
+__all__ = [
+    "compute_logprobs",
+    "export_hf",
+    "export_weights",
+    "load_checkpoint",
+    "load_model",
+    "release_memory",
+    "resume_memory",
+    "save_checkpoint",
+    "setup_parallel",
+    "shutdown",
+    "train_step",
+]
+
+log = logging.getLogger(__name__)
+_logged_once: set[str] = set()
+
+
+def load_model(worker):
+    models, bridge = build_models(worker)
+    worker.state["bridge"] = bridge
+    worker.state["vocab_size"] = bridge.vocab_size
+    worker.state["step"] = 0
+    worker.state["updates"] = 0
+    if worker.strategy_name == TRAIN:
+        worker.state["optimizer"] = build_optimizer(worker, models)
+        worker.state["lr_multiplier"] = lr_lambda(worker.training_args)
+    return models
+
+
+# --------------------------------------------------------------------------------------------
+# Memory lifecycle (colocated roles on GPU)
+# --------------------------------------------------------------------------------------------
+
+
+def _log_once(message: str) -> None:
+    if message not in _logged_once:
+        _logged_once.add(message)
+        log.info(message)
+
+
+def _tags(worker, tags: list[str] | None) -> set[str]:
+    if tags:
+        return set(tags)
+    cfg = worker.config
+    chosen = {"weights"} if cfg.param_offload else set()
+    if getattr(cfg, "grad_offload", False):
+        chosen.add("grads")
+    return chosen or {"weights", "grads", "optimizer"}
+
+
+def _buffers(model):
+    return list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", []))
+
+
+def _move_optimizer_state(worker, target) -> None:
+    optimizer = worker.state.get("optimizer")
+    if optimizer is None:
+        return
+    for inner in inner_optimizers(optimizer):
+        for state in inner.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key != "step":
+                    state[key] = value.to(target, non_blocking=True)
+
+
+def release_memory(worker, tags: list[str]) -> bool:
+    if not is_cuda(worker):
+        _log_once("megatron: release_memory on a CPU device: nothing to free")
+        return True
+    tags = _tags(worker, tags)
+    params, grads = "weights" in tags, bool(tags & {"weights", "grads"})
+    for model in worker.model:
+        buffers = _buffers(model)
+        if buffers:  # DDP: parameters and grads live in contiguous buffers
+            for buffer in buffers:
+                buffer.offload_to_cpu(move_params=params, move_grads=grads)
+        elif params:
+            model.cpu()
+    if "optimizer" in tags:
+        _move_optimizer_state(worker, "cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    return True
+
+
+def resume_memory(worker, tags: list[str]) -> bool:
+    if not is_cuda(worker):
+        return True
+    tags = _tags(worker, tags)
+    params, grads = "weights" in tags, bool(tags & {"weights", "grads"})
+    for model in worker.model:
+        buffers = _buffers(model)
+        if buffers:
+            for buffer in buffers:
+                buffer.reload_from_cpu(move_params=params, move_grads=grads)
+        elif params:
+            model.cuda(torch.cuda.current_device())
+    if "optimizer" in tags:
+        _move_optimizer_state(worker, torch.device("cuda", torch.cuda.current_device()))
+    torch.cuda.synchronize()
+    return True
+
+
+def shutdown(worker) -> bool:
+    from megatron.core import parallel_state as ps
+
+    worker.state.clear()
+    worker.model = None
+    if dist.is_initialized():
+        # A rank tearing down gloo while a peer still finishes a collective aborts the peer.
+        dist.barrier()
+    ps.destroy_model_parallel()
+    destroy_default_process_group()
+    return True

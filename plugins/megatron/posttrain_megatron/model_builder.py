@@ -1,0 +1,219 @@
+"""Process groups, model chunks and optimizer of a megatron rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.distributed import init_default_process_group
+from posttrain.models import resolve_model_path, torch_dtype
+
+log = logging.getLogger(__name__)
+
+TRAIN = "megatron_train"
+
+
+def is_cuda(worker) -> bool:
+    return str(worker.device).startswith("cuda")
+
+
+def device(worker) -> torch.device:
+    return (
+        torch.device("cuda", torch.cuda.current_device())
+        if is_cuda(worker)
+        else torch.device("cpu")
+    )
+
+
+def setup_parallel(worker) -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from posttrain_megatron import cpu_support, mcore_compat
+
+    init_default_process_group(worker.device)
+    if not is_cuda(worker):
+        cpu_support.apply()
+    mcore_compat.apply()
+    cfg = worker.config
+    ps.initialize_model_parallel(
+        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
+        context_parallel_size=cfg.context_parallel_size,
+        expert_model_parallel_size=cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
+    )
+    model_parallel_cuda_manual_seed(worker.seed)
+    return {
+        "dp_rank": ps.get_data_parallel_rank(),
+        "dp_size": ps.get_data_parallel_world_size(),
+        "tp_rank": ps.get_tensor_model_parallel_rank(),
+        "pp_rank": ps.get_pipeline_model_parallel_rank(),
+    }
+
+
+def attention_backend(requested: str) -> str:
+    from posttrain_megatron.layer_spec import have_transformer_engine
+
+    if requested == "auto":
+        return "transformer_engine" if have_transformer_engine() else "sdpa"
+    return requested
+
+
+def transformer_overrides(worker, hf_config) -> dict[str, Any]:
+    """TransformerConfig fields set from the strategy config (user overrides win last)."""
+    cfg = worker.config
+    cpu = not is_cuda(worker)
+    out: dict[str, Any] = {
+        "sequence_parallel": cfg.sequence_parallel,
+        "moe_token_dispatcher_type": cfg.moe_token_dispatcher_type,
+        "moe_grouped_gemm": cfg.moe_grouped_gemm,
+        # Shapes travel with activations between pipeline stages (micro-batches vary in length).
+        "variable_seq_lengths": cfg.pipeline_model_parallel_size > 1,
+        # The schedule averages losses over micro-batches unless told otherwise; core's loss is
+        # already each micro-batch's share of the step (see train_step).
+        "calculate_per_token_loss": False,
+        # Fused kernels that need CUDA / TE / apex; torch's own ops otherwise.
+        "masked_softmax_fusion": not cpu and cfg.attention_backend == "transformer_engine",
+        "bias_activation_fusion": False,
+        "bias_dropout_fusion": False,
+        "gradient_accumulation_fusion": False,
+        "persist_layer_norm": False,
+        "apply_rope_fusion": False,
+        "use_cpu_initialization": cpu,
+    }
+    norm_topk = getattr(hf_config, "norm_topk_prob", None)
+    if norm_topk is not None:
+        # HF renormalises the top-k router weights iff norm_topk_prob; megatron does so iff the
+        # softmax runs after the top-k (pre_softmax False).
+        out["moe_router_pre_softmax"] = not norm_topk
+    if getattr(cfg, "recompute_granularity", None):
+        out["recompute_granularity"] = cfg.recompute_granularity
+        if cfg.recompute_granularity == "full":
+            out["recompute_method"] = cfg.recompute_method or "uniform"
+            out["recompute_num_layers"] = cfg.recompute_num_layers or 1
+    if getattr(cfg, "moe_layer_recompute", False):
+        out["recompute_modules"] = ["moe"]
+        out.setdefault("recompute_granularity", "selective")
+    if cfg.moe_token_dispatcher_type == "alltoall" and cpu and _num_experts(hf_config):
+        raise ValueError(
+            "megatron: the alltoall MoE token dispatcher needs CUDA events; on CPU set "
+            "moe_token_dispatcher_type: allgather"
+        )
+    out.update(cfg.override_transformer_config)
+    return out
+
+
+def _num_experts(hf_config) -> int:
+    for key in ("num_experts", "num_local_experts", "n_routed_experts"):
+        value = getattr(hf_config, key, None)
+        if value:
+            return int(value)
+    return 0
+
+
+def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
+    """Model chunks (one per virtual pipeline stage) with their weights, and the bridge."""
+    from transformers import AutoConfig
+
+    from posttrain_megatron.bridge import make_bridge
+
+    cfg = worker.config
+    path = resolve_model_path(worker.model_args.model_name_or_path, worker.base_dir)
+    hf_config = AutoConfig.from_pretrained(path)
+    dtype = torch_dtype(worker.model_args.dtype)
+    backend = attention_backend(cfg.attention_backend)
+    bridge = make_bridge(hf_config, dtype, backend, transformer_overrides(worker, hf_config))
+    # Pad the vocabulary to split over TP ranks; the padded logits are masked (vocab_parallel).
+    bridge.make_vocab_size_divisible_by = cfg.tensor_model_parallel_size
+    train = worker.strategy_name == TRAIN
+    ddp_config = None
+    if train:
+        ddp_config = {
+            "use_distributed_optimizer": cfg.use_distributed_optimizer,
+            "overlap_grad_reduce": cfg.overlap_grad_reduce,
+            "overlap_param_gather": cfg.overlap_param_gather,
+            "grad_reduce_in_fp32": True,
+        }
+    models = bridge.get_model(
+        wrap_with_ddp=train,
+        fp16=dtype == torch.float16,
+        bf16=dtype == torch.bfloat16,
+        use_cpu_initialization=not is_cuda(worker),
+        data_parallel_random_init=False,
+        ddp_config=ddp_config,
+    )
+    if cfg.use_dist_checkpointing:
+        from posttrain_megatron.checkpointing import load_model_weights
+
+        load_model_weights(models, worker.resolve_path(cfg.dist_checkpointing_path))
+    else:
+        bridge.load_weights([unwrap(m) for m in models], path)
+    for model in models:
+        model.train(train)
+        if not train:
+            for p in model.parameters():
+                p.requires_grad_(False)
+    return models, bridge
+
+
+def unwrap(model: torch.nn.Module) -> torch.nn.Module:
+    """The GPTModel under DDP / Float16Module wrappers."""
+    while hasattr(model, "module"):
+        model = model.module
+    return model
+
+
+def build_optimizer(worker, models: list[torch.nn.Module]):
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.utils import get_model_config
+
+    cfg, args = worker.config, worker.training_args
+    if args is None:
+        raise ValueError(f"role {worker.role}: megatron_train needs training_args")
+    dtype = torch_dtype(worker.model_args.dtype)
+    optimizer_config = OptimizerConfig(
+        optimizer="adam",
+        lr=args.learning_rate,
+        min_lr=0.0,
+        weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1,
+        adam_beta2=args.adam_beta2,
+        adam_eps=args.adam_epsilon,
+        clip_grad=args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0,
+        bf16=dtype == torch.bfloat16,
+        fp16=dtype == torch.float16,
+        params_dtype=dtype,
+        use_distributed_optimizer=cfg.use_distributed_optimizer,
+        optimizer_cpu_offload=cfg.optimizer_offload,
+        optimizer_offload_fraction=cfg.optimizer_offload_fraction if cfg.optimizer_offload else 0.0,
+        use_precision_aware_optimizer=cfg.optimizer_offload,
+    )
+    optimizer = get_megatron_optimizer(optimizer_config, models)
+    model_config = get_model_config(models[0])
+    model_config.finalize_model_grads_func = finalize_model_grads
+    if cfg.overlap_grad_reduce:
+        no_sync = [m.no_sync for m in models]
+        model_config.no_sync_func = no_sync[0] if len(no_sync) == 1 else no_sync
+    if cfg.overlap_param_gather and cfg.use_distributed_optimizer:
+        sync = [m.start_param_sync for m in models]
+        model_config.param_sync_func = sync[0] if len(sync) == 1 else sync
+    if optimizer_config.fp16:
+        model_config.grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def inner_optimizers(optimizer) -> list[Any]:
+    """The torch optimizers inside a (chained) megatron optimizer."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    parts = chained if chained is not None else [optimizer]
+    return [part.optimizer for part in parts if getattr(part, "optimizer", None) is not None]
+
+
+def is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,0 +1,90 @@
+"""``megatron_train`` and ``megatron_infer``: megatron-core models, HF weights through mbridge.
+
+This module is cheap to import (no torch, no megatron-core): ``posttrain validate``, ``plugins``
+and ``doctor`` load it. The worker hooks (from :class:`posttrain.engine_hooks.EngineHooks`) import
+:mod:`posttrain_megatron.engine` when a rank of one of these strategies first needs it. The
+``posttrain convert`` subcommand is added here too (core knows nothing of it).
+"""
+
+from __future__ import annotations
+
+from posttrain import hookimpl
+from posttrain.config.report import ErrorReport
+from posttrain.doctor import EnvCheck
+from posttrain.engine_hooks import EngineHooks
+from posttrain.strategy import Capabilities, StrategySpec
+from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
+
+TRAIN = "megatron_train"
+INFER = "megatron_infer"
+STRATEGIES = (TRAIN, INFER)
+# Versions this plugin is tested with (0.16.x on Python 3.11, 0.19.x on the GPU machine's 3.12).
+# TransformerEngine and apex are used when installed and never required.
+TESTED = {
+    "megatron-core": (">=0.16.1,<0.20", True),
+    "mbridge": (">=0.15.1,<0.16", True),
+    "transformer-engine": (">=2.0", False),
+    "apex": (">=0.1", False),
+}
+_PARALLEL_DIMS = (
+    "tensor_model_parallel_size",
+    "pipeline_model_parallel_size",
+    "context_parallel_size",
+)
+
+
+class MegatronPlugin(EngineHooks):
+    strategies = STRATEGIES
+    engine = "posttrain_megatron.engine"
+
+    @hookimpl
+    def posttrain_add_strategies(self):
+        return [
+            StrategySpec(
+                name=TRAIN,
+                config_class=MegatronTrainConfig,
+                capabilities=Capabilities(
+                    kind="train",
+                    parallel_dims=_PARALLEL_DIMS,
+                    exports_hf_weights=True,
+                    computes_logprobs=True,
+                ),
+                description="training with megatron-core (TP/PP/VPP/EP/SP, distributed "
+                "optimizer, dist checkpoints), HF weights through mbridge",
+            ),
+            StrategySpec(
+                name=INFER,
+                config_class=MegatronInferConfig,
+                capabilities=Capabilities(
+                    kind="infer", parallel_dims=_PARALLEL_DIMS, computes_logprobs=True
+                ),
+                description="log-probs (reference / old policy) with a megatron-core model",
+            ),
+        ]
+
+    @hookimpl
+    def posttrain_validate_workflow(self, workflow, strategies, report: ErrorReport):
+        from posttrain_megatron.checks import check_role, model_shape
+
+        for name, role in workflow.roles().items():
+            config = role.strategy_args.strategy_config
+            if role.strategy_args.strategy_name not in STRATEGIES or isinstance(config, dict):
+                continue
+            shape = model_shape(role.model_args.model_name_or_path, workflow.base_dir)
+            check_role(name, config, shape, report)
+
+    @hookimpl
+    def posttrain_environment_checks(self):
+        return [
+            EnvCheck(plugin="posttrain-megatron", package=package, tested=tested, required=required)
+            for package, (tested, required) in TESTED.items()
+        ]
+
+    @hookimpl
+    def posttrain_add_cli_commands(self, subparsers):
+        from posttrain_megatron.convert_cli import add_convert_command
+
+        add_convert_command(subparsers)
+
+
+plugin = MegatronPlugin()

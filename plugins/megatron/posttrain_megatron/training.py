@@ -1,0 +1,218 @@
+"""Training steps and log-prob scoring through megatron-core's forward-backward schedules.
+
+Micro-batches go through ``get_forward_backward_func()``, so pipeline (1F1B) and interleaved
+virtual-pipeline schedules work unchanged. Every rank of the role runs the same number of
+micro-batches (agreed with an all-reduce); ranks with fewer run zero-weight fillers. Results
+exist on the last pipeline stage and are broadcast to the other stages of its pipeline, since
+the driver collects from the first rank of each data-parallel index.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
+from posttrain.protocol import SequenceBatch
+from posttrain_megatron import vocab_parallel
+from posttrain_megatron.model_builder import TRAIN, device
+
+log = logging.getLogger(__name__)
+
+
+# --------------------------------------------------------------------------------------------
+# Micro-batches
+# --------------------------------------------------------------------------------------------
+
+
+def _agree_max(value: int, dev: torch.device) -> int:
+    t = torch.tensor([value], dtype=torch.long, device=dev)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())
+
+
+def _rows_per_micro_batch(worker, for_logprobs: bool) -> int:
+    cfg = worker.config
+    if for_logprobs or worker.strategy_name != TRAIN:
+        return cfg.logprob_micro_batch_size or worker.state.get("infer_batch_size") or 8
+    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+
+
+def plan(worker, batch: SequenceBatch, for_logprobs: bool) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches (row indices) and the count every rank runs."""
+    args = worker.training_args
+    dynamic = args is not None and args.use_dynamic_batch_size and worker.strategy_name == TRAIN
+    if dynamic:
+        # Sequences of uneven length balanced into micro-batches under the token budget.
+        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
+    else:
+        groups = fixed_micro_batches(len(batch), _rows_per_micro_batch(worker, for_logprobs))
+    count = _agree_max(len(groups), device(worker))
+    vpp = worker.config.virtual_pipeline_model_parallel_size
+    if vpp and vpp > 1:
+        # The interleaved schedule runs micro-batches in groups of PP per virtual stage.
+        pp = worker.config.pipeline_model_parallel_size
+        count = math.ceil(count / pp) * pp
+        if len(groups) < count <= len(batch) and not dynamic:
+            groups = fixed_micro_batches(len(batch), math.ceil(len(batch) / count))
+    if dynamic and len(groups) < count <= len(batch):
+        spread = token_budget_micro_batches(
+            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
+        )
+        if len(spread) == count:
+            groups = spread
+    return groups, count
+
+
+def _micro_batches(batch: SequenceBatch, groups: list[list[int]], count: int):
+    """(row indices or None for a filler, trimmed micro-batch) for each of ``count`` slots."""
+    out = []
+    for i in range(count):
+        if i < len(groups):
+            out.append((groups[i], batch.select(groups[i]).trimmed()))
+        else:
+            filler = batch.select([0]).trimmed() if len(batch) else None
+            if filler is None:
+                raise ValueError("megatron: an empty batch cannot be scored")
+            out.append((None, filler))
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Forward-backward
+# --------------------------------------------------------------------------------------------
+
+
+def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    models = worker.model
+    dev = device(worker)
+    vocab = worker.state["vocab_size"]
+
+    def forward_step(data_iterator, model):
+        rows, mb = next(data_iterator)
+        ids = mb.input_ids.to(dev)
+        positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
+        # Right-padded rows under causal attention: padding never reaches a real token.
+        output = model(input_ids=ids, position_ids=positions, attention_mask=None)
+
+        def loss_func(logits: torch.Tensor):
+            return loss_for(rows, mb.with_tensors(), logits, ids, vocab)
+
+        return output, loss_func
+
+    # One iterator per model chunk: each chunk's forward pulls the same micro-batch sequence.
+    iterators = [iter(items) for _ in models]
+    return get_forward_backward_func()(
+        forward_step_func=forward_step,
+        data_iterator=iterators if len(models) > 1 else iterators[0],
+        model=models if len(models) > 1 else models[0],
+        num_microbatches=len(items),
+        seq_length=max(mb.input_ids.shape[1] for _, mb in items),
+        micro_batch_size=max(len(mb) for _, mb in items),
+        forward_only=forward_only,
+    )
+
+
+def _from_last_stage(obj: Any) -> Any:
+    """``obj`` as the last pipeline stage of this rank's pipeline has it."""
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return obj
+    box = [obj if ps.is_pipeline_last_stage(ignore_virtual=True) else None]
+    dist.broadcast_object_list(
+        box,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    return box[0]
+
+
+def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+    models = worker.model
+    optimizer = worker.state["optimizer"]
+    entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
+    groups, count = plan(worker, batch, for_logprobs=False)
+    items = _micro_batches(batch, groups, count)
+
+    def loss_for(rows, mb, logits, ids, vocab):
+        mb = SequenceBatch({k: v.to(ids.device) for k, v in mb.tensors.items()}, dict(mb.meta))
+        logprobs = vocab_parallel.shifted_logprobs(logits, ids, vocab)
+        if entropy_grad:
+            entropy = vocab_parallel.shifted_entropy(logits, vocab)
+        else:
+            with torch.no_grad():
+                entropy = vocab_parallel.shifted_entropy(logits.detach(), vocab)
+        loss, metrics = loss_fn(logprobs, entropy, mb)
+        if rows is None:
+            loss, metrics = loss * 0.0, {}
+        # The schedule divides each micro-batch's loss by the micro-batch count; core's loss is
+        # already this micro-batch's share of the step, so undo that.
+        return loss * count, {k: float(v) for k, v in metrics.items()}
+
+    for model in models:
+        model.train()
+        model.zero_grad_buffer()
+    optimizer.zero_grad()
+    step = worker.state["step"]
+    lr = worker.training_args.learning_rate * worker.state["lr_multiplier"](step)
+    for group in optimizer.param_groups:
+        group["lr"] = lr
+    reduced = _run_schedule(worker, items, loss_for, forward_only=False)
+    updated, grad_norm, _ = optimizer.step()
+    grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
+    if updated:
+        worker.state["updates"] += 1
+    else:
+        log.warning("megatron: step %d skipped (grad norm %s)", step, grad_norm)
+    worker.state["step"] = step + 1
+
+    metrics: dict[str, float] = {}
+    for entry in reduced or ():
+        for key, value in entry.items():
+            metrics[key] = metrics.get(key, 0.0) + value
+    metrics = _from_last_stage(metrics)
+    metrics["actor/grad_norm"] = grad_norm if math.isfinite(grad_norm) else float("nan")
+    metrics["actor/lr"] = lr
+    return metrics
+
+
+@torch.no_grad()
+def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+    groups, count = plan(worker, batch, for_logprobs=True)
+    items = _micro_batches(batch, groups, count)
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+
+    def loss_for(rows, mb, logits, ids, vocab):
+        if rows is not None:
+            lp = vocab_parallel.shifted_logprobs(logits, ids, vocab)
+            lp = lp * mb.attention_mask.to(lp.device)
+            out[torch.as_tensor(rows, dtype=torch.long), : lp.shape[1]] = lp.float().cpu()
+        return logits.new_zeros(()), {}
+
+    for model in worker.model:
+        model.eval()
+    _run_schedule(worker, items, loss_for, forward_only=True)
+    for model in worker.model:
+        model.train(worker.strategy_name == TRAIN)
+    return _broadcast_tensor_from_last_stage(out, worker)
+
+
+def _broadcast_tensor_from_last_stage(tensor: torch.Tensor, worker) -> torch.Tensor:
+    from megatron.core import parallel_state as ps
+
+    if ps.get_pipeline_model_parallel_world_size() == 1:
+        return tensor
+    moved = tensor.to(device(worker))
+    dist.broadcast(
+        moved,
+        src=ps.get_pipeline_model_parallel_last_rank(),
+        group=ps.get_pipeline_model_parallel_group(),
+    )
+    return moved.cpu()

@@ -1,0 +1,72 @@
+"""HF-named weights out of a megatron model: weight-sync buckets and HF directories.
+
+mbridge's ``export_weights`` walks the parameters in a fixed global order, gathering each one
+across TP / PP / EP as it goes, so at most one full tensor (plus the bucket being filled on rank
+0) is alive at a time: no rank ever holds the whole model. Every rank of the role must iterate
+it in step (the gathers are collectives); only global rank 0 keeps tensors.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+
+from posttrain.models import load_tokenizer, torch_dtype
+from posttrain.protocol import WeightBucket, bucketize
+from posttrain.tensors import unshare_storage
+from posttrain_megatron.model_builder import is_rank0
+
+log = logging.getLogger(__name__)
+
+
+def hf_tensors(worker, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` in the export dtype on CPU; meta tensors when ``keep`` is False."""
+    dtype = torch_dtype(worker.model_args.dtype)
+    seen: set[str] = set()
+    for name, tensor in worker.state["bridge"].export_weights(worker.model):
+        if name in seen:  # a tied output layer on the last PP stage maps to the embedding
+            continue
+        seen.add(name)
+        if keep:
+            yield name, tensor.detach().to(device="cpu", dtype=dtype, copy=True)
+        else:
+            yield name, torch.empty(tensor.shape, dtype=dtype, device="meta")
+
+
+def export_weights(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
+    return _buckets(worker, bucket_bytes)
+
+
+def _buckets(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
+    rank0 = is_rank0()
+    for bucket in bucketize(hf_tensors(worker, keep=rank0), bucket_bytes):
+        yield bucket if rank0 else WeightBucket()
+
+
+def export_hf(worker, path: str) -> bool:
+    rank0 = is_rank0()
+    state = dict(hf_tensors(worker, keep=rank0))
+    if rank0:
+        write_hf_dir(worker, state, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+def write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
+    from safetensors.torch import save_file
+
+    os.makedirs(path, exist_ok=True)
+    hf_config = worker.state["bridge"].hf_config
+    hf_config.dtype = torch_dtype(worker.model_args.dtype)
+    tensors = unshare_storage((k, v.contiguous()) for k, v in state.items())
+    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    hf_config.save_pretrained(path)
+    try:
+        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
+    except (OSError, ValueError) as exc:  # the weights are usable with the original tokenizer
+        log.warning("megatron: export_hf could not save the tokenizer: %s", exc)

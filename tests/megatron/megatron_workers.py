@@ -1,0 +1,277 @@
+"""Rank functions run by the megatron tests in spawned processes (importable by the children).
+
+Each scenario builds :class:`WorkerContext` objects by hand, drives them through
+:class:`WorkerRuntime` (so the plugin's hooks are what runs) and writes what the parent compares
+into ``out_dir`` with ``torch.save``. Models are tiny HF checkpoints the parent builds locally.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+import traceback
+
+BATCH_ROWS = 8
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 240.0, **kwargs):
+    """Run ``scenario`` on ``world_size`` spawned ranks (gloo); raise on failure or timeout."""
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.start_processes(
+        _entry,
+        args=(world_size, port, scenario, out_dir, kwargs),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"scenario {scenario} on {world_size} ranks timed out")
+
+
+def _entry(rank: int, world_size: int, port: int, scenario: str, out_dir: str, kwargs: dict):
+    import torch
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    try:
+        SCENARIOS[scenario](rank, world_size, out_dir, **kwargs)
+    except Exception:
+        traceback.print_exc()
+        raise
+
+
+# --------------------------------------------------------------------------------------------
+# Models (built by the parent process)
+# --------------------------------------------------------------------------------------------
+
+
+def build_hf_model(path: str, arch: str) -> str:
+    """A tiny HF checkpoint of ``arch`` at ``path`` (fp32, fixed seed)."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    common = dict(
+        vocab_size=31,  # odd: the vocabulary is padded to split over 2 TP ranks
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+    )
+    if arch == "qwen2":
+        model = transformers.Qwen2ForCausalLM(
+            transformers.Qwen2Config(num_hidden_layers=4, tie_word_embeddings=True, **common)
+        )
+    elif arch == "qwen3":
+        model = transformers.Qwen3ForCausalLM(
+            transformers.Qwen3Config(
+                num_hidden_layers=2, head_dim=16, tie_word_embeddings=False, **common
+            )
+        )
+    elif arch == "llama":
+        model = transformers.LlamaForCausalLM(
+            transformers.LlamaConfig(num_hidden_layers=2, tie_word_embeddings=False, **common)
+        )
+    elif arch == "qwen3_moe":
+        model = transformers.Qwen3MoeForCausalLM(
+            transformers.Qwen3MoeConfig(
+                num_hidden_layers=2,
+                head_dim=16,
+                moe_intermediate_size=32,
+                num_experts=4,
+                num_experts_per_tok=2,
+                norm_topk_prob=True,
+                decoder_sparse_step=1,
+                mlp_only_layers=[],
+                tie_word_embeddings=False,
+                **common,
+            )
+        )
+    else:
+        raise ValueError(arch)
+    model.save_pretrained(path)
+    return path
+
+
+# --------------------------------------------------------------------------------------------
+# Building blocks
+# --------------------------------------------------------------------------------------------
+
+
+def hook_relay():
+    import pluggy
+
+    import posttrain_megatron.plugin
+    from posttrain import hookspecs
+
+    pm = pluggy.PluginManager("posttrain")
+    pm.add_hookspecs(hookspecs)
+    pm.register(posttrain_megatron.plugin.plugin, name="megatron")
+    return pm.hook
+
+
+def make_runtime(rank, world_size, model_path, strategy="megatron_train", **layout):
+    from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
+    from posttrain.worker import WorkerContext, WorkerRuntime
+    from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
+
+    train = strategy == "megatron_train"
+    config = (MegatronTrainConfig if train else MegatronInferConfig)(**layout)
+    targs = TrainingArgs(
+        learning_rate=1e-3,
+        weight_decay=0.01,
+        max_grad_norm=1.0,
+        # TP changes the summation order of row-parallel matmuls, so gradients differ in the last
+        # bits; with Adam's default eps (1e-8) the update of an entry whose gradient is ~1e-8 is
+        # +-lr depending on that noise. A larger eps keeps updates linear in such gradients, so
+        # layouts are compared on their arithmetic rather than on Adam's sign of noise.
+        adam_epsilon=1e-4,
+        lr_scheduler_type="cosine",
+        max_steps=10,
+        per_device_train_batch_size=2,
+    )
+    ctx = WorkerContext(
+        role="actor_train" if train else "reference",
+        strategy_name=strategy,
+        config=config,
+        model_args=ModelArgs(model_name_or_path=model_path),
+        training_args=targs if train else None,
+        rank=rank,
+        world_size=world_size,
+        algorithm=AlgorithmConfig(entropy_coef=1e-3),
+        hook=hook_relay(),
+    )
+    runtime = WorkerRuntime(ctx)
+    runtime.setup()
+    return runtime
+
+
+def step_batch(step: int, vocab: int):
+    """The whole step's batch (every rank builds the same one): random tokens, ragged lengths,
+    global normalisation counts in meta."""
+    import torch
+
+    from posttrain.protocol import build_sequence_batch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    prompts, responses = [], []
+    for _ in range(BATCH_ROWS):
+        p = int(torch.randint(2, 7, (1,), generator=g))
+        r = int(torch.randint(1, 12, (1,), generator=g))
+        prompts.append(torch.randint(4, vocab, (p,), generator=g).tolist())
+        responses.append(torch.randint(4, vocab, (r,), generator=g).tolist())
+    batch = build_sequence_batch(prompts, responses, pad_token_id=0)
+    adv = torch.randn(BATCH_ROWS, 1, generator=g).expand_as(batch.response_mask).contiguous()
+    batch = batch.with_tensors(advantages=adv * batch.response_mask)
+    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=BATCH_ROWS)
+    return batch
+
+
+def train_one(runtime, step: int) -> dict:
+    """One RL step on this rank's data-parallel share: old log-probs, then the update."""
+    ctx = runtime.ctx
+    batch = step_batch(step, ctx.state["vocab_size"])
+    share = batch.split(ctx.dp_size)[ctx.dp_rank]
+    share.meta["dp_size"] = ctx.dp_size
+    old = runtime.compute_logprobs(share)
+    # Perturb so the importance ratio is not exactly one (exercises clipping).
+    share = share.with_tensors(old_logprobs=old + 0.05 * (share.response_mask - 0.5))
+    return runtime.train_step(share)
+
+
+def hf_params(runtime) -> dict:
+    """Every HF-named tensor (collective); full on rank 0, empty elsewhere."""
+    from posttrain_megatron.weights import hf_tensors
+
+    rank0 = runtime.ctx.rank == 0
+    return {name: t.clone() for name, t in hf_tensors(runtime.ctx, keep=rank0) if rank0}
+
+
+def adam_steps(runtime) -> list[float]:
+    from posttrain_megatron.model_builder import inner_optimizers
+
+    return sorted(
+        {
+            float(state["step"])
+            for inner in inner_optimizers(runtime.ctx.state["optimizer"])
+            for state in inner.state.values()
+            if "step" in state
+        }
+    )
+
+
+# --------------------------------------------------------------------------------------------
+# Scenarios
+# --------------------------------------------------------------------------------------------
+
+
+def scenario_train(
+    rank, world_size, out_dir, model, tag, steps=2, save_after=None, load=None, layout=None
+):
+    """``steps`` RL steps under ``layout``; with ``save_after`` a checkpoint after that step, with
+    ``load`` the run starts from that checkpoint (resuming at its step)."""
+    import torch
+
+    def save(obj, name):
+        if rank == 0:
+            torch.save(obj, os.path.join(out_dir, name))
+
+    rt = make_runtime(rank, world_size, model, **(layout or {}))
+    start = 0
+    if load:
+        rt.load_checkpoint(os.path.join(out_dir, load))
+        start = rt.ctx.state["step"]
+        save(
+            {"step": start, "updates": rt.ctx.state["updates"], "adam": adam_steps(rt)},
+            f"resumed_{tag}.pt",
+        )
+    metrics = []
+    for step in range(start, steps):
+        metrics.append(train_one(rt, step))
+        if save_after is not None and step + 1 == save_after:
+            rt.save_checkpoint(os.path.join(out_dir, f"ckpt_{tag}"))
+    save({"params": hf_params(rt), "metrics": metrics, "adam": adam_steps(rt)}, f"{tag}.pt")
+    rt.shutdown()
+
+
+def scenario_logits(rank, world_size, out_dir, model, tag, layout=None):
+    """Logits of a probe batch (gathered over TP) and the exported HF tensors right after load."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+
+    rt = make_runtime(rank, world_size, model, strategy="megatron_infer", **(layout or {}))
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 31, (2, 12), generator=g)
+    positions = torch.arange(12).unsqueeze(0).expand(2, -1)
+    with torch.no_grad():
+        logits = rt.ctx.model[0](input_ids=ids, position_ids=positions, attention_mask=None)
+    full = gather_from_tensor_model_parallel_region(logits)[..., : rt.ctx.state["vocab_size"]]
+    exported = hf_params(rt)
+    if rank == 0 and ps.is_pipeline_last_stage():
+        torch.save({"ids": ids, "logits": full, "exported": exported}, f"{out_dir}/{tag}.pt")
+    rt.shutdown()
+
+
+SCENARIOS = {"train": scenario_train, "logits": scenario_logits}

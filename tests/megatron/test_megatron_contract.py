@@ -1,0 +1,19 @@
+"""The conformance kit against megatron_train (TP2) and megatron_infer (PP2), on megatron-core."""
+
+import pytest
+
+from posttrain.testing import StrategyContract
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
+
+
+class TestMegatronTrainTP2Contract(StrategyContract):
+    strategy = "megatron_train"
+    strategy_config = {"tensor_model_parallel_size": 2}
+    world_size = 2
+
+
+class TestMegatronInferPP2Contract(StrategyContract):
+    strategy = "megatron_infer"
+    strategy_config = {"pipeline_model_parallel_size": 2}
+    world_size = 2
