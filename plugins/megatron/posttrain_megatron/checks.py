@@ -126,7 +126,14 @@ def check_role(
             "the model has no experts (not a MoE model): expert parallelism does not apply",
             "set expert_model_parallel_size: 1",
         )
-    elif experts and experts % ep:
+    if experts and pp > 1 and config.moe_token_dispatcher_type == "allgather":
+        report.error(
+            f"{where}.moe_token_dispatcher_type",
+            "the allgather dispatcher cannot take micro-batches of varying length, which "
+            "pipeline parallelism sends between stages",
+            "use moe_token_dispatcher_type: alltoall (GPU) or pipeline_model_parallel_size: 1",
+        )
+    if experts and experts % ep:
         report.error(
             f"{where}.expert_model_parallel_size",
             f"the model's {experts} experts do not divide over {ep} expert-parallel ranks",

@@ -70,7 +70,6 @@ def transformer_overrides(worker, hf_config) -> dict[str, Any]:
     cpu = not is_cuda(worker)
     out: dict[str, Any] = {
         "sequence_parallel": cfg.sequence_parallel,
-        "moe_token_dispatcher_type": cfg.moe_token_dispatcher_type,
         "moe_grouped_gemm": cfg.moe_grouped_gemm,
         # Shapes travel with activations between pipeline stages (micro-batches vary in length).
         "variable_seq_lengths": cfg.pipeline_model_parallel_size > 1,
@@ -86,6 +85,9 @@ def transformer_overrides(worker, hf_config) -> dict[str, Any]:
         "apply_rope_fusion": False,
         "use_cpu_initialization": cpu,
     }
+    if _num_experts(hf_config):
+        # (megatron-core rejects allgather with variable sequence lengths even for dense models)
+        out["moe_token_dispatcher_type"] = cfg.moe_token_dispatcher_type
     norm_topk = getattr(hf_config, "norm_topk_prob", None)
     if norm_topk is not None:
         # HF renormalises the top-k router weights iff norm_topk_prob; megatron does so iff the

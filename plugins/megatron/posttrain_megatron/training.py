@@ -37,9 +37,10 @@ def _agree_max(value: int, dev: torch.device) -> int:
 
 def _rows_per_micro_batch(worker, for_logprobs: bool) -> int:
     cfg = worker.config
-    if for_logprobs or worker.strategy_name != TRAIN:
+    if worker.strategy_name != TRAIN:
         return cfg.logprob_micro_batch_size or worker.state.get("infer_batch_size") or 8
-    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+    train_rows = cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+    return (cfg.logprob_micro_batch_size or train_rows) if for_logprobs else train_rows
 
 
 def plan(worker, batch: SequenceBatch, for_logprobs: bool) -> tuple[list[list[int]], int]:

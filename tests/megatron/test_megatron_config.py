@@ -1,0 +1,146 @@
+"""posttrain validate for megatron roles (no torch, no engine), doctor, and the CPU patches."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "examples" / "quickstart_megatron.yaml"
+
+
+def _validate(tmp_path, model_dir, device_mapping, **strategy_config):
+    workflow = yaml.safe_load(QUICKSTART.read_text())
+    workflow["model_args"]["model_name_or_path"] = str(model_dir)
+    workflow["actor_train"]["device_mapping"] = device_mapping
+    workflow["actor_train"]["strategy_args"]["strategy_config"] = strategy_config
+    path = tmp_path / "wf.yaml"
+    path.write_text(yaml.safe_dump(workflow))
+    return subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    """A config.json only: validation reads the model's shape, never its weights."""
+    directory = tmp_path / "model"
+    directory.mkdir()
+    config = {
+        "model_type": "qwen3_moe",
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "num_hidden_layers": 6,
+        "num_experts": 6,
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    return directory
+
+
+@pytest.mark.parametrize(
+    "mapping, config, path, message",
+    [
+        (
+            "list(range(0, 4))",
+            {"tensor_model_parallel_size": 4},
+            "strategy_config.tensor_model_parallel_size",
+            "6 attention heads do not divide over 4",
+        ),
+        (
+            "list(range(0, 4))",
+            {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
+            "strategy_config.pipeline_model_parallel_size",
+            "6 layers do not divide into 2 pipeline stage(s) x 2",
+        ),
+        (
+            "list(range(0, 4))",
+            {"expert_model_parallel_size": 4},
+            "strategy_config.expert_model_parallel_size",
+            "6 experts do not divide over 4",
+        ),
+        (
+            "list(range(0, 2))",
+            {"sequence_parallel": True},
+            "strategy_config.sequence_parallel",
+            "needs tensor_model_parallel_size > 1",
+        ),
+        (
+            "list(range(0, 3))",
+            {"tensor_model_parallel_size": 2},
+            "actor_train.device_mapping",
+            "3 device(s) do not divide by the parallel sizes",
+        ),
+        (
+            "list(range(0, 2))",
+            {"override_transformer_config": {"apply_rope_fusoin": False}},
+            "override_transformer_config.apply_rope_fusoin",
+            "did you mean 'apply_rope_fusion'",
+        ),
+        (
+            "list(range(0, 2))",
+            {"tensor_model_paralel_size": 2},
+            "strategy_config.tensor_model_paralel_size",
+            "tensor_model_parallel_size",
+        ),
+    ],
+)
+def test_validate_reports_layout_mistakes(tmp_path, model_dir, mapping, config, path, message):
+    proc = _validate(tmp_path, model_dir, mapping, **config)
+    assert proc.returncode == 2, proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stderr
+    out = proc.stdout + proc.stderr
+    assert path in out and message in out, out
+
+
+def test_validate_reports_every_error_at_once_without_importing_torch(tmp_path, model_dir):
+    code = (
+        "import sys, yaml;"
+        f"wf = yaml.safe_load(open({str(QUICKSTART)!r}));"
+        f"wf['model_args']['model_name_or_path'] = {str(model_dir)!r};"
+        "wf['actor_train']['device_mapping'] = 'list(range(0, 4))';"
+        "wf['actor_train']['strategy_args']['strategy_config'] = {"
+        "'tensor_model_parallel_size': 4, 'expert_model_parallel_size': 4,"
+        "'override_transformer_config': {'hiden_size': 1}};"
+        f"open({str(tmp_path / 'all.yaml')!r}, 'w').write(yaml.safe_dump(wf));"
+        "from posttrain.cli import main;"
+        f"rc = main(['validate', {str(tmp_path / 'all.yaml')!r}]);"
+        "print('TORCH', 'torch' in sys.modules, 'megatron.core' in sys.modules); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    for fragment in ("attention heads", "experts do not divide", "hiden_size"):
+        assert fragment in out, out
+    assert "TORCH False False" in out
+
+
+def test_doctor_reports_megatron_versions():
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},  # rich would truncate the package names
+    )
+    out = proc.stdout + proc.stderr
+    for package in ("megatron-core", "mbridge", "transformer-engine", "apex"):
+        assert package in out, out
+
+
+def test_cpu_patch_targets_exist_in_installed_megatron_core():
+    """The CPU support patches stand in for these internals: fail loudly if one disappears."""
+    import importlib
+
+    from posttrain_megatron.cpu_support import PATCHED_INTERNALS
+
+    for module, attribute in PATCHED_INTERNALS:
+        assert hasattr(importlib.import_module(module), attribute), f"{module}.{attribute}"
