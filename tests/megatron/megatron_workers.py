@@ -131,7 +131,7 @@ def hook_relay():
     return pm.hook
 
 
-def make_runtime(rank, world_size, model_path, strategy="megatron_train", **layout):
+def make_runtime(rank, world_size, model_path, strategy="megatron_train", training=None, **layout):
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
     from posttrain.worker import WorkerContext, WorkerRuntime
     from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
@@ -150,6 +150,7 @@ def make_runtime(rank, world_size, model_path, strategy="megatron_train", **layo
         lr_scheduler_type="cosine",
         max_steps=10,
         per_device_train_batch_size=2,
+        **(training or {}),
     )
     ctx = WorkerContext(
         role="actor_train" if train else "reference",
@@ -227,17 +228,26 @@ def adam_steps(runtime) -> list[float]:
 
 
 def scenario_train(
-    rank, world_size, out_dir, model, tag, steps=2, save_after=None, load=None, layout=None
+    rank,
+    world_size,
+    out_dir,
+    model,
+    tag,
+    steps=2,
+    save_after=None,
+    load=None,
+    layout=None,
+    training=None,
 ):
-    """``steps`` RL steps under ``layout``; with ``save_after`` a checkpoint after that step, with
-    ``load`` the run starts from that checkpoint (resuming at its step)."""
+    """``steps`` RL steps under ``layout`` (and ``training`` args); with ``save_after`` a
+    checkpoint after that step, with ``load`` the run starts from that checkpoint."""
     import torch
 
     def save(obj, name):
         if rank == 0:
             torch.save(obj, os.path.join(out_dir, name))
 
-    rt = make_runtime(rank, world_size, model, **(layout or {}))
+    rt = make_runtime(rank, world_size, model, training=training, **(layout or {}))
     start = 0
     if load:
         rt.load_checkpoint(os.path.join(out_dir, load))

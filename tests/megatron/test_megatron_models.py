@@ -37,6 +37,33 @@ def loaded(tmp_path_factory):
     return root, paths
 
 
+@pytest.fixture(scope="session")
+def moe_trained(loaded):
+    """Qwen3-MoE: 2 RL steps at EP2 (ragged micro-batches, allgather dispatch) and at EP1."""
+    from megatron_workers import launch
+
+    root, paths = loaded
+    moe = {"moe_token_dispatcher_type": "allgather"}
+    launch("train", 1, str(root), model=paths["qwen3_moe"], tag="moe_ep1", layout=moe)
+    ep2 = {**moe, "expert_model_parallel_size": 2}
+    launch("train", 2, str(root), model=paths["qwen3_moe"], tag="moe_ep2", layout=ep2)
+    return root
+
+
+def test_moe_ep2_trains_like_ep1(moe_trained):
+    ep1 = torch.load(moe_trained / "moe_ep1.pt", weights_only=False)
+    ep2 = torch.load(moe_trained / "moe_ep2.pt", weights_only=False)
+    initial = torch.load(moe_trained / "qwen3_moe_ep2.pt", weights_only=False)["exported"]
+    experts = [k for k in initial if ".experts." in k]
+    assert experts and ep1["params"].keys() == ep2["params"].keys() == initial.keys()
+    # Every expert moved (EP ranks update their own experts) and EP2 equals EP1.
+    assert all(not torch.equal(initial[k], ep2["params"][k]) for k in experts)
+    diff = max((ep1["params"][k] - ep2["params"][k]).abs().max().item() for k in initial)
+    assert diff < 1e-4
+    for a, b in zip(ep1["metrics"], ep2["metrics"]):
+        assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-3)
+
+
 @pytest.mark.parametrize("tag", sorted(CASES))
 def test_logits_match_hf_and_export_round_trips(loaded, tag):
     import transformers

@@ -11,13 +11,22 @@ import torch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
+# tag: (strategy_config, ranks, training_args overrides)
 LAYOUTS = {
-    "tp2": ({"tensor_model_parallel_size": 2}, 2),
+    "tp2": ({"tensor_model_parallel_size": 2}, 2, None),
+    "tp2_sp": ({"tensor_model_parallel_size": 2, "sequence_parallel": True}, 2, None),
+    # Uneven sequences balanced into micro-batches under a token budget.
+    "tp2_dynamic": (
+        {"tensor_model_parallel_size": 2},
+        2,
+        {"use_dynamic_batch_size": True, "max_tokens_per_micro_batch": 24},
+    ),
     "pp2_vpp2": (
         {"pipeline_model_parallel_size": 2, "virtual_pipeline_model_parallel_size": 2},
         2,
+        None,
     ),
-    "dp2_distopt": ({"use_distributed_optimizer": True}, 2),
+    "dp2_distopt": ({"use_distributed_optimizer": True}, 2, None),
 }
 
 
@@ -36,8 +45,8 @@ def runs(tmp_path_factory, qwen2_path):
 
     out = str(tmp_path_factory.mktemp("megatron-runs"))
     launch("train", 1, out, model=qwen2_path, tag="tp1")
-    for tag, (layout, world) in LAYOUTS.items():
-        launch("train", world, out, model=qwen2_path, tag=tag, layout=layout)
+    for tag, (layout, world, training) in LAYOUTS.items():
+        launch("train", world, out, model=qwen2_path, tag=tag, layout=layout, training=training)
     tp2 = {"tensor_model_parallel_size": 2}
     launch("train", 2, out, model=qwen2_path, tag="tp2_saved", layout=tp2, save_after=1)
     launch("train", 1, out, model=qwen2_path, tag="resume_tp1", load="ckpt_tp2_saved")

@@ -8,6 +8,9 @@ quickstart) :func:`apply` maps all of that onto the CPU:
 
 * a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` arguments, ``.cuda()``
   and ``.to("cuda")`` to the CPU, and answers ``tensor.type()`` with the CUDA type name;
+* the mode is active during backward passes too (a mode is switched off while its own handler
+  runs, and ``loss.backward()`` passes through that handler), so megatron's backward functions
+  allocate on the CPU as well;
 * ``torch.nn.Module.cuda`` returns the module unchanged;
 * ``torch.cuda.current_device`` / ``synchronize`` / RNG calls act on the CPU device and RNG, so
   megatron's RNG tracker forks the CPU generator; CUDA streams are torch's CPU streams (in order).
@@ -20,6 +23,7 @@ from the installed megatron-core, so a new release cannot silently bypass them.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -34,6 +38,7 @@ PATCHED_INTERNALS: tuple[tuple[str, str], ...] = (
     ("megatron.core.tensor_parallel.random", "CudaRNGStatesTracker"),
     ("megatron.core.optimizer.distrib_optimizer", "DistributedOptimizer"),
     ("megatron.core.optimizer.clip_grads", "get_grad_norm_fp32"),
+    ("torch.autograd", "_engine_run_backward"),
 )
 
 _applied = False
@@ -72,6 +77,15 @@ def _set_cpu_rng_state(state, *args, **kwargs) -> None:
     torch.set_rng_state(state)
 
 
+def _with_cpu_mode(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with CudaToCpu():
+            return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def apply() -> None:
     """Install the CPU patches in this process (idempotent). Call before building models."""
     global _applied
@@ -94,6 +108,9 @@ def apply() -> None:
     torch.nn.Module.cuda = lambda self, device=None: self
     mcore_random._get_cuda_rng_state = _cpu_rng_state
     mcore_random._set_cuda_rng_state = _set_cpu_rng_state
+    # backward() and autograd.grad() run the engine from inside the mode's handler, where the
+    # mode is off: run the engine (and with it every backward function) under the mode again.
+    torch.autograd._engine_run_backward = _with_cpu_mode(torch.autograd._engine_run_backward)
     # Process-wide: the mode stays pushed for the life of this rank.
     CudaToCpu().__enter__()
     _applied = True

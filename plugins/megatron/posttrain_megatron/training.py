@@ -69,18 +69,45 @@ def plan(worker, batch: SequenceBatch, for_logprobs: bool) -> tuple[list[list[in
     return groups, count
 
 
-def _micro_batches(batch: SequenceBatch, groups: list[list[int]], count: int):
+def _micro_batches(worker, batch: SequenceBatch, groups: list[list[int]], count: int):
     """(row indices or None for a filler, trimmed micro-batch) for each of ``count`` slots."""
+    if not len(batch):
+        raise ValueError("megatron: an empty batch cannot be scored")
     out = []
     for i in range(count):
         if i < len(groups):
             out.append((groups[i], batch.select(groups[i]).trimmed()))
         else:
-            filler = batch.select([0]).trimmed() if len(batch) else None
-            if filler is None:
-                raise ValueError("megatron: an empty batch cannot be scored")
-            out.append((None, filler))
+            out.append((None, batch.select([0]).trimmed()))
+    if _needs_equal_shapes(worker):
+        out = _equal_shapes(worker, out)
     return out
+
+
+def _needs_equal_shapes(worker) -> bool:
+    """The allgather MoE dispatcher gathers equal-sized token blocks over expert-parallel ranks."""
+    cfg = worker.config
+    return cfg.expert_model_parallel_size > 1 and cfg.moe_token_dispatcher_type == "allgather"
+
+
+def _equal_shapes(worker, items):
+    """Pad every micro-batch to the largest rows x width of its slot on any rank; padding rows
+    and columns are masked out (attention and response masks 0) and never returned."""
+    sizes = torch.tensor(
+        [[len(mb), mb.input_ids.shape[1]] for _, mb in items], device=device(worker)
+    )
+    dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
+    padded = []
+    for (rows, mb), (n, width) in zip(items, sizes.tolist()):
+        tensors = {}
+        for key, value in mb.tensors.items():
+            if value.dim() == 2:
+                value = torch.nn.functional.pad(value, (0, width - value.shape[1]))
+            tensors[key] = torch.nn.functional.pad(
+                value, (0, 0) * (value.dim() - 1) + (0, n - len(mb))
+            )
+        padded.append((rows, SequenceBatch(tensors, dict(mb.meta))))
+    return padded
 
 
 # --------------------------------------------------------------------------------------------
@@ -95,15 +122,20 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
     dev = device(worker)
     vocab = worker.state["vocab_size"]
 
+    # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP.
+    multiple = worker.config.tensor_model_parallel_size if worker.config.sequence_parallel else 1
+
     def forward_step(data_iterator, model):
         rows, mb = next(data_iterator)
         ids = mb.input_ids.to(dev)
-        positions = torch.arange(ids.shape[1], device=dev).unsqueeze(0).expand_as(ids)
+        width = ids.shape[1]
+        padded = torch.nn.functional.pad(ids, (0, -width % multiple))
+        positions = torch.arange(padded.shape[1], device=dev).unsqueeze(0).expand_as(padded)
         # Right-padded rows under causal attention: padding never reaches a real token.
-        output = model(input_ids=ids, position_ids=positions, attention_mask=None)
+        output = model(input_ids=padded, position_ids=positions, attention_mask=None)
 
         def loss_func(logits: torch.Tensor):
-            return loss_for(rows, mb.with_tensors(), logits, ids, vocab)
+            return loss_for(rows, mb.with_tensors(), logits[:, :width], ids, vocab)
 
         return output, loss_func
 
@@ -140,7 +172,7 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     optimizer = worker.state["optimizer"]
     entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
     groups, count = plan(worker, batch, for_logprobs=False)
-    items = _micro_batches(batch, groups, count)
+    items = _micro_batches(worker, batch, groups, count)
 
     def loss_for(rows, mb, logits, ids, vocab):
         mb = SequenceBatch({k: v.to(ids.device) for k, v in mb.tensors.items()}, dict(mb.meta))
@@ -187,14 +219,15 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
 @torch.no_grad()
 def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     groups, count = plan(worker, batch, for_logprobs=True)
-    items = _micro_batches(batch, groups, count)
+    items = _micro_batches(worker, batch, groups, count)
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
 
     def loss_for(rows, mb, logits, ids, vocab):
         if rows is not None:
             lp = vocab_parallel.shifted_logprobs(logits, ids, vocab)
-            lp = lp * mb.attention_mask.to(lp.device)
-            out[torch.as_tensor(rows, dtype=torch.long), : lp.shape[1]] = lp.float().cpu()
+            lp = (lp * mb.attention_mask.to(lp.device))[: len(rows)]
+            width = min(lp.shape[1], out.shape[1])
+            out[torch.as_tensor(rows, dtype=torch.long), :width] = lp[:, :width].float().cpu()
         return logits.new_zeros(()), {}
 
     for model in worker.model:
