@@ -119,12 +119,15 @@ def current_layout() -> dict:
 def set_adam_steps(optimizer, updates: int) -> None:
     """Give every parameter its own Adam step tensor equal to ``updates``."""
     for inner in inner_optimizers(optimizer):
-        for state in inner.state.values():
-            if "step" in state:
-                state["step"] = torch.tensor(float(updates))
         for group in inner.param_groups:
             if "step" in group:
                 group["step"] = updates
+            for param in group["params"]:
+                state = inner.state.get(param)
+                if state and "step" in state:
+                    # torch's fused Adam keeps the count on the parameter's device.
+                    where = param.device if group.get("fused") else "cpu"
+                    state["step"] = torch.tensor(float(updates), device=where)
 
 
 def load_model_weights(models, path: str) -> None:

@@ -78,8 +78,9 @@ def transformer_overrides(worker, hf_config) -> dict[str, Any]:
         "calculate_per_token_loss": False,
         # Fused kernels that need CUDA / TE / apex; torch's own ops otherwise.
         "masked_softmax_fusion": not cpu and cfg.attention_backend == "transformer_engine",
-        "bias_activation_fusion": False,
-        "bias_dropout_fusion": False,
+        # megatron's own fused SwiGLU / bias-dropout-add (torch.compile / jit, no TE needed).
+        "bias_activation_fusion": not cpu,
+        "bias_dropout_fusion": not cpu,
         "gradient_accumulation_fusion": False,
         "persist_layer_norm": False,
         "apply_rope_fusion": False,
@@ -139,7 +140,9 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
             "use_distributed_optimizer": cfg.use_distributed_optimizer,
             "overlap_grad_reduce": cfg.overlap_grad_reduce,
             "overlap_param_gather": cfg.overlap_param_gather,
-            "grad_reduce_in_fp32": True,
+            # As Megatron-LM's default: grads accumulate in the model dtype, the optimizer
+            # steps fp32 main params (fp32 grad buffers cost a copy and bandwidth per step).
+            "grad_reduce_in_fp32": dtype == torch.float32,
         }
     models = bridge.get_model(
         wrap_with_ddp=train,
@@ -197,6 +200,8 @@ def build_optimizer(worker, models: list[torch.nn.Module]):
         use_precision_aware_optimizer=cfg.optimizer_offload,
     )
     optimizer = get_megatron_optimizer(optimizer_config, models)
+    if is_cuda(worker) and not cfg.optimizer_offload:
+        _use_fused_adam(optimizer)
     model_config = get_model_config(models[0])
     model_config.finalize_model_grads_func = finalize_model_grads
     if cfg.overlap_grad_reduce:
@@ -208,6 +213,16 @@ def build_optimizer(worker, models: list[torch.nn.Module]):
     if optimizer_config.fp16:
         model_config.grad_scale_func = optimizer.scale_loss
     return optimizer
+
+
+def _use_fused_adam(optimizer) -> None:
+    """Without apex / TransformerEngine megatron-core falls back to torch's Adam(W) with the
+    foreach implementation; torch's fused CUDA kernel is ~3x faster on the same state."""
+    for inner in inner_optimizers(optimizer):
+        if isinstance(inner, torch.optim.Adam | torch.optim.AdamW):
+            inner.defaults.update(fused=True, foreach=False)
+            for group in inner.param_groups:
+                group.update(fused=True, foreach=False)
 
 
 def inner_optimizers(optimizer) -> list[Any]:

@@ -176,12 +176,7 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
 
     def loss_for(rows, mb, logits, ids, vocab):
         mb = SequenceBatch({k: v.to(ids.device) for k, v in mb.tensors.items()}, dict(mb.meta))
-        logprobs = vocab_parallel.shifted_logprobs(logits, ids, vocab)
-        if entropy_grad:
-            entropy = vocab_parallel.shifted_entropy(logits, vocab)
-        else:
-            with torch.no_grad():
-                entropy = vocab_parallel.shifted_entropy(logits.detach(), vocab)
+        logprobs, entropy = vocab_parallel.logprobs_and_entropy(logits, ids, vocab, entropy_grad)
         loss, metrics = loss_fn(logprobs, entropy, mb)
         if rows is None:
             loss, metrics = loss * 0.0, {}

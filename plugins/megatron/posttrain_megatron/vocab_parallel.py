@@ -34,11 +34,29 @@ def shifted_logprobs(
     logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int
 ) -> torch.Tensor:
     """``logits``: [b, s, padded vocab / tp] of this TP rank; ``vocab_size``: the real one."""
+    return _logprobs_of(_scores(logits, vocab_size), input_ids)
+
+
+def _logprobs_of(scores: torch.Tensor, input_ids: torch.Tensor) -> torch.Tensor:
+    """Consumes ``scores`` (megatron's cross entropy overwrites it)."""
     from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
 
-    scores = _scores(logits, vocab_size)
     nll = vocab_parallel_cross_entropy(scores, input_ids[:, 1:].contiguous())
     return torch.nn.functional.pad(-nll, (1, 0))
+
+
+def logprobs_and_entropy(
+    logits: torch.Tensor, input_ids: torch.Tensor, vocab_size: int, entropy_grad: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Both per-token tensors; without ``entropy_grad`` one float32 copy of the logits serves
+    both (the entropy is read before the cross entropy overwrites it), which matters at a
+    150k vocabulary."""
+    if entropy_grad:
+        return shifted_logprobs(logits, input_ids, vocab_size), shifted_entropy(logits, vocab_size)
+    scores = _scores(logits, vocab_size)
+    with torch.no_grad():
+        entropy = _entropy_of(scores.detach())
+    return _logprobs_of(scores, input_ids), entropy
 
 
 def _entropy_tp(scores: torch.Tensor, group) -> torch.Tensor:
@@ -55,10 +73,13 @@ def _entropy_tp(scores: torch.Tensor, group) -> torch.Tensor:
 
 
 def shifted_entropy(logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    return _entropy_of(_scores(logits, vocab_size))
+
+
+def _entropy_of(scores: torch.Tensor) -> torch.Tensor:
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
-    scores = _scores(logits, vocab_size)
     if dist.get_world_size(group) == 1:
         logp = torch.log_softmax(scores, dim=-1)
         ent = -(logp.exp() * logp).sum(-1)
