@@ -28,3 +28,16 @@ def destroy_default_process_group() -> None:
 
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def agree_max(value: int, device) -> int:
+    """The largest ``value`` over the default group's ranks (e.g. micro-batch counts, which
+    every rank must run alike for collectives to line up)."""
+    import torch
+    import torch.distributed as dist
+
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.long, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return int(t.item())

@@ -8,9 +8,6 @@ compares into ``out_dir`` with ``torch.save``.
 from __future__ import annotations
 
 import os
-import socket
-import time
-import traceback
 
 MODEL = "preset:tiny-qwen2"
 BATCH_ROWS = 8
@@ -18,56 +15,11 @@ STEPS = 3
 SAVE_AFTER = 2
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 200.0, **kwargs):
+def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 240.0, **kwargs):
     """Run ``scenario`` on ``world_size`` spawned ranks (gloo); raise on failure or timeout."""
-    import torch.multiprocessing as mp
+    from posttrain.testing.spawn import run_ranks
 
-    port = free_port()
-    ctx = mp.start_processes(
-        _entry,
-        args=(world_size, port, scenario, out_dir, kwargs),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
-    )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"scenario {scenario} on {world_size} ranks timed out")
-
-
-def _entry(rank: int, world_size: int, port: int, scenario: str, out_dir: str, kwargs: dict):
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-    import torch.distributed as dist
-
-    try:
-        SCENARIOS[scenario](rank, world_size, out_dir, **kwargs)
-    except Exception:
-        traceback.print_exc()
-        raise
-    if dist.is_initialized():
-        # Leave together: a rank tearing gloo down while a peer still finishes a collective
-        # aborts the peer.
-        dist.barrier()
-        dist.destroy_process_group()
+    run_ranks(f"fsdp_workers:scenario_{scenario}", world_size, out_dir, timeout=timeout, **kwargs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -281,6 +233,3 @@ def scenario_resume(rank: int, world_size: int, out_dir: str):
     probe = probe_batch(ref.ctx.model.config.vocab_size)
     save(ref.compute_logprobs(rank_share(probe, rank, world_size)), "ref_logprobs_rank0.pt")
     rt.shutdown()
-
-
-SCENARIOS = {"train": scenario_train, "resume": scenario_resume}

@@ -8,56 +8,17 @@ into ``out_dir`` with ``torch.save``. Models are tiny HF checkpoints the parent 
 from __future__ import annotations
 
 import os
-import socket
-import time
-import traceback
 
 BATCH_ROWS = 8
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 240.0, **kwargs):
     """Run ``scenario`` on ``world_size`` spawned ranks (gloo); raise on failure or timeout."""
-    import torch.multiprocessing as mp
+    from posttrain.testing.spawn import run_ranks
 
-    port = free_port()
-    ctx = mp.start_processes(
-        _entry,
-        args=(world_size, port, scenario, out_dir, kwargs),
-        nprocs=world_size,
-        join=False,
-        start_method="spawn",
+    run_ranks(
+        f"megatron_workers:scenario_{scenario}", world_size, out_dir, timeout=timeout, **kwargs
     )
-    deadline = time.monotonic() + timeout
-    while not ctx.join(timeout=1.0):
-        if time.monotonic() > deadline:
-            for p in ctx.processes:
-                if p.is_alive():
-                    p.terminate()
-            raise TimeoutError(f"scenario {scenario} on {world_size} ranks timed out")
-
-
-def _entry(rank: int, world_size: int, port: int, scenario: str, out_dir: str, kwargs: dict):
-    import torch
-
-    torch.set_num_threads(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world_size),
-        LOCAL_RANK=str(rank),
-    )
-    try:
-        SCENARIOS[scenario](rank, world_size, out_dir, **kwargs)
-    except Exception:
-        traceback.print_exc()
-        raise
 
 
 # --------------------------------------------------------------------------------------------
@@ -282,6 +243,3 @@ def scenario_logits(rank, world_size, out_dir, model, tag, layout=None):
     if rank == 0 and ps.is_pipeline_last_stage():
         torch.save({"ids": ids, "logits": full, "exported": exported}, f"{out_dir}/{tag}.pt")
     rt.shutdown()
-
-
-SCENARIOS = {"train": scenario_train, "logits": scenario_logits}

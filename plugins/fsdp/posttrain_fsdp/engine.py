@@ -24,7 +24,11 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from posttrain.distributed import destroy_default_process_group, init_default_process_group
+from posttrain.distributed import (
+    agree_max,
+    destroy_default_process_group,
+    init_default_process_group,
+)
 from posttrain.lr_schedule import lr_lambda
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
 from posttrain.modeling import shifted_entropy, shifted_token_logprobs
@@ -170,14 +174,6 @@ def _build_optimizer(worker, model) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _agree_max(worker, value: int) -> int:
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.long, device=_device(worker))
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
-
-
 def _micro_batch_size(worker, for_logprobs: bool) -> int:
     cfg = worker.config
     if worker.strategy_name != TRAIN:
@@ -197,7 +193,7 @@ def plan_micro_batches(
         groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
     else:
         groups = fixed_micro_batches(len(batch), _micro_batch_size(worker, for_logprobs))
-    count = _agree_max(worker, len(groups))
+    count = agree_max(len(groups), _device(worker))
     if dynamic and len(groups) < count <= len(batch):
         # Spread this rank's rows over as many micro-batches as the busiest rank runs.
         spread = token_budget_micro_batches(

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.distributed import agree_max
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
 from posttrain.protocol import SequenceBatch
 from posttrain_megatron import vocab_parallel
@@ -27,12 +28,6 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------
 # Micro-batches
 # --------------------------------------------------------------------------------------------
-
-
-def _agree_max(value: int, dev: torch.device) -> int:
-    t = torch.tensor([value], dtype=torch.long, device=dev)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return int(t.item())
 
 
 def _rows_per_micro_batch(worker, for_logprobs: bool) -> int:
@@ -52,7 +47,7 @@ def plan(worker, batch: SequenceBatch, for_logprobs: bool) -> tuple[list[list[in
         groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
     else:
         groups = fixed_micro_batches(len(batch), _rows_per_micro_batch(worker, for_logprobs))
-    count = _agree_max(len(groups), device(worker))
+    count = agree_max(len(groups), device(worker))
     vpp = worker.config.virtual_pipeline_model_parallel_size
     if vpp and vpp > 1:
         # The interleaved schedule runs micro-batches in groups of PP per virtual stage.

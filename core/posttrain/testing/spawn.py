@@ -1,0 +1,63 @@
+"""Run a function on N spawned ranks with torch.distributed's environment set (for tests).
+
+Backend tests drive engines by hand on 1-2 ranks: ``run_ranks("my_workers:scenario", 2, ...)``
+imports ``my_workers`` in each child (spawned children get the parent's ``sys.path``) and calls
+``scenario(rank, world_size, *args, **kwargs)`` after setting MASTER_ADDR/PORT, RANK, WORLD_SIZE
+and LOCAL_RANK. A rank that raises prints its traceback and fails the run; a run that outlives
+``timeout`` is terminated and raises :class:`TimeoutError`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import time
+import traceback
+from typing import Any
+
+from posttrain.launcher.local import free_port
+
+
+def run_ranks(target: str, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any):
+    import torch.multiprocessing as mp
+
+    port = free_port()
+    ctx = mp.start_processes(
+        _entry,
+        args=(world_size, port, target, args, kwargs),
+        nprocs=world_size,
+        join=False,
+        start_method="spawn",
+    )
+    deadline = time.monotonic() + timeout
+    while not ctx.join(timeout=1.0):
+        if time.monotonic() > deadline:
+            for p in ctx.processes:
+                if p.is_alive():
+                    p.terminate()
+            raise TimeoutError(f"{target} on {world_size} ranks timed out after {timeout:.0f}s")
+
+
+def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, kwargs: dict):
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+        LOCAL_RANK=str(rank),
+    )
+    module, _, name = target.partition(":")
+    try:
+        getattr(importlib.import_module(module), name)(rank, world_size, *args, **kwargs)
+    except Exception:
+        traceback.print_exc()
+        raise
+    if dist.is_initialized():
+        # Leave together: a rank tearing gloo down while a peer still finishes a collective
+        # aborts the peer.
+        dist.barrier()
+        dist.destroy_process_group()
