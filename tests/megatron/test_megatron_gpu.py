@@ -29,32 +29,6 @@ class TestMegatronTrainTP2ContractCUDA(StrategyContract):
     device = "cuda"
 
 
-def build_tiny_qwen3_moe(path: str) -> str:
-    """A tiny Qwen3-MoE HF checkpoint (4 experts, top-2; fp32, fixed seed)."""
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.Qwen3MoeConfig(
-        vocab_size=32,
-        hidden_size=64,
-        intermediate_size=128,
-        moe_intermediate_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        num_experts=4,
-        num_experts_per_tok=2,
-        norm_topk_prob=True,
-        decoder_sparse_step=1,
-        mlp_only_layers=[],
-        max_position_embeddings=128,
-        tie_word_embeddings=False,
-    )
-    transformers.Qwen3MoeForCausalLM(config).save_pretrained(path)
-    return path
-
-
 def export_all(group) -> dict[str, torch.Tensor]:
     """Every exported HF-named tensor (collective export; rank 0 holds them)."""
     group.call("export_begin", 64 << 10)
@@ -70,6 +44,7 @@ def moe_training_smoke(tmp_path, device: str, dispatcher: str, ep: int = 2) -> N
     """megatron_train on a tiny Qwen3-MoE at EP2 (DP2 for the dense part): the export right after
     loading equals the HF checkpoint (names, dtypes, values); two steps give finite metrics and
     move the weights, experts on both EP ranks included; the export keeps the HF names."""
+    from megatron_workers import build_hf_model
     from safetensors.torch import load_file
 
     from posttrain.config.sections import (
@@ -84,7 +59,7 @@ def moe_training_smoke(tmp_path, device: str, dispatcher: str, ep: int = 2) -> N
     from posttrain.testing.contract import synthetic_train_batch
     from posttrain_megatron.config import MegatronTrainConfig
 
-    model = build_tiny_qwen3_moe(str(tmp_path / "qwen3_moe"))
+    model = build_hf_model(str(tmp_path / "qwen3_moe"), "qwen3_moe")
     config = MegatronTrainConfig(
         expert_model_parallel_size=ep,
         moe_token_dispatcher_type=dispatcher,
@@ -142,3 +117,75 @@ def moe_training_smoke(tmp_path, device: str, dispatcher: str, ep: int = 2) -> N
 
 def test_moe_ep2_alltoall_trains_and_exports(tmp_path):
     moe_training_smoke(tmp_path, device="cuda", dispatcher="alltoall")
+
+
+def gpu_allocated_mib(runtime) -> float:
+    """Run on a rank (``run_function``): memory its tensors hold on the GPU."""
+    torch.cuda.synchronize()
+    return torch.cuda.memory_allocated() / 2**20
+
+
+def _start_group(launcher, tmp_path, model: str, name: str):
+    from posttrain.config.sections import (
+        AlgorithmConfig,
+        ModelArgs,
+        RoleConfig,
+        StrategyArgs,
+        TrainingArgs,
+    )
+    from posttrain.launcher.base import GroupSpec
+    from posttrain_megatron.config import MegatronTrainConfig
+
+    config = MegatronTrainConfig(use_distributed_optimizer=True, micro_batch_size=2)
+    role = RoleConfig(
+        strategy_args=StrategyArgs(strategy_name="megatron_train", strategy_config=config),
+        device_mapping=(0, 1),
+        model_args=ModelArgs(model_name_or_path=model),
+        training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0),
+    )
+    spec = GroupSpec(
+        role="actor_train",
+        config=role,
+        algorithm=AlgorithmConfig(),
+        seed=1234,
+        run_dir=str(tmp_path / name),
+        base_dir=str(tmp_path),
+        device="cuda",
+        threads=1,
+    )
+    return launcher.start_group(spec)
+
+
+def test_release_and_resume_memory_frees_the_gpu_and_changes_nothing(tmp_path):
+    """Colocated time-sharing: weights, grads and optimizer state go to the host and come back;
+    the GPU is nearly empty in between and training continues exactly as without it."""
+    from megatron_workers import build_hf_model
+
+    from posttrain.launcher.local import LocalLauncher
+    from posttrain.testing.contract import synthetic_train_batch
+
+    model = build_hf_model(str(tmp_path / "qwen2"), "qwen2")
+    results = {}
+    for name, release in (("plain", False), ("released", True)):
+        launcher = LocalLauncher(call_timeout_s=300, start_timeout_s=300)
+        try:
+            group = _start_group(launcher, tmp_path, model, name)
+            for seed in range(2):
+                batch = synthetic_train_batch(seed=seed, dp_size=group.dp_size)
+                group.call_dp("train_step", batch.split(group.dp_size))
+                if release and seed == 0:
+                    held = group.call("run_function", f"{__name__}:gpu_allocated_mib")[0]
+                    group.call("release_memory", ["weights", "grads", "optimizer"])
+                    left = group.call("run_function", f"{__name__}:gpu_allocated_mib")[0]
+                    group.call("resume_memory", ["weights", "grads", "optimizer"])
+            results[name] = export_all(group)
+        finally:
+            launcher.shutdown()
+    # What is left is not model state (cuBLAS workspaces and the like, ~64 MiB); what went is at
+    # least the fp32 weights and their grads (Adam's moments, sharded, come on top).
+    from safetensors.torch import load_file
+
+    numel = sum(t.numel() for t in load_file(f"{model}/model.safetensors").values())
+    assert (held - left) * 2**20 >= 0.9 * numel * 4 * 2, (held, left, numel)
+    for key, tensor in results["plain"].items():
+        assert torch.equal(tensor, results["released"][key]), key
