@@ -25,6 +25,21 @@ class SamplingParams:
     top_k: int = -1  # -1: disabled
     max_new_tokens: int = 32
     stop_token_ids: tuple[int, ...] = ()
+    # A sample ends with the token that completes one of these strings (vLLM's ``stop``): the
+    # response keeps that token and its log-prob; its text is cut where the string begins.
+    stop: tuple[str, ...] = ()
+
+
+def stop_string_start(text: str, stop: Iterable[str]) -> int | None:
+    """Where ``text`` is cut for stop strings, as vLLM cuts its output text: at the start of the
+    stop string that completes first (the earlier one in ``stop`` on a tie); ``None`` if none
+    occurs."""
+    best_end = best_start = None
+    for string in stop:
+        start = text.find(string)
+        if start >= 0 and (best_end is None or start + len(string) < best_end):
+            best_end, best_start = start + len(string), start
+    return best_start
 
 
 @attrs.frozen(kw_only=True)

@@ -20,6 +20,9 @@ class Capabilities:
     import_transports: tuple[str, ...] = ()  # for rollout: transports it can import through
     exports_hf_weights: bool = False  # for trainers: can feed weight sync
     computes_logprobs: bool = True
+    # For rollout: honours SamplingParams.stop (generating_args.stop_strings). Strategies that do
+    # not would silently ignore them, so validation refuses stop strings for them.
+    stop_strings: bool = False
 
 
 @attrs.frozen(kw_only=True)
@@ -46,5 +49,5 @@ KNOWN_PROVIDERS: dict[str, str] = {
     "megatron_train": "posttrain-megatron (pip install ./plugins/megatron)",
     "megatron_infer": "posttrain-megatron (pip install ./plugins/megatron)",
     "vllm": "posttrain-vllm (pip install './plugins/vllm[cpu]' or './plugins/vllm[cuda]')",
-    "sglang": "posttrain-sglang (pip install ./plugins/sglang)",
+    "sglang": "posttrain-sglang (pip install ./plugins/sglang, plus SGLang: .ci/sglang_env.sh)",
 }

@@ -3,11 +3,14 @@ all reported at once with their YAML paths."""
 
 from __future__ import annotations
 
+import attrs
 import pytest
 
+from posttrain import hookimpl
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import ModelArgs, TrainingArgs
 from posttrain.config.workflow import build_workflow, load_workflow
+from posttrain.strategy import Capabilities, StrategySpec
 
 CONTRACT_FAKE_TRAIN = "contract_fake_train"  # declared by conftest's fake plugin
 
@@ -349,6 +352,56 @@ def test_rollout_batch_must_split_over_infer_ranks(fake_train_host, model_dir, t
     (issue,) = report.errors
     assert issue.path == "algorithm.rollout_batch_size"
     assert "actor_infer's 4 data-parallel ranks" in issue.message
+
+
+def test_stop_strings_are_typed_and_never_empty(fake_train_host, model_dir, tmp_path):
+    raw = _valid_raw(str(model_dir))
+    raw["actor_infer"]["generating_args"] = {"stop_strings": ["\n\n", "</answer>"]}
+    workflow, report = _build(raw, fake_train_host, tmp_path)
+    assert report.errors == []
+    assert workflow.actor_infer.generating_args.stop_strings == ["\n\n", "</answer>"]
+    raw["actor_infer"]["generating_args"] = {"stop_strings": ["</answer>", ""]}
+    _, report = _build(raw, fake_train_host, tmp_path)
+    (issue,) = report.errors
+    assert issue.path == "actor_infer.generating_args.stop_strings"
+    assert "empty string" in issue.message
+
+
+class _NoStopStringsRollout:
+    """A fake rollout strategy that does not declare stop-string support."""
+
+    @hookimpl
+    def posttrain_add_strategies(self):
+        return [
+            StrategySpec(
+                name="no_stop_rollout",
+                config_class=_EmptyConfig,
+                capabilities=Capabilities(kind="rollout"),
+            )
+        ]
+
+
+@attrs.frozen(kw_only=True)
+class _EmptyConfig:
+    pass
+
+
+def test_stop_strings_need_a_strategy_that_supports_them(
+    monkeypatch, contract_fake_train_plugin, model_dir, tmp_path
+):
+    from posttrain.plugin_host import create_plugin_host
+
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    host = create_plugin_host(extra_plugins=[contract_fake_train_plugin, _NoStopStringsRollout()])
+    raw = _valid_raw(str(model_dir))
+    raw["actor_infer"]["strategy_args"] = {"strategy_name": "no_stop_rollout"}
+    _, report = _build(raw, host, tmp_path)
+    assert report.errors == []
+    raw["actor_infer"]["generating_args"] = {"stop_strings": ["</answer>"]}
+    _, report = _build(raw, host, tmp_path)
+    (issue,) = report.errors
+    assert issue.path == "actor_infer.generating_args.stop_strings"
+    assert "'no_stop_rollout' does not support stop strings" in issue.message
 
 
 def test_missing_local_model_dir(fake_train_host, tmp_path):

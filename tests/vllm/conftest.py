@@ -11,8 +11,8 @@ pytest.importorskip("posttrain_vllm")
 @pytest.fixture(scope="session")
 def tiny_model_path(posttrain_cache):
     """vLLM's CPU attention has no kernel for head size 16 (``preset:tiny-qwen2``: hidden 64,
-    4 heads); its supported sizes start at 32. The vLLM tests use ``preset:small-qwen2``
-    (hidden 256, 4 heads: head size 64), still built locally in seconds."""
+    4 heads); its supported sizes start at 32. The vLLM tests use ``preset:tiny-qwen2-head32``
+    (hidden 128, 4 heads of 32), as examples/quickstart_vllm.yaml does."""
     from posttrain.presets import preset_path
 
-    return preset_path("preset:small-qwen2")
+    return preset_path("preset:tiny-qwen2-head32")

@@ -185,6 +185,19 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
                     f"must equal algorithm.group_size ({algo.group_size})",
                     "remove it; group_size sets it",
                 )
+            spec = strategies.get(role.strategy_args.strategy_name)
+            if gen and gen.stop_strings and spec and not spec.capabilities.stop_strings:
+                report.error(
+                    "actor_infer.generating_args.stop_strings",
+                    f"'{spec.name}' does not support stop strings",
+                    "use stop_token_ids, or a rollout strategy that supports them",
+                )
+            if gen and "" in gen.stop_strings:
+                report.error(
+                    "actor_infer.generating_args.stop_strings",
+                    "an empty string would stop every sample after its first token",
+                    "remove it",
+                )
         elif samples % (dp * algo.num_mini_batches):
             report.error(
                 "algorithm.rollout_batch_size",

@@ -12,7 +12,13 @@ import torch
 
 from posttrain.modeling import shifted_token_logprobs
 from posttrain.models import load_causal_lm, load_tokenizer
-from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
+from posttrain.protocol import (
+    GenerationRequest,
+    RolloutSamples,
+    SequenceBatch,
+    WeightBucket,
+    stop_string_start,
+)
 from posttrain.tensors import unshare_storage
 
 
@@ -66,7 +72,7 @@ def generate(worker, request: GenerationRequest) -> RolloutSamples:
             chunk,
             sampling,
             stop_ids,
-            tokenizer.pad_token_id,
+            tokenizer,
             generator,
             worker.device,
         )
@@ -76,8 +82,9 @@ def generate(worker, request: GenerationRequest) -> RolloutSamples:
     return out
 
 
-def _sample(model, prompts, sampling, stop_ids, pad_id, generator, device):
+def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
     """Left-padded batched decoding with a KV cache."""
+    pad_id = tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
     batch = len(prompts)
     input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
@@ -109,11 +116,20 @@ def _sample(model, prompts, sampling, stop_ids, pad_id, generator, device):
             probs = torch.softmax(filtered, dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token_logp = raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        for i in range(batch):
-            if not done[i]:
-                responses[i].append(int(token[i]))
-                logprobs[i].append(float(token_logp[i]))
-                if int(token[i]) in stop_ids:
+        running = [i for i in range(batch) if not done[i]]
+        for i in running:
+            responses[i].append(int(token[i]))
+            logprobs[i].append(float(token_logp[i]))
+            if int(token[i]) in stop_ids:
+                done[i] = True
+        if sampling.stop:
+            # As vLLM: the text without special tokens; the token completing a stop string is
+            # the sample's last one. (Whole responses are decoded each step: simple, and cheap
+            # next to the forward pass at the lengths hf_infer serves.)
+            rows = [responses[i] for i in running]
+            texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+            for i, text in zip(running, texts):
+                if stop_string_start(text, sampling.stop) is not None:
                     done[i] = True
         if bool(done.all()):
             break

@@ -36,7 +36,9 @@ class HFInferPlugin(EngineHooks):
                 name=STRATEGY,
                 config_class=HFInferConfig,
                 capabilities=Capabilities(
-                    kind="rollout", import_transports=("shared_memory", "broadcast")
+                    kind="rollout",
+                    import_transports=("shared_memory", "broadcast"),
+                    stop_strings=True,
                 ),
                 description="generation and log-probs with plain transformers (reference backend)",
             )

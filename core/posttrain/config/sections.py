@@ -59,6 +59,9 @@ class GeneratingArgs:
     top_k: int = -1
     num_return_sequences: int | None = None  # defaults to algorithm.group_size
     stop_token_ids: list[int] = attrs.field(factory=list)
+    # A sample also ends with the token that completes one of these strings; the reward sees the
+    # text before the string (vLLM's `stop`).
+    stop_strings: list[str] = attrs.field(factory=list)
 
 
 @attrs.frozen(kw_only=True)

@@ -1,8 +1,16 @@
-"""The ``local`` launcher: each rank is a process on this machine, talking over a pipe."""
+"""The ``local`` launcher: each rank is a process on this machine, talking over a pipe.
+
+Ranks are not daemonic processes, because multiprocessing forbids daemons to start processes of
+their own and engines do (vLLM's engine core, SGLang's schedulers, DataLoader workers). They
+still end with the driver: a group's finalizer stops them when the driver exits, even without a
+``shutdown()`` (and before multiprocessing would wait for them); a driver that is killed closes
+its pipes, and a rank exits when its pipe closes.
+"""
 
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.util
 import os
 import socket
 import time
@@ -41,6 +49,10 @@ class LocalWorkerGroup(WorkerGroup):
         self.conns = []
         self.procs = []
         self.log_paths = []
+        # Registered before any rank starts, so a failure while starting them stops the others.
+        self._stop = multiprocessing.util.Finalize(
+            self, _stop_ranks, args=(self.conns, self.procs), exitpriority=10
+        )
         for rank in range(self.world_size):
             env = {
                 "MASTER_ADDR": "127.0.0.1",
@@ -61,14 +73,13 @@ class LocalWorkerGroup(WorkerGroup):
                 target=serve,
                 args=(child, spec, rank, self.world_size, env, log_path),
                 name=f"posttrain-{spec.role}-{rank}",
-                daemon=True,
+                daemon=False,  # see the module docstring
             )
             proc.start()
             child.close()
             self.conns.append(parent)
             self.procs.append(proc)
             self.log_paths.append(log_path)
-        self._stopped = False
         try:
             self._collect("start", timeout_s=start_timeout_s)
             self.parallel = self.call("setup")
@@ -129,23 +140,25 @@ class LocalWorkerGroup(WorkerGroup):
         )
 
     def shutdown(self) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
-        for conn, proc in zip(self.conns, self.procs):
-            if proc.is_alive():
-                try:
-                    conn.send(("__stop__", (), {}))
-                except (BrokenPipeError, OSError):
-                    continue
-        deadline = time.monotonic() + 15
-        for proc in self.procs:
-            proc.join(timeout=max(0.1, deadline - time.monotonic()))
-            if proc.is_alive():
-                proc.kill()
-                proc.join(timeout=5)
-        for conn in self.conns:
-            conn.close()
+        self._stop()  # a Finalize runs once: later calls, and the one at exit, do nothing
+
+
+def _stop_ranks(conns, procs) -> None:
+    """Ask every live rank to shut its engine down; kill those that do not exit in time."""
+    for conn, proc in zip(conns, procs):
+        if proc.is_alive():
+            try:
+                conn.send(("__stop__", (), {}))
+            except (BrokenPipeError, OSError):
+                continue
+    deadline = time.monotonic() + 15
+    for proc in procs:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    for conn in conns:
+        conn.close()
 
 
 class LocalLauncher(Launcher):

@@ -78,6 +78,17 @@ def max_sample_logprob_diff(out, ref) -> float:
     return worst
 
 
+def cut_after_stop_string(tokenizer, ids: list[int], logprobs: list[float], stop):
+    """What a rollout engine returns for a free-running sample once given stop strings: the
+    tokens up to the first one after which the text (special tokens skipped) holds a stop
+    string, and their log-probs."""
+    for k in range(1, len(ids) + 1):
+        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
+        if any(s in text for s in stop):
+            return ids[:k], logprobs[:k]
+    return ids, logprobs
+
+
 def synthetic_train_batch(seed: int = 0, dp_size: int = 1) -> SequenceBatch:
     """Uneven-length sequences with advantages, as the loop hands them to ``train_step``."""
     import torch

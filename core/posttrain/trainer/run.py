@@ -26,6 +26,7 @@ from posttrain.protocol import (
     SamplingParams,
     SequenceBatch,
     build_sequence_batch,
+    stop_string_start,
 )
 from posttrain.rewards import resolve_reward_function
 from posttrain.trainer.phases import PhaseTimer
@@ -283,6 +284,7 @@ class Trainer:
             top_k=gen.top_k if gen else -1,
             max_new_tokens=gen.max_new_tokens if gen else 32,
             stop_token_ids=tuple(gen.stop_token_ids) if gen else (),
+            stop=tuple(gen.stop_strings) if gen else (),
         )
         dp = infer.dp_size
         per = len(prompt_ids) // dp
@@ -300,16 +302,16 @@ class Trainer:
         import torch
 
         n = self.wf.algorithm.group_size
-        stop = set(
-            self.wf.actor_infer.generating_args.stop_token_ids
-            if self.wf.actor_infer.generating_args
-            else ()
-        ) | {self.tokenizer.eos_token_id}
+        gen = self.wf.actor_infer.generating_args
+        stop = set(gen.stop_token_ids if gen else ()) | {self.tokenizer.eos_token_id}
+        stop_strings = tuple(gen.stop_strings) if gen else ()
         values = []
         for i, response in enumerate(samples.response_ids):
             prompt = picked[i // n]
             ids = response[:-1] if response and response[-1] in stop else response
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
+            cut = stop_string_start(text, stop_strings)
+            text = text if cut is None else text[:cut]
             values.append(
                 float(self.reward_fn(text, prompt.answer, prompt.text, **self.wf.reward.kwargs))
             )

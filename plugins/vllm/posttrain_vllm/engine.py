@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import gc
 import logging
-import multiprocessing
 import os
 import shutil
 import tempfile
 import time
-from contextlib import contextmanager, suppress
+from contextlib import suppress
 from typing import Any
 
 import torch
@@ -34,6 +33,7 @@ log = logging.getLogger("posttrain.vllm")
 
 _ENGINE = "vllm_engine"
 _SHM_DIR = "vllm_shm_dir"
+_HAS_TOKENIZER = "vllm_has_tokenizer"
 _CPU_SLEEP_WARNED = "vllm_cpu_sleep_warned"
 CPU_KV_CACHE_BYTES = 64 << 20
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
@@ -90,9 +90,10 @@ def engine_args(worker) -> dict[str, Any]:
         "enforce_eager": cfg.enforce_eager,
         "load_format": cfg.load_format,
         "tensor_parallel_size": cfg.tensor_parallel_size,
-        # Prompts arrive as token ids and the plugin stops on token ids: no tokenizer needed in
-        # the engine (and transformers 5 may reload a local tokenizer with another vocabulary).
-        "skip_tokenizer_init": True,
+        # Prompts arrive as token ids: the engine needs a tokenizer only to match stop strings
+        # (transformers 5 may reload a local tokenizer with another vocabulary: see
+        # _check_engine_tokenizer).
+        "skip_tokenizer_init": not _stop_strings(worker),
         # Log-probs of the model's own distribution, before temperature / top-k / top-p.
         "logprobs_mode": "raw_logprobs",
         "trust_remote_code": worker.model_args.trust_remote_code,
@@ -116,6 +117,22 @@ def engine_args(worker) -> dict[str, Any]:
             worker.model_args.tokenizer_name_or_path, worker.base_dir
         )
     return args
+
+
+def _stop_strings(worker) -> list[str]:
+    gen = worker.generating_args
+    return list(gen.stop_strings) if gen else []
+
+
+def _check_engine_tokenizer(worker, llm) -> None:
+    """Stop strings are matched on the engine's detokenized text: its tokenizer must be the
+    one posttrain decodes with."""
+    ours = worker.state["tokenizer"].get_vocab()
+    if llm.get_tokenizer().get_vocab() != ours:
+        raise UserError(
+            "vllm: the engine loaded a tokenizer whose vocabulary differs from the model's "
+            "(needed for generating_args.stop_strings); set model_args.tokenizer_name_or_path"
+        )
 
 
 def _sleep_mode(worker) -> bool:
@@ -159,23 +176,9 @@ def check_cpu_head_size(path: str) -> None:
         raise UserError(
             f"vllm: the model's attention head size is {head_dim} (hidden_size "
             f"{cfg.hidden_size} / {heads} heads); vLLM's CPU attention supports {supported}. "
-            "Use a model with another head size (e.g. preset:small-qwen2) or another strategy."
+            "Use a model with another head size (e.g. preset:tiny-qwen2-head32) or another "
+            "strategy."
         )
-
-
-@contextmanager
-def _children_allowed():
-    """Local launcher ranks are daemonic processes, which multiprocessing forbids to have
-    children; vLLM's multiprocessing engine starts its core process from here. Allow it while
-    the engine starts (the children are still terminated when the rank exits)."""
-    proc = multiprocessing.current_process()
-    daemon = proc._config.get("daemon")
-    proc._config["daemon"] = False
-    try:
-        yield
-    finally:
-        if daemon is not None:
-            proc._config["daemon"] = daemon
 
 
 def load_model(worker):
@@ -192,6 +195,8 @@ def load_model(worker):
     args = engine_args(worker)
     if not _is_cuda(worker):
         check_cpu_head_size(args["model"])
+        if worker.config.enforce_eager:
+            _eager_sampler()
     extra = dict(worker.config.engine_kwargs)
     check_engine_kwargs(extra)
     args.update(extra)
@@ -200,20 +205,32 @@ def load_model(worker):
 
     started = time.monotonic()
     try:
-        with _children_allowed():
-            llm = LLM(**args)
+        llm = LLM(**args)
     except (TypeError, ValueError) as exc:
         raise UserError(f"vllm: the engine rejected its arguments: {exc}") from exc
     finally:
         # vLLM drops torch to one thread in-process; give the rank back its setting.
         _restore_threads(threads)
+    worker.state[_ENGINE] = llm  # before the check below, so that shutdown stops it
+    worker.state[_HAS_TOKENIZER] = not args["skip_tokenizer_init"]
+    if worker.state[_HAS_TOKENIZER]:
+        _check_engine_tokenizer(worker, llm)
     log.info(
         "vLLM %s engine ready in %.1fs",
         "multiprocess" if multiprocessing_engine() else "in-process",
         time.monotonic() - started,
     )
-    worker.state[_ENGINE] = llm
     return llm
+
+
+def _eager_sampler() -> None:
+    """``enforce_eager`` leaves a few of vLLM's sampler helpers under ``torch.compile``; on CPU
+    compiling them takes seconds of the first rollouts, for element-wise work over the
+    vocabulary. Run them eagerly: in this process, and in an engine process started from it."""
+    import torch._dynamo
+
+    os.environ["TORCH_COMPILE_DISABLE"] = "1"
+    torch._dynamo.config.disable = True
 
 
 def _restore_threads(threads: int) -> None:
@@ -247,6 +264,11 @@ def sampling_params(worker, sampling, seed: int | None, **extra):
 
     eos = worker.state["tokenizer"].eos_token_id
     stop = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
+    if sampling.stop and not worker.state.get(_HAS_TOKENIZER):
+        raise UserError(
+            "vllm: this request has stop strings but the engine was started without a "
+            "tokenizer; list them in the role's generating_args.stop_strings"
+        )
     return SamplingParams(
         n=sampling.n,
         temperature=sampling.temperature,
@@ -254,9 +276,12 @@ def sampling_params(worker, sampling, seed: int | None, **extra):
         top_k=sampling.top_k if sampling.top_k > 0 else 0,
         max_tokens=sampling.max_new_tokens,
         stop_token_ids=stop,
+        # vLLM keeps the token completing a stop string (and its log-prob) in token_ids.
+        stop=list(sampling.stop),
         logprobs=0,  # the sampled token's log-prob only
         seed=seed,
-        detokenize=False,
+        # Text is only needed to match stop strings.
+        detokenize=bool(sampling.stop),
         **extra,
     )
 

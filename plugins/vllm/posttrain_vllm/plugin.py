@@ -92,6 +92,7 @@ class VLLMPlugin(EngineHooks):
                     parallel_dims=("tensor_parallel_size",),
                     import_transports=("shared_memory", "broadcast"),
                     computes_logprobs=True,
+                    stop_strings=True,
                 ),
                 description="rollout with vLLM (tensor parallel in a replica, sleep mode on GPU)",
             )

@@ -1,0 +1,72 @@
+"""The local launcher's ranks may start processes of their own, and never outlive the driver."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from local_rank_helpers import hf_infer_spec
+
+from posttrain.launcher.local import LocalLauncher
+
+HELPERS = Path(__file__).with_name("local_rank_helpers.py")
+
+
+def alive(pid: int) -> bool:
+    """Running, not merely a zombie waiting for its (dead) parent to reap it."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def wait_gone(pids: list[int], timeout: float) -> list[int]:
+    deadline = time.monotonic() + timeout
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+@pytest.mark.timeout(180)
+def test_a_rank_can_start_a_process(tiny_model_path, tmp_path):
+    launcher = LocalLauncher(start_timeout_s=120)
+    try:
+        group = launcher.start_group(hf_infer_spec(tiny_model_path, str(tmp_path)))
+        assert group.call("run_function", "local_rank_helpers:child_exit_code", 7) == [7]
+        pids = [p.pid for p in group.procs]
+    finally:
+        launcher.shutdown()
+    assert wait_gone(pids, 5) == []
+
+
+def start_driver(model_path: str, run_dir: Path, mode: str):
+    proc = subprocess.Popen(
+        [sys.executable, str(HELPERS), model_path, str(run_dir), mode],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    pids = [int(p) for p in proc.stdout.readline().split()]
+    assert len(pids) == 2, f"driver printed no rank pids (exit code {proc.poll()})"
+    return proc, pids
+
+
+@pytest.mark.timeout(180)
+def test_ranks_exit_when_the_driver_is_killed(tiny_model_path, tmp_path):
+    proc, pids = start_driver(tiny_model_path, tmp_path, "kill")
+    assert all(alive(p) for p in pids)
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait(timeout=10)
+    assert wait_gone(pids, 20) == []
+
+
+@pytest.mark.timeout(180)
+def test_a_driver_that_returns_without_shutdown_stops_its_ranks(tiny_model_path, tmp_path):
+    proc, pids = start_driver(tiny_model_path, tmp_path, "exit")
+    assert proc.wait(timeout=30) == 0
+    assert wait_gone(pids, 5) == []

@@ -1,0 +1,66 @@
+"""Stop strings (``generating_args.stop_strings``): where the text is cut, and hf_infer ends a
+sample with the token that completes one, as vLLM does."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from posttrain.protocol import GenerationRequest, SamplingParams, stop_string_start
+from posttrain.testing.contract import PROMPTS, cut_after_stop_string
+
+
+@pytest.mark.parametrize(
+    ("text", "stop", "start"),
+    [
+        ("7+8=15", ("=",), 3),
+        ("7+8=15", ("8=", "+"), 1),  # "+" completes first
+        ("abcd", ("cd", "bcd"), 2),  # both complete at the end: the earlier in the list wins
+        ("abcd", ("bcd", "cd"), 1),
+        ("abcd", ("x", "dc"), None),
+        ("", ("a",), None),
+    ],
+)
+def test_stop_string_start(text, stop, start):
+    assert stop_string_start(text, stop) == start
+
+
+def test_hf_infer_stops_with_the_token_completing_a_stop_string(tiny_model_path):
+    from posttrain.builtin import hf_infer
+    from posttrain.builtin.hf_infer_plugin import HFInferConfig
+    from posttrain.config.sections import ModelArgs
+    from posttrain.worker import WorkerContext
+
+    worker = WorkerContext(
+        role="actor_infer",
+        strategy_name="hf_infer",
+        config=HFInferConfig(),
+        model_args=ModelArgs(model_name_or_path=tiny_model_path),
+    )
+    worker.model = hf_infer.load_model(worker)
+    tokenizer = worker.state["tokenizer"]
+
+    def generate(stop):
+        sampling = SamplingParams(n=4, max_new_tokens=10, stop=stop)
+        return hf_infer.generate(
+            worker, GenerationRequest(prompt_ids=PROMPTS, sampling=sampling, seed=3)
+        )
+
+    free = generate(())
+    texts = [tokenizer.decode(r, skip_special_tokens=True) for r in free.response_ids]
+    # The commonest two-character string (two tokens) of the free samples, and "*".
+    pairs = Counter(
+        t[i : i + 2] for t in texts for i in range(len(t) - 1) if "*" not in t[i : i + 2]
+    )
+    stop = (pairs.most_common(1)[0][0], "*")
+    stopped = generate(stop)
+    cut = by_pair = 0
+    for i, (ids, logprobs) in enumerate(zip(free.response_ids, free.response_logprobs)):
+        want_ids, want_logprobs = cut_after_stop_string(tokenizer, ids, logprobs, stop)
+        assert stopped.response_ids[i] == want_ids
+        assert stopped.response_logprobs[i] == pytest.approx(want_logprobs, abs=1e-6)
+        cut += len(want_ids) < len(ids)
+        by_pair += tokenizer.decode(want_ids, skip_special_tokens=True).endswith(stop[0])
+    print(f"\nstop {stop}: {cut} of {len(texts)} samples cut, {by_pair} by {stop[0]!r}")
+    assert cut >= 2 and by_pair >= 1
