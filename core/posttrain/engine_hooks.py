@@ -65,6 +65,10 @@ class EngineHooks:
         return self._call("import_weights", worker, buckets)
 
     @hookimpl(trylast=True)
+    def posttrain_weight_receiver(self, worker):
+        return self._call("weight_receiver", worker)
+
+    @hookimpl(trylast=True)
     def posttrain_save_checkpoint(self, worker, path):
         return self._call("save_checkpoint", worker, path)
 

@@ -196,6 +196,29 @@ def posttrain_import_weights(worker: WorkerContext, buckets: Iterable[WeightBuck
 
 
 @hookspec(firstresult=True)
+def posttrain_weight_receiver(worker: WorkerContext) -> Any | None:
+    """Return an object whose engine receives the ``broadcast`` transport's buckets itself.
+
+    Called on every rank of the rollout group when the broadcast transport sets up its sync
+    group. Return None (the default) and the rank joins the group, receives each bucket and
+    calls ``posttrain_import_weights``. Return a receiver when the engine's own processes take
+    the rank's place in the group (SGLang's ``init_weights_update_group`` /
+    ``update_weights_from_distributed``); the rank then calls, each on the driver's request:
+
+    * ``receiver.join(address, port, rank, world_size, group_name, timeout_s)``: join the group
+      named ``group_name`` as group rank ``rank`` (an engine spanning several ranks of its role
+      may hold ``rank`` and the next ones, which the other ranks' receivers then leave alone);
+    * ``receiver.receive(meta, group_name) -> bool``: take part in one bucket's broadcast and
+      load it (``meta``: ``(name, shape, dtype, nbytes)`` per tensor), then flush caches;
+    * ``receiver.leave(group_name)``: leave the group.
+
+    The group's layout and the bucket's wire format are described in
+    :mod:`posttrain.weight_sync.rank_side`. Give up with an error after ``timeout_s`` rather
+    than wait for a peer forever. firstresult: return None for strategies you do not own.
+    """
+
+
+@hookspec(firstresult=True)
 def posttrain_select_weight_transport(source: Any, target: Any, colocated: bool) -> str | None:
     """Pick the transport for a trainer -> rollout weight sync.
 

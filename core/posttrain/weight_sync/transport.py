@@ -49,9 +49,13 @@ class SharedMemoryTransport(WeightTransport):
 
 class BroadcastTransport(WeightTransport):
     """A torch.distributed broadcast from trainer rank 0 to every rollout rank (gloo on CPU,
-    NCCL on GPU), over a process group made for the sync only."""
+    NCCL on GPU), over a process group made for the sync only. The wire format is described in
+    :mod:`posttrain.weight_sync.rank_side`; a rollout engine may join the group and receive the
+    broadcasts in its own processes (``posttrain_weight_receiver``)."""
 
     name = "broadcast"
+    # How long joining the group, and each collective in it, may wait for a peer.
+    timeout_s: float = 300.0
 
     def __init__(self, bucket_bytes: int):
         super().__init__(bucket_bytes)
@@ -62,16 +66,22 @@ class BroadcastTransport(WeightTransport):
         addr = source.master_address()
         port = source.call("run_function", f"{RANK_SIDE}:free_port")[0]
         size = 1 + target.world_size
+        # One name per group: engines that join the group themselves refuse a name twice.
+        name = f"posttrain_weight_sync_{port}"
         fn = f"{RANK_SIDE}:join_sync_group"
         src = source.submit(
             "run_function",
             per_rank_args=[
-                (fn, addr, port, 0 if r == 0 else -1, size) for r in range(source.world_size)
+                (fn, addr, port, 0 if r == 0 else -1, size, self.timeout_s, name)
+                for r in range(source.world_size)
             ],
         )
         dst = target.submit(
             "run_function",
-            per_rank_args=[(fn, addr, port, 1 + r, size) for r in range(target.world_size)],
+            per_rank_args=[
+                (fn, addr, port, 1 + r, size, self.timeout_s, name)
+                for r in range(target.world_size)
+            ],
         )
         src.wait()
         dst.wait()

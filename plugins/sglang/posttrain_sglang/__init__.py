@@ -1,0 +1,1 @@
+"""posttrain-sglang: SGLang rollout strategy for posttrain."""

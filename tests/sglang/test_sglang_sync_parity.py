@@ -1,0 +1,128 @@
+"""fsdp2_train (2 ranks) -> weight sync -> sglang: rollout log-probs equal the trainer's.
+
+Both import paths, on one engine: ``shared_memory`` (colocated: ``update_weights_from_tensor``)
+and ``broadcast`` (separate devices: SGLang's scheduler joins the sync group and receives with
+``update_weights_from_distributed``, gloo on CPU). Each sync follows a training step, so it must
+change what the engine computes, and the engine's prefix cache (filled by the previous rollout
+of the same prompts) must be flushed for the numbers to agree.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from sglang_groups import descendants, engine_processes, group_spec
+
+from posttrain.launcher.local import LocalLauncher
+from posttrain.protocol import (
+    GenerationRequest,
+    RolloutSamples,
+    SamplingParams,
+    concat_tensor_rows,
+)
+from posttrain.testing.contract import (
+    PROMPTS,
+    max_sample_logprob_diff,
+    samples_batch,
+    synthetic_train_batch,
+)
+
+pytest.importorskip("posttrain_fsdp")
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+TOLERANCE = 1e-4
+BUCKET_BYTES = 64 << 10  # the tiny model needs several buckets
+
+
+@pytest.fixture(scope="module")
+def groups(tiny_model_path, tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("sglang-parity")
+    before = descendants()
+    launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=240)
+    try:
+        trainer = launcher.start_group(
+            group_spec("fsdp2_train", {}, 2, "actor_train", tiny_model_path, run_dir)
+        )
+        started = time.monotonic()
+        rollout = launcher.start_group(
+            group_spec("sglang", {}, 1, "actor_infer", tiny_model_path, run_dir)
+        )
+        print(f"\nsglang group start {time.monotonic() - started:.1f}s")
+        yield trainer, rollout, run_dir
+    finally:
+        launcher.shutdown()
+    deadline = time.monotonic() + 30
+    while engine_processes(before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not engine_processes(before), "leaked processes"
+
+
+def _rollout(rollout, seed: int) -> RolloutSamples:
+    sampling = SamplingParams(n=4, max_new_tokens=8)
+    request = GenerationRequest(prompt_ids=PROMPTS, sampling=sampling, seed=seed)
+    return RolloutSamples.concat(rollout.call_dp("generate", [request]))
+
+
+def _trainer_logprobs(trainer, batch):
+    return concat_tensor_rows(trainer.call_dp("compute_logprobs", batch.split(trainer.dp_size)))
+
+
+def _train_sync_check(trainer, rollout, transport, seed: int) -> dict:
+    batch = synthetic_train_batch(seed=seed, dp_size=trainer.dp_size)
+    trainer.call_dp("train_step", batch.split(trainer.dp_size))
+    stale = _rollout(rollout, seed)  # old weights; also fills the prefix cache
+    stale_diff = max_sample_logprob_diff(stale, _trainer_logprobs(trainer, samples_batch(stale)))
+    started = time.monotonic()
+    stats = transport.run(trainer, rollout)
+    sync_s = time.monotonic() - started
+    assert stats["buckets"] > 1
+    out = _rollout(rollout, seed)
+    sample_batch = samples_batch(out)
+    expected = _trainer_logprobs(trainer, sample_batch)
+    diff = max_sample_logprob_diff(out, expected)
+    scored = concat_tensor_rows(rollout.call_dp("compute_logprobs", [sample_batch]))
+    scored_diff = float(((scored - expected) * sample_batch.response_mask).abs().max())
+    print(
+        f"\nsglang via {transport.name}: sync {sync_s:.2f}s ({stats['buckets']} buckets), "
+        f"max |logprob diff| vs fsdp2_train: sampled {diff:.2e}, scored {scored_diff:.2e}, "
+        f"before the sync {stale_diff:.2e}"
+    )
+    assert len(out) == 16
+    assert stale_diff > 100 * TOLERANCE, "the training step should change the log-probs"
+    assert diff <= TOLERANCE
+    assert scored_diff <= TOLERANCE
+    return stats
+
+
+def test_shared_memory_sync_then_logprobs_match_trainer(groups):
+    from posttrain.weight_sync.transport import SharedMemoryTransport
+
+    trainer, rollout, _ = groups
+    _train_sync_check(trainer, rollout, SharedMemoryTransport(bucket_bytes=BUCKET_BYTES), 1)
+
+
+def test_broadcast_sync_into_sglang_scheduler_then_logprobs_match_trainer(groups):
+    from posttrain.weight_sync.transport import BroadcastTransport
+
+    trainer, rollout, _ = groups
+    transport = BroadcastTransport(bucket_bytes=BUCKET_BYTES)
+    try:
+        _train_sync_check(trainer, rollout, transport, 2)
+
+        def no_second_join(*_):
+            raise AssertionError("the group SGLang joined must be reused")
+
+        transport._join = no_second_join
+        _train_sync_check(trainer, rollout, transport, 3)
+    finally:
+        transport.close(trainer, rollout)
+
+
+def test_release_and_resume_are_noops_on_cpu_said_once(groups):
+    _, rollout, run_dir = groups
+    for _ in range(2):
+        assert rollout.call("release_memory", ["weights", "kv_cache"]) == [True]
+        assert rollout.call("resume_memory", ["weights", "kv_cache"]) == [True]
+    log = (run_dir / "logs" / "actor_infer.rank0.log").read_text()
+    assert log.count("SGLang does not release memory on CPU") == 1
