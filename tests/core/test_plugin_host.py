@@ -206,20 +206,21 @@ def test_workflow_plugins_load_a_module_for_the_run(monkeypatch, tmp_path, model
 
 
 def test_missing_workflow_plugin_gets_an_install_hint(monkeypatch, tmp_path):
+    # posttrain-sglang lives in an environment of its own, never in the main one.
     try:
-        __import__("posttrain_megatron")
-        pytest.skip("posttrain_megatron is installed")
+        __import__("posttrain_sglang")
+        pytest.skip("posttrain_sglang is installed")
     except ImportError:
         pass
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     host = create_plugin_host()
     report = ErrorReport()
-    raw = {"plugins": ["posttrain_megatron", "no_such_plugin_module_xyz"]}
+    raw = {"plugins": ["posttrain_sglang", "no_such_plugin_module_xyz"]}
     build_workflow(raw, host, report, base_dir=str(tmp_path))
     by_path = {i.path: i for i in report.errors}
     assert "neither installed nor importable" in by_path["plugins[0]"].message
-    assert by_path["plugins[0]"].hint.startswith("install posttrain-megatron")
-    assert "pip install ./plugins/megatron" in by_path["plugins[0]"].hint
+    assert by_path["plugins[0]"].hint.startswith("install posttrain-sglang")
+    assert "pip install ./plugins/sglang" in by_path["plugins[0]"].hint
     assert by_path["plugins[1]"].hint == (
         "install the package that provides it, or give a module path"
     )
