@@ -74,24 +74,9 @@ def make_runtime(
 
 
 def step_batch(step: int, vocab: int):
-    """The whole step's batch (every rank builds the same one): random tokens, ragged lengths,
-    global normalisation counts in meta; old log-probs are filled in by the caller."""
-    import torch
+    from posttrain.testing.batches import random_step_batch
 
-    from posttrain.protocol import build_sequence_batch
-
-    g = torch.Generator().manual_seed(1000 + step)
-    prompts, responses = [], []
-    for _ in range(BATCH_ROWS):
-        p = int(torch.randint(2, 7, (1,), generator=g))
-        r = int(torch.randint(1, 12, (1,), generator=g))
-        prompts.append(torch.randint(4, vocab, (p,), generator=g).tolist())
-        responses.append(torch.randint(4, vocab, (r,), generator=g).tolist())
-    batch = build_sequence_batch(prompts, responses, pad_token_id=0)
-    adv = torch.randn(BATCH_ROWS, 1, generator=g).expand_as(batch.response_mask).contiguous()
-    batch = batch.with_tensors(advantages=adv * batch.response_mask)
-    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=BATCH_ROWS)
-    return batch
+    return random_step_batch(step, vocab, BATCH_ROWS)
 
 
 def rank_share(batch, rank: int, world_size: int, rows: list[list[int]] | None = None):
