@@ -4,9 +4,10 @@
   random init), ``engine.setup_parallel`` + ``engine.load_model`` (mbridge model from the plugin's
   layer spec, SDPA core attention + torch fused norms without TransformerEngine, megatron DDP and
   the Float16 optimizer: bf16 params, fp32 main params and grads, Adam), steps through
-  ``engine.train_step`` with core's ``PolicyLoss`` (log-probs through vocab-parallel cross
-  entropy, entropy under no_grad), then the time to export every weight in 512 MiB buckets
-  (``weights.export_weights``: gathered HF-named tensors copied to host memory);
+  ``engine.train_step`` with core's ``PolicyLoss`` (next-token log-probs and entropy from the
+  logits in one pass, Triton kernels of ``token_scores``), then the time to export every weight
+  in 512 MiB buckets (``weights.export_weights``: gathered HF-named tensors copied to host
+  memory);
 * ``megatron_local``: a plain megatron-core loop, no plugin code: ``GPTModel`` with
   ``get_gpt_layer_local_spec`` (unfused attention), Float16Module + DDP (fp32 grads), megatron's
   optimizer (same settings), ``get_forward_backward_func`` with the model's own cross entropy;

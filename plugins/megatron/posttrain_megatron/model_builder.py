@@ -10,6 +10,7 @@ import torch.distributed as dist
 
 from posttrain.distributed import init_default_process_group
 from posttrain.models import resolve_model_path, torch_dtype
+from posttrain_megatron import token_scores
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
     dtype = torch_dtype(worker.model_args.dtype)
     backend = attention_backend(cfg.attention_backend)
     bridge = make_bridge(hf_config, dtype, backend, transformer_overrides(worker, hf_config))
-    # Pad the vocabulary to split over TP ranks; the padded logits are masked (vocab_parallel).
+    # Pad the vocabulary to split over TP ranks; the padding columns are left out (token_scores).
     bridge.make_vocab_size_divisible_by = cfg.tensor_model_parallel_size
     train = worker.strategy_name == TRAIN
     ddp_config = None
@@ -159,6 +160,8 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
     else:
         bridge.load_weights([unwrap(m) for m in models], path)
     for model in models:
+        # Called with labels, the model scores next tokens instead of a language-model loss.
+        token_scores.install(unwrap(model), bridge.vocab_size)
         model.train(train)
         if not train:
             for p in model.parameters():

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from posttrain.distributed import agree_max
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
 from posttrain.protocol import SequenceBatch
-from posttrain_megatron import vocab_parallel
+from posttrain_megatron import token_scores
 from posttrain_megatron.model_builder import TRAIN, device
 
 log = logging.getLogger(__name__)
@@ -115,7 +115,6 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
 
     models = worker.model
     dev = device(worker)
-    vocab = worker.state["vocab_size"]
 
     # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP.
     multiple = worker.config.tensor_model_parallel_size if worker.config.sequence_parallel else 1
@@ -126,11 +125,15 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
         width = ids.shape[1]
         padded = torch.nn.functional.pad(ids, (0, -width % multiple))
         positions = torch.arange(padded.shape[1], device=dev).unsqueeze(0).expand_as(padded)
-        # Right-padded rows under causal attention: padding never reaches a real token.
-        output = model(input_ids=padded, position_ids=positions, attention_mask=None)
+        next_tokens = torch.nn.functional.pad(padded[:, 1:], (0, 1), value=token_scores.NO_TARGET)
+        # Right-padded rows under causal attention: padding never reaches a real token. With
+        # labels the model returns [b, s, 2] next-token scores (token_scores.install).
+        output = model(
+            input_ids=padded, position_ids=positions, attention_mask=None, labels=next_tokens
+        )
 
-        def loss_func(logits: torch.Tensor):
-            return loss_for(rows, mb.with_tensors(), logits[:, :width], ids, vocab)
+        def loss_func(scores: torch.Tensor):
+            return loss_for(rows, mb.with_tensors(), *token_scores.aligned(scores[:, :width]))
 
         return output, loss_func
 
@@ -169,9 +172,10 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     groups, count = plan(worker, batch, for_logprobs=False)
     items = _micro_batches(worker, batch, groups, count)
 
-    def loss_for(rows, mb, logits, ids, vocab):
-        mb = SequenceBatch({k: v.to(ids.device) for k, v in mb.tensors.items()}, dict(mb.meta))
-        logprobs, entropy = vocab_parallel.logprobs_and_entropy(logits, ids, vocab, entropy_grad)
+    def loss_for(rows, mb, logprobs, entropy):
+        mb = SequenceBatch({k: v.to(logprobs.device) for k, v in mb.tensors.items()}, dict(mb.meta))
+        if not entropy_grad:
+            entropy = entropy.detach()  # a metric only
         loss, metrics = loss_fn(logprobs, entropy, mb)
         if rows is None:
             loss, metrics = loss * 0.0, {}
@@ -212,13 +216,12 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     items = _micro_batches(worker, batch, groups, count)
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
 
-    def loss_for(rows, mb, logits, ids, vocab):
+    def loss_for(rows, mb, logprobs, entropy):
         if rows is not None:
-            lp = vocab_parallel.shifted_logprobs(logits, ids, vocab)
-            lp = (lp * mb.attention_mask.to(lp.device))[: len(rows)]
+            lp = (logprobs * mb.attention_mask.to(logprobs.device))[: len(rows)]
             width = min(lp.shape[1], out.shape[1])
             out[torch.as_tensor(rows, dtype=torch.long), :width] = lp[:, :width].float().cpu()
-        return logits.new_zeros(()), {}
+        return logprobs.new_zeros(()), {}
 
     for model in worker.model:
         model.eval()

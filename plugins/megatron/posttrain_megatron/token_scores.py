@@ -1,0 +1,201 @@
+"""Next-token log-probs and entropy from vocab-parallel logits, without a float32 copy of them.
+
+At a 150k vocabulary the logits are the largest activation of a step (8192 tokens x 151,936
+columns = 2.5 GB in bf16). Megatron's ``vocab_parallel_cross_entropy`` runs on a float32 copy
+with one pass per op, forward and backward, and an entropy for the metrics costs as many again:
+on one H200 that was more time than the rest of the gap to a transformers training step.
+
+Here each token needs four numbers from its rank's vocabulary shard: the max logit ``m``,
+``S = sum(exp(z - m))``, ``T = sum(exp(z - m) * (z - m))`` and the logit of its target. They are
+combined over tensor-parallel ranks with two all-reduces of [tokens, .] tensors, and give
+``log p(target) = z_target - m - log S`` and ``H = log S - T / S``. The backward pass recomputes
+the softmax from the logits (kept in their own dtype) and writes their gradient in that dtype.
+On CUDA both passes are Triton kernels (:mod:`posttrain_megatron.token_scores_triton`: one read of
+the logits forward, one read and one write backward); elsewhere the same sums in torch ops over
+chunks of rows.
+
+The model computes these in place of its language-model loss (:func:`install`): megatron's
+``GPTModel`` hands ``compute_language_model_loss`` the [s, b, vocab / tp] logits before it would
+transpose them into a contiguous [b, s, vocab] copy, which this way is never made.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+
+# Largest float32 temporary of the torch path, in elements (256 MiB).
+_CHUNK_ELEMENTS = 1 << 26
+# Label of a position without a next token (the last one of a row).
+NO_TARGET = -1
+
+
+def install(model: torch.nn.Module, vocab_size: int) -> None:
+    """Make ``model`` (a bare ``GPTModel`` chunk) answer a call with ``labels`` (the next token of
+    each position, ``NO_TARGET`` for none) with [b, s, 2] float32 scores: the labels' log-probs
+    and the entropy of each position's distribution over the real ``vocab_size`` columns (the
+    padding columns that split the vocabulary over TP ranks are left out)."""
+    model.compute_language_model_loss = functools.partial(_model_scores, vocab_size=vocab_size)
+
+
+def _model_scores(labels: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    from megatron.core import parallel_state
+
+    group = parallel_state.get_tensor_model_parallel_group()
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    s, b, width = logits.shape
+    logp, entropy = next_token_scores(
+        logits.reshape(s * b, width),
+        labels.transpose(0, 1).reshape(s * b),
+        vocab_start=rank * width,
+        vocab_size=vocab_size,
+        group=group,
+    )
+    return torch.stack([logp, entropy], dim=-1).view(s, b, 2).transpose(0, 1)
+
+
+def aligned(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Model scores [b, s, 2] as ``(logprobs, entropy)`` aligned like
+    :func:`posttrain.modeling.shifted_token_logprobs`: ``out[:, t]`` scores ``input_ids[:, t]``
+    (from position t - 1's distribution) and ``out[:, 0] = 0``."""
+    shifted = torch.nn.functional.pad(scores[:, :-1], (0, 0, 1, 0))
+    return shifted[..., 0], shifted[..., 1]
+
+
+def next_token_scores(
+    logits: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(log p(target), entropy)`` per row, float32, differentiable in ``logits``.
+
+    ``logits``: [rows, width], this rank's columns ``vocab_start .. vocab_start + width`` of the
+    vocabulary; columns at or past ``vocab_size`` are padding and take no part. ``targets``:
+    [rows] global token ids, ``NO_TARGET`` where there is none (its log-prob is then
+    ``-logsumexp``, meaningless: mask it). ``group``: the tensor-parallel group the vocabulary
+    is split over (None or a group of one: not split)."""
+    return _NextTokenScores.apply(logits, targets, vocab_start, vocab_size, group)
+
+
+class _NextTokenScores(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
+        if logits.stride(-1) != 1:
+            logits = logits.contiguous()
+        width = logits.shape[-1]
+        valid = max(0, min(width, vocab_size - vocab_start))
+        targets = targets.to(device=logits.device, dtype=torch.int64)
+        local = targets - vocab_start
+        local = torch.where((targets >= 0) & (local >= 0) & (local < valid), local, NO_TARGET)
+        m, s, t, target_logit = _impl(logits).partials(logits, local, valid)
+        if group is not None and dist.get_world_size(group) > 1:
+            m, s, t, target_logit = _combine(m, s, t, target_logit, group)
+        log_s = s.log()
+        lse = m + log_s
+        mean = m + t / s  # E_p[z]
+        ctx.save_for_backward(logits, local, lse, mean)
+        ctx.valid = valid
+        return target_logit - lse, log_s - t / s
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        logits, local, lse, mean = ctx.saved_tensors
+        zeros = None
+        if grad_logp is None or grad_entropy is None:
+            zeros = torch.zeros_like(lse)
+        grad = _impl(logits).gradient(
+            logits,
+            local,
+            ctx.valid,
+            lse,
+            mean,
+            (grad_logp if grad_logp is not None else zeros).float().contiguous(),
+            (grad_entropy if grad_entropy is not None else zeros).float().contiguous(),
+        )
+        return grad, None, None, None, None
+
+
+def _combine(m, s, t, target_logit, group):
+    """The shards' partial sums as sums over the whole vocabulary (every TP rank gets them)."""
+    global_m = m.clone()
+    dist.all_reduce(global_m, op=dist.ReduceOp.MAX, group=group)
+    shift = m - global_m
+    # A shard without real columns (s == 0) adds nothing; guards 0 * -inf.
+    scale = torch.where(s > 0, shift.exp(), 0.0)
+    sums = torch.stack([s * scale, torch.where(s > 0, scale * (t + shift * s), 0.0), target_logit])
+    dist.all_reduce(sums, group=group)
+    return global_m, sums[0], sums[1], sums[2]
+
+
+def _impl(logits: torch.Tensor):
+    if logits.is_cuda and _have_triton():
+        from posttrain_megatron import token_scores_triton
+
+        return token_scores_triton
+    return TorchScores
+
+
+@functools.cache
+def _have_triton() -> bool:
+    # Triton ships with torch's CUDA wheels; a torch built without it takes the torch path.
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
+
+
+class TorchScores:
+    """The sums and the gradient in torch ops, a chunk of rows at a time (float32 temporaries
+    of at most ``_CHUNK_ELEMENTS``)."""
+
+    @staticmethod
+    def _chunks(logits):
+        step = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[-1]))
+        return range(0, logits.shape[0], step), step
+
+    @staticmethod
+    def partials(logits, local, valid):
+        rows = logits.shape[0]
+        out = torch.zeros(4, rows, dtype=torch.float32, device=logits.device)
+        out[0] = float("-inf")
+        if valid == 0:
+            return tuple(out)
+        starts, step = TorchScores._chunks(logits)
+        for start in starts:
+            z = logits[start : start + step, :valid].float()
+            m = z.amax(-1)
+            d = z - m.unsqueeze(-1)
+            e = d.exp()
+            idx = local[start : start + step]
+            hit = idx >= 0
+            picked = z.gather(1, idx.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+            out[0, start : start + step] = m
+            out[1, start : start + step] = e.sum(-1)
+            out[2, start : start + step] = (e * d).sum(-1)
+            out[3, start : start + step] = torch.where(hit, picked, 0.0)
+        return tuple(out)
+
+    @staticmethod
+    def gradient(logits, local, valid, lse, mean, grad_logp, grad_entropy):
+        grad = torch.zeros_like(logits)
+        starts, step = TorchScores._chunks(logits)
+        for start in starts:
+            rows = slice(start, start + step)
+            z = logits[rows, :valid].float()
+            p = (z - lse[rows].unsqueeze(-1)).exp()
+            g = -p * (
+                grad_logp[rows].unsqueeze(-1)
+                + grad_entropy[rows].unsqueeze(-1) * (z - mean[rows].unsqueeze(-1))
+            )
+            idx = local[rows]
+            g.scatter_add_(
+                1,
+                idx.clamp(min=0).unsqueeze(-1),
+                torch.where(idx >= 0, grad_logp[rows], 0.0).unsqueeze(-1),
+            )
+            grad[rows, :valid] = g.to(grad.dtype)
+        return grad
