@@ -3,6 +3,9 @@
 Each scenario builds :class:`WorkerContext` objects by hand, drives them through
 :class:`WorkerRuntime` (so the plugin's hooks are what runs) and writes what the parent compares
 into ``out_dir`` with ``torch.save``. Models are tiny HF checkpoints the parent builds locally.
+
+Ranks run on the CPU over gloo; ``POSTTRAIN_MEGATRON_TEST_DEVICE=cuda`` runs the same scenarios
+on CUDA GPUs over NCCL (one GPU per rank, fp32 without TF32: the tolerances stay those of CPU).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import os
 
 BATCH_ROWS = 8
+DEVICE = os.environ.get("POSTTRAIN_MEGATRON_TEST_DEVICE", "cpu")
 
 
 def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 240.0, **kwargs):
@@ -123,10 +127,20 @@ def make_runtime(rank, world_size, model_path, strategy="megatron_train", traini
         world_size=world_size,
         algorithm=AlgorithmConfig(entropy_coef=1e-3),
         hook=hook_relay(),
+        device=DEVICE,
     )
+    if DEVICE == "cuda":
+        _no_tf32()
     runtime = WorkerRuntime(ctx)
     runtime.setup()
     return runtime
+
+
+def _no_tf32() -> None:
+    import torch
+
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
 
 
 def step_batch(step: int, vocab: int):
@@ -222,8 +236,11 @@ def scenario_logits(rank, world_size, out_dir, model, tag, layout=None):
     ids = torch.randint(0, 31, (2, 12), generator=g)
     positions = torch.arange(12).unsqueeze(0).expand(2, -1)
     with torch.no_grad():
-        logits = rt.ctx.model[0](input_ids=ids, position_ids=positions, attention_mask=None)
+        logits = rt.ctx.model[0](
+            input_ids=ids.to(DEVICE), position_ids=positions.to(DEVICE), attention_mask=None
+        )
     full = gather_from_tensor_model_parallel_region(logits)[..., : rt.ctx.state["vocab_size"]]
+    full = full.cpu()
     exported = hf_params(rt)
     if rank == 0 and ps.is_pipeline_last_stage():
         torch.save({"ids": ids, "logits": full, "exported": exported}, f"{out_dir}/{tag}.pt")
