@@ -29,9 +29,10 @@ wheel=$(ls "$wheels"/sglang-0.5.23-*.whl)
 "${pip[@]}" -c "$constraints" -r "$venv/sglang-cpu-requirements.txt"
 "${pip[@]}" --no-deps "$wheel"
 
-local_pkgs=(./core ./plugins/fsdp ./plugins/sglang)
+# The trainers (fsdp, megatron) too: the sync-parity tests feed SGLang from them.
+local_pkgs=(./core ./plugins/fsdp ./plugins/megatron ./plugins/sglang)
 if [ "$mode" = "--editable" ]; then
-  local_pkgs=(-e ./core -e ./plugins/fsdp -e ./plugins/sglang)
+  local_pkgs=(-e ./core -e ./plugins/fsdp -e ./plugins/megatron -e ./plugins/sglang)
 fi
 "${pip[@]}" -c "$constraints" "${local_pkgs[@]}" "pytest>=8" "pytest-timeout>=2.3"
 

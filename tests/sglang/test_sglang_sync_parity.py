@@ -1,14 +1,17 @@
-"""fsdp2_train (2 ranks) -> weight sync -> sglang: rollout log-probs equal the trainer's.
+"""A trainer (2 ranks) -> weight sync -> sglang: rollout log-probs equal the trainer's.
 
 Both import paths, on one engine: ``shared_memory`` (colocated: ``update_weights_from_tensor``)
 and ``broadcast`` (separate devices: SGLang's scheduler joins the sync group and receives with
 ``update_weights_from_distributed``, gloo on CPU). Each sync follows a training step, so it must
 change what the engine computes, and the engine's prefix cache (filled by the previous rollout
-of the same prompts) must be flushed for the numbers to agree.
+of the same prompts) must be flushed for the numbers to agree. The trainer is fsdp2_train, and
+megatron_train at TP2 (its export gathers the TP shards into HF-named buckets) on the colocated
+path.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
@@ -68,7 +71,7 @@ def _trainer_logprobs(trainer, batch):
     return concat_tensor_rows(trainer.call_dp("compute_logprobs", batch.split(trainer.dp_size)))
 
 
-def _train_sync_check(trainer, rollout, transport, seed: int) -> dict:
+def _train_sync_check(trainer, rollout, transport, seed: int, name="fsdp2_train") -> dict:
     batch = synthetic_train_batch(seed=seed, dp_size=trainer.dp_size)
     trainer.call_dp("train_step", batch.split(trainer.dp_size))
     stale = _rollout(rollout, seed)  # old weights; also fills the prefix cache
@@ -85,7 +88,7 @@ def _train_sync_check(trainer, rollout, transport, seed: int) -> dict:
     scored_diff = float(((scored - expected) * sample_batch.response_mask).abs().max())
     print(
         f"\nsglang via {transport.name}: sync {sync_s:.2f}s ({stats['buckets']} buckets), "
-        f"max |logprob diff| vs fsdp2_train: sampled {diff:.2e}, scored {scored_diff:.2e}, "
+        f"max |logprob diff| vs {name}: sampled {diff:.2e}, scored {scored_diff:.2e}, "
         f"before the sync {stale_diff:.2e}"
     )
     assert len(out) == 16
@@ -117,6 +120,32 @@ def test_broadcast_sync_into_sglang_scheduler_then_logprobs_match_trainer(groups
         _train_sync_check(trainer, rollout, transport, 3)
     finally:
         transport.close(trainer, rollout)
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("posttrain_megatron") is None,
+    reason="posttrain-megatron not installed",
+)
+def test_megatron_tp2_sync_then_logprobs_match_trainer(groups, tiny_model_path, tmp_path):
+    from posttrain.weight_sync.transport import SharedMemoryTransport
+
+    _, rollout, _ = groups
+    launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=240)
+    try:
+        trainer = launcher.start_group(
+            group_spec(
+                "megatron_train",
+                {"tensor_model_parallel_size": 2},
+                2,
+                "actor_train",
+                tiny_model_path,
+                tmp_path,
+            )
+        )
+        transport = SharedMemoryTransport(bucket_bytes=BUCKET_BYTES)
+        _train_sync_check(trainer, rollout, transport, 4, name="megatron_train TP2")
+    finally:
+        launcher.shutdown()
 
 
 def test_release_and_resume_are_noops_on_cpu_said_once(groups):

@@ -1,7 +1,8 @@
-"""fsdp2_train (2 ranks) -> weight sync -> vllm: rollout log-probs equal the trainer's.
+"""A trainer on 2 ranks -> weight sync -> vllm: rollout log-probs equal the trainer's.
 
-Run with the in-process engine and with vLLM's multiprocessing engine (tensors cannot cross its
-RPC, so the plugin goes through safetensors in tmpfs there).
+fsdp2_train, with the in-process engine and with vLLM's multiprocessing engine (tensors cannot
+cross its RPC, so the plugin goes through safetensors in tmpfs there); megatron_train at TP2
+(its export gathers the TP shards into HF-named buckets), in-process.
 """
 
 from __future__ import annotations
@@ -96,17 +97,38 @@ def _shm_entries() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("posttrain-vllm-")}
 
 
+def _have_megatron() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("posttrain_megatron") is not None
+
+
+TRAINERS = [
+    pytest.param("fsdp2_train", {}, "0", id="fsdp2-inproc"),
+    pytest.param("fsdp2_train", {}, "1", id="fsdp2-mp"),
+    pytest.param(
+        "megatron_train",
+        {"tensor_model_parallel_size": 2},
+        "0",
+        id="megatron_tp2-inproc",
+        marks=pytest.mark.skipif(not _have_megatron(), reason="posttrain-megatron not installed"),
+    ),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("multiprocessing", ["0", "1"], ids=["inproc", "mp"])
-def test_fsdp2_sync_then_vllm_logprobs_match_trainer(multiprocessing, tiny_model_path, tmp_path):
+@pytest.mark.parametrize("trainer_strategy, trainer_config, multiprocessing", TRAINERS)
+def test_sync_then_vllm_logprobs_match_trainer(
+    trainer_strategy, trainer_config, multiprocessing, tiny_model_path, tmp_path
+):
     from posttrain.weight_sync.transport import SharedMemoryTransport
 
     before_procs, before_shm = _engine_processes(), _shm_entries()
     launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=180)
     try:
         trainer = launcher.start_group(
-            _spec("fsdp2_train", {}, 2, "actor_train", tiny_model_path, tmp_path)
+            _spec(trainer_strategy, trainer_config, 2, "actor_train", tiny_model_path, tmp_path)
         )
         batch = synthetic_train_batch(dp_size=trainer.dp_size)
         trainer.call_dp("train_step", batch.split(trainer.dp_size))
@@ -135,7 +157,7 @@ def test_fsdp2_sync_then_vllm_logprobs_match_trainer(multiprocessing, tiny_model
         diff = max_sample_logprob_diff(out, got)
         print(
             f"\nvllm mp={multiprocessing}: engine start {start_s:.1f}s, sync {sync_s:.2f}s "
-            f"({stats['buckets']} buckets), max |logprob diff| vs fsdp2_train = {diff:.2e}"
+            f"({stats['buckets']} buckets), max |logprob diff| vs {trainer_strategy} = {diff:.2e}"
         )
         assert diff <= TOLERANCE
         # The engine's own scoring agrees too.
