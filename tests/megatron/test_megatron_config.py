@@ -74,6 +74,12 @@ def model_dir(tmp_path):
             "needs tensor_model_parallel_size > 1",
         ),
         (
+            "list(range(0, 2))",
+            {"context_parallel_size": 2, "attention_backend": "local"},
+            "strategy_config.context_parallel_size",
+            "local (unfused) attention has no context parallelism",
+        ),
+        (
             "list(range(0, 3))",
             {"tensor_model_parallel_size": 2},
             "actor_train.device_mapping",

@@ -1,4 +1,5 @@
-"""The conformance kit against megatron_train (TP2) and megatron_infer (PP2), on megatron-core."""
+"""The conformance kit against megatron_train (TP2, CP2) and megatron_infer (PP2), on
+megatron-core."""
 
 import pytest
 
@@ -10,6 +11,12 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(400)]
 class TestMegatronTrainTP2Contract(StrategyContract):
     strategy = "megatron_train"
     strategy_config = {"tensor_model_parallel_size": 2}
+    world_size = 2
+
+
+class TestMegatronTrainCP2Contract(StrategyContract):
+    strategy = "megatron_train"
+    strategy_config = {"context_parallel_size": 2}
     world_size = 2
 
 

@@ -1,5 +1,5 @@
-"""megatron_train on CUDA GPUs with NCCL (skipped without): the conformance kit at TP2, and an
-MoE training smoke test at EP2 with the alltoall token dispatcher (which needs CUDA).
+"""megatron_train on CUDA GPUs with NCCL (skipped without): the conformance kit at TP2 and at
+CP2, and an MoE training smoke test at EP2 with the alltoall token dispatcher (which needs CUDA).
 
 Run on the GPU machine: ``python -m pytest -m gpu tests/megatron/test_megatron_gpu.py``.
 """
@@ -25,6 +25,13 @@ pytestmark = [
 class TestMegatronTrainTP2ContractCUDA(StrategyContract):
     strategy = "megatron_train"
     strategy_config = {"tensor_model_parallel_size": 2}
+    world_size = 2
+    device = "cuda"
+
+
+class TestMegatronTrainCP2ContractCUDA(StrategyContract):
+    strategy = "megatron_train"
+    strategy_config = {"context_parallel_size": 2}
     world_size = 2
     device = "cuda"
 

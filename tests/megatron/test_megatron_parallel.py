@@ -27,6 +27,8 @@ LAYOUTS = {
         None,
     ),
     "dp2_distopt": ({"use_distributed_optimizer": True}, 2, None),
+    # Each sequence in 4 chunks, 2 per rank; attention gathers keys and values over CP.
+    "cp2": ({"context_parallel_size": 2}, 2, None),
 }
 
 
@@ -37,26 +39,47 @@ def qwen2_path(tmp_path_factory):
     return build_hf_model(str(tmp_path_factory.mktemp("qwen2") / "model"), "qwen2")
 
 
+# The checkpoint scenario: TP2 saves after step 1; the checkpoint resumes at TP1 and at PP2.
+RESUMES = {
+    "resume_tp1": {},
+    "resume_pp2": {"pipeline_model_parallel_size": 2},
+}
+
+
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, qwen2_path):
-    """TP1 reference (checkpoint after step 1); every layout; TP2 with a checkpoint after step
-    1; that checkpoint resumed at TP1 and at PP2."""
+    """``runs(tag)``: the results of scenario ``tag`` (the TP1 reference, a layout, or a resume),
+    run once on first use, so ``-k`` selects only the runs its tests need."""
     from megatron_workers import launch
 
     out = str(tmp_path_factory.mktemp("megatron-runs"))
-    launch("train", 1, out, model=qwen2_path, tag="tp1")
-    for tag, (layout, world, training) in LAYOUTS.items():
-        launch("train", world, out, model=qwen2_path, tag=tag, layout=layout, training=training)
-    tp2 = {"tensor_model_parallel_size": 2}
-    launch("train", 2, out, model=qwen2_path, tag="tp2_saved", layout=tp2, save_after=1)
-    launch("train", 1, out, model=qwen2_path, tag="resume_tp1", load="ckpt_tp2_saved")
-    pp2 = {"pipeline_model_parallel_size": 2}
-    launch("train", 2, out, model=qwen2_path, tag="resume_pp2", load="ckpt_tp2_saved", layout=pp2)
-    return out
+    done: set[str] = set()
 
+    def run(tag: str) -> None:
+        if tag in done:
+            return
+        if tag == "tp1":
+            launch("train", 1, out, model=qwen2_path, tag=tag)
+        elif tag == "tp2_saved":
+            tp2 = {"tensor_model_parallel_size": 2}
+            launch("train", 2, out, model=qwen2_path, tag=tag, layout=tp2, save_after=1)
+        elif tag in RESUMES:
+            run("tp2_saved")
+            layout = RESUMES[tag]
+            world = 2 if layout else 1
+            launch(
+                "train", world, out, model=qwen2_path, tag=tag, load="ckpt_tp2_saved", layout=layout
+            )
+        else:
+            layout, world, training = LAYOUTS[tag]
+            launch("train", world, out, model=qwen2_path, tag=tag, layout=layout, training=training)
+        done.add(tag)
 
-def _load(runs, tag):
-    return torch.load(f"{runs}/{tag}.pt", weights_only=False)
+    def load(name: str, tag: str | None = None) -> dict:
+        run(tag or name)
+        return torch.load(f"{out}/{name}.pt", weights_only=False)
+
+    return load
 
 
 def _max_diff(a: dict, b: dict) -> float:
@@ -65,24 +88,25 @@ def _max_diff(a: dict, b: dict) -> float:
 
 
 @pytest.mark.parametrize("tag", sorted(LAYOUTS))
-def test_layout_matches_tp1_after_two_steps(runs, tag):
-    ref, other = _load(runs, "tp1"), _load(runs, tag)
-    initial = _load(runs, "tp1")["params"]
+def test_layout_matches_tp1_after_two_steps(runs, qwen2_path, tag):
+    from safetensors.torch import load_file
+
+    ref, other = runs("tp1"), runs(tag)
     assert _max_diff(ref["params"], other["params"]) < 1e-4
     # The steps did move the weights (a comparison of untouched models proves nothing).
-    moved = _max_diff(initial, {k: v * 0 for k, v in initial.items()})
-    assert moved > 0
+    initial = load_file(f"{qwen2_path}/model.safetensors")
+    assert _max_diff(initial, {k: ref["params"][k] for k in initial}) > 1e-4
     for a, b in zip(ref["metrics"], other["metrics"]):
         assert a["actor/grad_norm"] == pytest.approx(b["actor/grad_norm"], rel=1e-3)
 
 
 def test_checkpoint_saved_at_tp2_resumes_at_tp1_and_pp2(runs):
-    uninterrupted = _load(runs, "tp2_saved")["params"]
-    for tag in ("resume_tp1", "resume_pp2"):
-        resumed = _load(runs, f"resumed_{tag}")
+    uninterrupted = runs("tp2_saved")["params"]
+    for tag in RESUMES:
+        resumed = runs(f"resumed_{tag}", tag)
         assert resumed["step"] == 1 and resumed["updates"] == 1
         # Adam's step count per parameter: one update so far, not one shared counter.
         assert resumed["adam"] == [1.0]
-        final = _load(runs, tag)
+        final = runs(tag)
         assert final["adam"] == [2.0]
         assert _max_diff(uninterrupted, final["params"]) < 1e-5

@@ -72,11 +72,11 @@ def check_role(
             "virtual pipeline stages need pipeline_model_parallel_size > 1",
             "remove virtual_pipeline_model_parallel_size or raise pipeline_model_parallel_size",
         )
-    if config.context_parallel_size > 1:
+    if config.context_parallel_size > 1 and config.attention_backend == "local":
         report.error(
             f"{where}.context_parallel_size",
-            "context parallelism is not implemented by megatron_train / megatron_infer yet",
-            "set context_parallel_size: 1",
+            "megatron-core's local (unfused) attention has no context parallelism",
+            "use attention_backend: auto (SDPA or TransformerEngine) or context_parallel_size: 1",
         )
     if config.use_dist_checkpointing and not config.dist_checkpointing_path:
         report.error(

@@ -7,7 +7,8 @@ calls ``torch.cuda.synchronize``/``current_device``. On a CPU-only rank (CI, tes
 quickstart) :func:`apply` maps all of that onto the CPU:
 
 * a :class:`torch.overrides.TorchFunctionMode` rewrites ``device="cuda"`` arguments, ``.cuda()``
-  and ``.to("cuda")`` to the CPU, and answers ``tensor.type()`` with the CUDA type name;
+  and ``.to("cuda")`` to the CPU, drops ``pin_memory=True`` (host staging for a CUDA copy), and
+  answers ``tensor.type()`` with the CUDA type name;
 * the mode is active during backward passes too (a mode is switched off while its own handler
   runs, and ``loss.backward()`` passes through that handler), so megatron's backward functions
   allocate on the CPU as well;
@@ -17,7 +18,7 @@ quickstart) :func:`apply` maps all of that onto the CPU:
 
 Nothing here changes what is computed: every kernel is torch's CPU kernel. On a rank with a GPU
 :func:`apply` is never called. :data:`PATCHED_INTERNALS` lists the megatron-core internals these
-patches stand in for; ``tests/megatron/test_cpu_support.py`` fails loudly when one disappears
+patches stand in for; ``tests/megatron/test_megatron_config.py`` fails loudly when one disappears
 from the installed megatron-core, so a new release cannot silently bypass them.
 """
 
@@ -64,6 +65,8 @@ class CudaToCpu(TorchFunctionMode):
             return name.replace("torch.", "torch.cuda.", 1) if ".cuda." not in name else name
         if _is_cuda(kwargs.get("device")):
             kwargs["device"] = "cpu"
+        if kwargs.get("pin_memory"):  # host staging for a CUDA copy (e.g. CP rotary indices)
+            kwargs["pin_memory"] = False
         if func is torch.Tensor.to and len(args) > 1 and _is_cuda(args[1]):
             args = (args[0], "cpu", *args[2:])
         return func(*args, **kwargs)

@@ -8,12 +8,14 @@ sdpa`` (the default without TE) swaps in:
 * :class:`SDPACoreAttention`: core attention through ``torch.nn.functional.
   scaled_dot_product_attention`` (flash / cuDNN / memory-efficient kernels), GQA without copying
   keys and values, causal masking by the kernel. Sequences are right-padded, so causal attention
-  alone is exact for every real token (padding comes after them and is never attended to);
+  alone is exact for every real token (padding comes after them and is never attended to).
+  Under context parallelism it gathers keys and values over the CP ranks
+  (:mod:`posttrain_megatron.context_parallel`);
 * :class:`TorchNorm`: torch's fused ``RMSNorm`` / ``LayerNorm``, whose weights are tagged
   ``sequence_parallel`` so megatron all-reduces their gradients across TP ranks (the local spec's
   norm refuses sequence parallelism).
 
-Every Megatron parallelism (TP, PP, VPP, EP, SP, DP) is unchanged: only the two leaf modules differ.
+Every Megatron parallelism (TP, PP, VPP, EP, SP, CP, DP) is kept: only the two leaf modules differ.
 """
 
 from __future__ import annotations
@@ -74,8 +76,13 @@ class SDPACoreAttention(MegatronModule):
         super().__init__(config=config)
         from megatron.core import parallel_state
 
-        if config.context_parallel_size != 1:
-            raise ValueError("SDPA core attention does not support context parallelism")
+        self.cp_size = config.context_parallel_size
+        if self.cp_size > 1:
+            self.cp_group = (
+                pg_collection.cp
+                if pg_collection is not None
+                else parallel_state.get_context_parallel_group()
+            )
         tp = (
             pg_collection.tp.size()
             if pg_collection is not None
@@ -103,18 +110,48 @@ class SDPACoreAttention(MegatronModule):
             raise ValueError("SDPA core attention takes padded batches without attention bias")
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
-        out = torch.nn.functional.scaled_dot_product_attention(
+        if self.cp_size > 1:
+            out = self._context_parallel(q, k, v)
+        else:
+            out = self._attend(q, k, v, is_causal=True)
+        # [b, n, s, d] -> [s, b, n * d]
+        b, n, s, d = out.shape
+        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    def _attend(self, q, k, v, **mask) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
             v,
             dropout_p=self.dropout if self.training else 0.0,
-            is_causal=True,
             scale=self.softmax_scale,
             enable_gqa=self.heads != self.groups,
+            **mask,
         )
-        # [b, n, s, d] -> [s, b, n * d]
-        b, n, s, d = out.shape
-        return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
+
+    def _context_parallel(self, q, k, v) -> torch.Tensor:
+        """This rank's two query chunks against the whole sequence's keys up to each chunk's end
+        (the causal mask aligned to the bottom right: query i of chunk c is position c * L + i)."""
+        from torch.nn.attention.bias import causal_lower_right
+
+        from posttrain_megatron import context_parallel
+
+        keys = context_parallel.gather_sequence(k, 2, self.cp_group)
+        values = context_parallel.gather_sequence(v, 2, self.cp_group)
+        length = q.shape[2] // 2
+        rank = torch.distributed.get_rank(self.cp_group)
+        outs = []
+        for half, chunk in enumerate(context_parallel.chunk_ids(self.cp_size, rank)):
+            end = (chunk + 1) * length
+            outs.append(
+                self._attend(
+                    q[:, :, half * length : (half + 1) * length],
+                    keys[:, :, :end],
+                    values[:, :, :end],
+                    attn_mask=causal_lower_right(length, end),
+                )
+            )
+        return torch.cat(outs, dim=2)
 
 
 def have_transformer_engine() -> bool:

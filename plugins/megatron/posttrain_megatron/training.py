@@ -19,7 +19,7 @@ import torch.distributed as dist
 from posttrain.distributed import agree_max
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
 from posttrain.protocol import SequenceBatch
-from posttrain_megatron import token_scores
+from posttrain_megatron import context_parallel, token_scores
 from posttrain_megatron.model_builder import TRAIN, device
 
 log = logging.getLogger(__name__)
@@ -111,13 +111,18 @@ def _equal_shapes(worker, items):
 
 
 def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
+    from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     models = worker.model
     dev = device(worker)
-
-    # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of TP.
-    multiple = worker.config.tensor_model_parallel_size if worker.config.sequence_parallel else 1
+    cfg = worker.config
+    cp = cfg.context_parallel_size
+    # Sequence parallelism splits the sequence over TP ranks, context parallelism into 2 x CP
+    # chunks over CP ranks: pad it to a multiple of both.
+    multiple = (cfg.tensor_model_parallel_size if cfg.sequence_parallel else 1) * (
+        2 * cp if cp > 1 else 1
+    )
 
     def forward_step(data_iterator, model):
         rows, mb = next(data_iterator)
@@ -126,6 +131,12 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
         padded = torch.nn.functional.pad(ids, (0, -width % multiple))
         positions = torch.arange(padded.shape[1], device=dev).unsqueeze(0).expand_as(padded)
         next_tokens = torch.nn.functional.pad(padded[:, 1:], (0, 1), value=token_scores.NO_TARGET)
+        if cp > 1:  # this rank's chunks of the sequence (targets taken before the split)
+            rank = ps.get_context_parallel_rank()
+            padded, positions, next_tokens = (
+                context_parallel.split_for_rank(t, 1, cp, rank)
+                for t in (padded, positions, next_tokens)
+            )
         # Right-padded rows under causal attention: padding never reaches a real token. With
         # labels the model returns [b, s, 2] next-token scores (token_scores.install).
         output = model(
@@ -133,6 +144,10 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
         )
 
         def loss_func(scores: torch.Tensor):
+            if cp > 1:  # the whole sequence on every CP rank: the loss sees whole rows
+                scores = context_parallel.gather_sequence(
+                    scores, 1, ps.get_context_parallel_group()
+                )
             return loss_for(rows, mb.with_tensors(), *token_scores.aligned(scores[:, :width]))
 
         return output, loss_func
@@ -168,6 +183,7 @@ def _from_last_stage(obj: Any) -> Any:
 def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     models = worker.model
     optimizer = worker.state["optimizer"]
+    cp = worker.config.context_parallel_size
     entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
     groups, count = plan(worker, batch, for_logprobs=False)
     items = _micro_batches(worker, batch, groups, count)
@@ -179,9 +195,11 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
         loss, metrics = loss_fn(logprobs, entropy, mb)
         if rows is None:
             loss, metrics = loss * 0.0, {}
-        # The schedule divides each micro-batch's loss by the micro-batch count; core's loss is
-        # already this micro-batch's share of the step, so undo that.
-        return loss * count, {k: float(v) for k, v in metrics.items()}
+        # The schedule divides each micro-batch's loss by the micro-batch count and multiplies it
+        # by the CP size; core's loss is already this micro-batch's share of the step, so undo
+        # both. (Under CP every CP rank computes this same loss on the gathered sequence; the
+        # gather's backward sums their gradients, which DDP's average over DP x CP divides.)
+        return loss * count / cp, {k: float(v) for k, v in metrics.items()}
 
     for model in models:
         model.train()
