@@ -29,6 +29,21 @@ LAYOUTS = {
     "dp2_distopt": ({"use_distributed_optimizer": True}, 2, None),
     # Each sequence in 4 chunks, 2 per rank; attention gathers keys and values over CP.
     "cp2": ({"context_parallel_size": 2}, 2, None),
+    # CP composed with TP + SP and with the interleaved pipeline (4 ranks).
+    "tp2_sp_cp2": (
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2},
+        4,
+        None,
+    ),
+    "pp2_vpp2_cp2": (
+        {
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+            "context_parallel_size": 2,
+        },
+        4,
+        None,
+    ),
 }
 
 
