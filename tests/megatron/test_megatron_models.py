@@ -39,7 +39,8 @@ def loaded(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def moe_trained(loaded):
-    """Qwen3-MoE: 2 RL steps at EP2 (ragged micro-batches, allgather dispatch) and at EP1."""
+    """Qwen3-MoE: 2 RL steps at EP1, EP2 (ragged micro-batches, allgather dispatch) and EP2 x CP2
+    (4 ranks)."""
     from megatron_workers import launch
 
     root, paths = loaded
@@ -47,12 +48,15 @@ def moe_trained(loaded):
     launch("train", 1, str(root), model=paths["qwen3_moe"], tag="moe_ep1", layout=moe)
     ep2 = {**moe, "expert_model_parallel_size": 2}
     launch("train", 2, str(root), model=paths["qwen3_moe"], tag="moe_ep2", layout=ep2)
+    ep2_cp2 = {**ep2, "context_parallel_size": 2}
+    launch("train", 4, str(root), model=paths["qwen3_moe"], tag="moe_ep2_cp2", layout=ep2_cp2)
     return root
 
 
-def test_moe_ep2_trains_like_ep1(moe_trained):
+@pytest.mark.parametrize("tag", ["moe_ep2", "moe_ep2_cp2"])
+def test_moe_ep2_trains_like_ep1(moe_trained, tag):
     ep1 = torch.load(moe_trained / "moe_ep1.pt", weights_only=False)
-    ep2 = torch.load(moe_trained / "moe_ep2.pt", weights_only=False)
+    ep2 = torch.load(moe_trained / f"{tag}.pt", weights_only=False)
     initial = torch.load(moe_trained / "qwen3_moe_ep2.pt", weights_only=False)["exported"]
     experts = [k for k in initial if ".experts." in k]
     assert experts and ep1["params"].keys() == ep2["params"].keys() == initial.keys()
