@@ -13,6 +13,8 @@
   optimizer (same settings), ``get_forward_backward_func`` with the model's own cross entropy;
 * ``transformers``: ``Qwen2ForCausalLM`` (``attn_implementation="sdpa"``) in bf16,
   ``torch.optim.AdamW(fused=True)`` on the bf16 parameters, HF's causal-LM loss, grad clipping.
+* ``megatron_packing``: ``megatron_train`` on one micro-batch of rows of uneven length (8 rows,
+  lengths uniform in [256, 2048]), right-padded and with ``pack_sequences`` (real tokens / s).
 
 Every row clips gradients to norm 1.0 (as megatron_train's default ``max_grad_norm``). Tokens are
 random, sequences full length (no padding). Each row runs in its own process (memory isolation).
@@ -64,7 +66,10 @@ SHAPES = {
 }
 # (sequences, tokens per sequence) per step.
 BATCHES = {"qwen2-1.5b": [(2, 4096), (4, 2048)], "tiny": [(2, 64), (4, 32)]}
-ROWS = ("megatron_train", "megatron_local", "transformers")
+# megatron_packing: (rows, longest row) of one micro-batch of uneven rows (lengths uniform in
+# [longest / 8, longest]), right-padded vs packed.
+PACKING = {"qwen2-1.5b": (8, 2048), "tiny": (4, 64)}
+ROWS = ("megatron_train", "megatron_local", "transformers", "megatron_packing")
 PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 EXPORT_BUCKET_BYTES = 512 << 20
 PROMPT_TOKENS = 16
@@ -161,18 +166,13 @@ def _init_dist(dev) -> None:
     dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
 
 
-def row_megatron_train(args, dev, emit) -> None:
-    import attrs
-    import torch
-
-    from posttrain.algorithms.policy_loss import PolicyLoss
+def _megatron_worker(args, dev):
+    """A megatron_train worker on one device through the plugin's own path (random init)."""
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
-    from posttrain.protocol import build_sequence_batch
     from posttrain.worker import WorkerContext
     from posttrain_megatron import bridge as plugin_bridge
-    from posttrain_megatron import engine, weights
+    from posttrain_megatron import engine
     from posttrain_megatron.config import MegatronTrainConfig
-    from posttrain_megatron.model_builder import attention_backend
 
     tmp = tempfile.mkdtemp(prefix="megatron-bench-")
     hf_config(args.shape).save_pretrained(tmp)  # config only: no weights on disk
@@ -187,12 +187,10 @@ def row_megatron_train(args, dev, emit) -> None:
         return bridge
 
     plugin_bridge.make_bridge = make_bridge_without_weights
-
-    batches = BATCHES[args.shape]
     worker = WorkerContext(
         role="actor_train",
         strategy_name="megatron_train",
-        config=MegatronTrainConfig(micro_batch_size=batches[0][0]),
+        config=MegatronTrainConfig(),
         model_args=ModelArgs(model_name_or_path=tmp, dtype="bf16"),
         training_args=TrainingArgs(learning_rate=1e-5, max_grad_norm=1.0),
         device=dev.type,
@@ -203,25 +201,47 @@ def row_megatron_train(args, dev, emit) -> None:
     )
     worker.parallel = engine.setup_parallel(worker)
     worker.model = engine.load_model(worker)
+    return worker
+
+
+def _rl_batch(ids: list[list[int]], vocab: int):
+    """An RL training batch of these token rows (their first PROMPT_TOKENS are the prompt)."""
+    import torch
+
+    from posttrain.protocol import build_sequence_batch
+
+    rows = len(ids)
+    batch = build_sequence_batch(
+        [r[:PROMPT_TOKENS] for r in ids], [r[PROMPT_TOKENS:] for r in ids], pad_token_id=0
+    )
+    gen = torch.Generator().manual_seed(1)
+    batch = batch.with_tensors(
+        # About a random-init model's log-probs: ratios near 1, inside the clip range.
+        old_logprobs=torch.full_like(batch.response_mask, -math.log(vocab)),
+        advantages=torch.randn(rows, 1, generator=gen) * batch.response_mask,
+    )
+    batch.meta.update(
+        global_tokens=float(batch.response_mask.sum()), global_seqs=float(rows), dp_size=1
+    )
+    return batch
+
+
+def row_megatron_train(args, dev, emit) -> None:
+    import attrs
+
+    from posttrain.algorithms.policy_loss import PolicyLoss
+    from posttrain_megatron import engine, weights
+    from posttrain_megatron.model_builder import attention_backend
+
+    batches = BATCHES[args.shape]
+    worker = _megatron_worker(args, dev)
     params = sum(p.numel() for m in worker.model for p in m.parameters())
     backend = attention_backend(worker.config.attention_backend)
     loss_fn = PolicyLoss(worker.algorithm)
     vocab = SHAPES[args.shape]["vocab_size"]
 
     def make_step(rows: int, seq: int):
-        ids = random_tokens(rows, seq, vocab).tolist()
-        batch = build_sequence_batch(
-            [r[:PROMPT_TOKENS] for r in ids], [r[PROMPT_TOKENS:] for r in ids], pad_token_id=0
-        )
-        gen = torch.Generator().manual_seed(1)
-        batch = batch.with_tensors(
-            # About a random-init model's log-probs: ratios near 1, inside the clip range.
-            old_logprobs=torch.full_like(batch.response_mask, -math.log(vocab)),
-            advantages=torch.randn(rows, 1, generator=gen) * batch.response_mask,
-        )
-        batch.meta.update(
-            global_tokens=float(batch.response_mask.sum()), global_seqs=float(rows), dp_size=1
-        )
+        batch = _rl_batch(random_tokens(rows, seq, vocab).tolist(), vocab)
 
         def step():
             last.update(engine.train_step(worker, batch, loss_fn))
@@ -258,6 +278,40 @@ def row_megatron_train(args, dev, emit) -> None:
             del bucket
         passes.append(time.perf_counter() - start)
     emit(export=True, nbytes=nbytes, tensors=tensors, buckets=buckets, seconds=passes)
+    engine.shutdown(worker)
+
+
+def row_megatron_packing(args, dev, emit) -> None:
+    """One micro-batch of rows of uneven length, right-padded and packed (pack_sequences)."""
+    import attrs
+    import torch
+
+    from posttrain.algorithms.policy_loss import PolicyLoss
+    from posttrain_megatron import engine
+
+    rows, longest = PACKING[args.shape]
+    worker = _megatron_worker(args, dev)
+    loss_fn = PolicyLoss(worker.algorithm)
+    vocab = SHAPES[args.shape]["vocab_size"]
+    gen = torch.Generator().manual_seed(2)
+    lengths = torch.randint(longest // 8, longest + 1, (rows,), generator=gen).tolist()
+    lengths[0] = longest  # the padded width
+    tokens = random_tokens(rows, longest, vocab).tolist()
+    batch = _rl_batch([r[:n] for r, n in zip(tokens, lengths)], vocab)
+    for packed in (False, True):
+        worker.config = attrs.evolve(worker.config, micro_batch_size=rows, pack_sequences=packed)
+        seconds, peak = _time_steps(
+            lambda: engine.train_step(worker, batch, loss_fn), dev, args.warmup, args.steps
+        )
+        emit(
+            packing=True,
+            packed=packed,
+            rows=rows,
+            width=longest,
+            tokens=sum(lengths),
+            seconds=seconds,
+            peak=peak,
+        )
     engine.shutdown(worker)
 
 
@@ -438,6 +492,7 @@ def row_transformers(args, dev, emit) -> None:
 
 ROW_FUNCS = {
     "megatron_train": row_megatron_train,
+    "megatron_packing": row_megatron_packing,
     "megatron_local": row_megatron_local,
     "transformers": row_transformers,
 }
@@ -570,7 +625,7 @@ def main() -> int:
         results += got
 
     peak = peak_tflops(name)
-    train = [r for r in results if not r.get("export")]
+    train = [r for r in results if not r.get("export") and not r.get("packing")]
     base = {(r["rows"], r["seq"]): r for r in train if r["row"] == "transformers"}
     columns = [
         ("row", 15, "<"),
@@ -636,6 +691,19 @@ def main() -> int:
                 f"tensors, {r['buckets']} buckets, {r['nbytes'] / 1e9:.2f} GB in {best:.2f} s = "
                 f"{r['nbytes'] / 1e9 / best:.2f} GB/s (first pass {first:.2f} s = "
                 f"{r['nbytes'] / 1e9 / first:.2f} GB/s)"
+            )
+    packing = {r["packed"]: r for r in results if r.get("packing")}
+    if len(packing) == 2:
+        first = packing[False]
+        print(
+            f"\npack_sequences ({first['rows']} rows of uneven length, longest {first['width']}: "
+            f"{first['tokens']} real tokens, {first['rows'] * first['width']} padded):"
+        )
+        for packed, r in sorted(packing.items()):
+            print(
+                f"  {'packed' if packed else 'padded'}: {r['seconds']:.3f} s/step, "
+                f"{r['tokens'] / r['seconds']:.0f} real tokens/s, peak {r['peak']:.1f} GiB"
+                + (f", {first['seconds'] / r['seconds']:.2f}x" if packed else "")
             )
     print(
         f"\nFLOPs/token = 6 x {params} + 6 x layers x hidden x seq (causal attention); MFU "

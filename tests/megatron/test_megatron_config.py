@@ -80,6 +80,18 @@ def model_dir(tmp_path):
             "local (unfused) attention has no context parallelism",
         ),
         (
+            "list(range(0, 2))",
+            {"pack_sequences": True, "context_parallel_size": 2},
+            "strategy_config.pack_sequences",
+            "not split over context-parallel ranks",
+        ),
+        (
+            "list(range(0, 2))",
+            {"pack_sequences": True, "attention_backend": "local"},
+            "strategy_config.pack_sequences",
+            "packed sequences run on the SDPA attention spec",
+        ),
+        (
             "list(range(0, 3))",
             {"tensor_model_parallel_size": 2},
             "actor_train.device_mapping",

@@ -29,6 +29,21 @@ LAYOUTS = {
     "dp2_distopt": ({"use_distributed_optimizer": True}, 2, None),
     # Each sequence in 4 chunks, 2 per rank; attention gathers keys and values over CP.
     "cp2": ({"context_parallel_size": 2}, 2, None),
+    # Each micro-batch's sequences packed into one row (THD), with TP + SP and with PP + VPP.
+    "tp2_sp_packed": (
+        {"tensor_model_parallel_size": 2, "sequence_parallel": True, "pack_sequences": True},
+        2,
+        None,
+    ),
+    "pp2_vpp2_packed": (
+        {
+            "pipeline_model_parallel_size": 2,
+            "virtual_pipeline_model_parallel_size": 2,
+            "pack_sequences": True,
+        },
+        2,
+        None,
+    ),
     # CP composed with TP + SP and with the interleaved pipeline (4 ranks).
     "tp2_sp_cp2": (
         {"tensor_model_parallel_size": 2, "sequence_parallel": True, "context_parallel_size": 2},

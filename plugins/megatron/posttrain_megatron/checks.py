@@ -78,6 +78,8 @@ def check_role(
             "megatron-core's local (unfused) attention has no context parallelism",
             "use attention_backend: auto (SDPA or TransformerEngine) or context_parallel_size: 1",
         )
+    if config.pack_sequences:
+        _check_packing(report, where, config)
     if config.use_dist_checkpointing and not config.dist_checkpointing_path:
         report.error(
             f"{where}.dist_checkpointing_path",
@@ -159,3 +161,25 @@ def _check_overrides(where: str, overrides: dict[str, Any], report: ErrorReport)
                 "not a field of megatron-core's TransformerConfig",
                 did_you_mean(key, fields),
             )
+
+
+def _check_packing(report, where: str, config) -> None:
+    if config.attention_backend in ("local", "transformer_engine"):
+        report.error(
+            f"{where}.pack_sequences",
+            f"packed sequences run on the SDPA attention spec, not {config.attention_backend!r}",
+            "set attention_backend: sdpa, or pack_sequences: false",
+        )
+    if config.context_parallel_size > 1:
+        report.error(
+            f"{where}.pack_sequences",
+            "packed sequences are not split over context-parallel ranks",
+            "set pack_sequences: false, or context_parallel_size: 1",
+        )
+    if config.expert_model_parallel_size > 1 and config.moe_token_dispatcher_type == "allgather":
+        report.error(
+            f"{where}.pack_sequences",
+            "the allgather MoE dispatcher needs equal token counts on every expert-parallel "
+            "rank, which packed micro-batches do not have",
+            "set moe_token_dispatcher_type: alltoall, or pack_sequences: false",
+        )

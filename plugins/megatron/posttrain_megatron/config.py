@@ -45,6 +45,9 @@ class MegatronParallelConfig:
     expert_tensor_parallel_size: int | None = attrs.field(default=None, validator=_at_least(1))
     context_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
     sequence_parallel: bool = False
+    # Pack each micro-batch's sequences into one row without padding (THD; verl's
+    # use_remove_padding). SDPA attention only; not with context parallelism.
+    pack_sequences: bool = False
     moe_token_dispatcher_type: Literal["allgather", "alltoall"] = "alltoall"
     moe_grouped_gemm: bool = False
     # Core attention implementation (see posttrain_megatron.layer_spec).

@@ -10,7 +10,8 @@ sdpa`` (the default without TE) swaps in:
   keys and values, causal masking by the kernel. Sequences are right-padded, so causal attention
   alone is exact for every real token (padding comes after them and is never attended to).
   Under context parallelism it gathers keys and values over the CP ranks
-  (:mod:`posttrain_megatron.context_parallel`);
+  (:mod:`posttrain_megatron.context_parallel`); packed sequences (THD) are attended one by one
+  (:mod:`posttrain_megatron.packing`);
 * :class:`TorchNorm`: torch's fused ``RMSNorm`` / ``LayerNorm``, whose weights are tagged
   ``sequence_parallel`` so megatron all-reduces their gradients across TP ranks (the local spec's
   norm refuses sequence parallelism).
@@ -21,6 +22,7 @@ Every Megatron parallelism (TP, PP, VPP, EP, SP, CP, DP) is kept: only the two l
 from __future__ import annotations
 
 import copy
+import itertools
 import math
 
 import torch
@@ -106,8 +108,10 @@ class SDPACoreAttention(MegatronModule):
         attention_bias=None,
         packed_seq_params=None,
     ) -> torch.Tensor:
-        if packed_seq_params is not None or attention_bias is not None:
-            raise ValueError("SDPA core attention takes padded batches without attention bias")
+        if attention_bias is not None:
+            raise ValueError("SDPA core attention takes no attention bias")
+        if packed_seq_params is not None:
+            return self._packed(query, key, value, packed_seq_params)
         # [s, b, n, d] -> [b, n, s, d]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (query, key, value))
         if self.cp_size > 1:
@@ -128,6 +132,22 @@ class SDPACoreAttention(MegatronModule):
             enable_gqa=self.heads != self.groups,
             **mask,
         )
+
+    def _packed(self, query, key, value, params) -> torch.Tensor:
+        """Packed sequences (THD: [t, n, d], boundaries on the host, see
+        :mod:`posttrain_megatron.packing`): causal attention within each sequence, [t, n * d]."""
+        if params.qkv_format != "thd" or self.cp_size > 1:
+            raise ValueError("SDPA core attention packs THD sequences without context parallelism")
+        cu = params.cu_seqlens_q_padded
+        bounds = (cu if cu is not None else params.cu_seqlens_q).tolist()
+        outs = []
+        for start, end in itertools.pairwise(bounds):
+            if end > start:
+                # [len, n, d] -> [1, n, len, d]
+                q, k, v = (x[start:end].transpose(0, 1).unsqueeze(0) for x in (query, key, value))
+                outs.append(self._attend(q, k, v, is_causal=True)[0].transpose(0, 1))
+        out = torch.cat(outs, dim=0)
+        return out.reshape(out.shape[0], -1)
 
     def _context_parallel(self, q, k, v) -> torch.Tensor:
         """This rank's two query chunks against the whole sequence's keys up to each chunk's end

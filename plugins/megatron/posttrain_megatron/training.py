@@ -19,7 +19,7 @@ import torch.distributed as dist
 from posttrain.distributed import agree_max
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
 from posttrain.protocol import SequenceBatch
-from posttrain_megatron import context_parallel, token_scores
+from posttrain_megatron import context_parallel, packing, token_scores
 from posttrain_megatron.model_builder import TRAIN, device
 
 log = logging.getLogger(__name__)
@@ -128,6 +128,8 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
         rows, mb = next(data_iterator)
         ids = mb.input_ids.to(dev)
         width = ids.shape[1]
+        if cfg.pack_sequences:
+            return _packed_forward(model, rows, mb, ids, multiple, loss_for)
         padded = torch.nn.functional.pad(ids, (0, -width % multiple))
         positions = torch.arange(padded.shape[1], device=dev).unsqueeze(0).expand_as(padded)
         next_tokens = torch.nn.functional.pad(padded[:, 1:], (0, 1), value=token_scores.NO_TARGET)
@@ -163,6 +165,24 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
         micro_batch_size=max(len(mb) for _, mb in items),
         forward_only=forward_only,
     )
+
+
+def _packed_forward(model, rows, mb, ids, multiple, loss_for):
+    """forward_step on one packed row (pack_sequences); results back in the padded layout."""
+    packed = packing.pack(ids, mb.attention_mask.to(ids.device), multiple)
+    output = model(
+        input_ids=packed.input_ids,
+        position_ids=packed.position_ids,
+        attention_mask=None,
+        labels=packed.labels,
+        packed_seq_params=packed.params,
+    )
+
+    def loss_func(scores: torch.Tensor):
+        unpacked = packing.unpack(packed, scores)
+        return loss_for(rows, mb.with_tensors(), *token_scores.aligned(unpacked))
+
+    return output, loss_func
 
 
 def _from_last_stage(obj: Any) -> Any:
