@@ -131,6 +131,12 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
     hf_config = AutoConfig.from_pretrained(path)
     dtype = torch_dtype(worker.model_args.dtype)
     backend = attention_backend(cfg.attention_backend)
+    if cfg.pack_sequences and backend != "sdpa":
+        # attention_backend: auto picked TransformerEngine (validation saw only the setting).
+        raise ValueError(
+            f"megatron: pack_sequences runs on the SDPA attention spec, not {backend!r}; "
+            "set attention_backend: sdpa"
+        )
     bridge = make_bridge(hf_config, dtype, backend, transformer_overrides(worker, hf_config))
     # Pad the vocabulary to split over TP ranks; the padding columns are left out (token_scores).
     bridge.make_vocab_size_divisible_by = cfg.tensor_model_parallel_size
