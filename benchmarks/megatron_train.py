@@ -157,6 +157,25 @@ def _profile(step, dev, path: str) -> None:
         torch.cuda.empty_cache()
 
 
+def _time_shapes(args, dev, emit, row: str, make_step, backend: str, params: int, grad_norm):
+    """Time ``make_step(rows, seq)``'s step at every batch shape and emit one result per shape
+    (``grad_norm()`` read after the timed steps); ``--profile-dir``: one profiled step each."""
+    for rows, seq in BATCHES[args.shape]:
+        step = make_step(rows, seq)
+        seconds, peak = _time_steps(step, dev, args.warmup, args.steps)
+        emit(
+            rows=rows,
+            seq=seq,
+            seconds=seconds,
+            peak=peak,
+            params=params,
+            backend=backend,
+            grad_norm=grad_norm(),
+        )
+        if args.profile_dir:
+            _profile(step, dev, os.path.join(args.profile_dir, f"{row}_{rows}x{seq}.txt"))
+
+
 def _init_dist(dev) -> None:
     import torch
     import torch.distributed as dist
@@ -233,7 +252,6 @@ def row_megatron_train(args, dev, emit) -> None:
     from posttrain_megatron import engine, weights
     from posttrain_megatron.model_builder import attention_backend
 
-    batches = BATCHES[args.shape]
     worker = _megatron_worker(args, dev)
     params = sum(p.numel() for m in worker.model for p in m.parameters())
     backend = attention_backend(worker.config.attention_backend)
@@ -241,6 +259,7 @@ def row_megatron_train(args, dev, emit) -> None:
     vocab = SHAPES[args.shape]["vocab_size"]
 
     def make_step(rows: int, seq: int):
+        worker.config = attrs.evolve(worker.config, micro_batch_size=rows)  # one micro-batch
         batch = _rl_batch(random_tokens(rows, seq, vocab).tolist(), vocab)
 
         def step():
@@ -249,21 +268,16 @@ def row_megatron_train(args, dev, emit) -> None:
         return step
 
     last: dict = {}
-    for rows, seq in batches:
-        worker.config = attrs.evolve(worker.config, micro_batch_size=rows)  # one micro-batch
-        step = make_step(rows, seq)
-        seconds, peak = _time_steps(step, dev, args.warmup, args.steps)
-        emit(
-            rows=rows,
-            seq=seq,
-            seconds=seconds,
-            peak=peak,
-            params=params,
-            backend=backend,
-            grad_norm=last.get("actor/grad_norm"),
-        )
-        if args.profile_dir:
-            _profile(step, dev, os.path.join(args.profile_dir, f"megatron_train_{rows}x{seq}.txt"))
+    _time_shapes(
+        args,
+        dev,
+        emit,
+        "megatron_train",
+        make_step,
+        backend,
+        params,
+        lambda: last.get("actor/grad_norm"),
+    )
 
     # Export every weight in buckets (collective gathers, copies to host memory).
     passes = []
@@ -431,20 +445,9 @@ def row_megatron_local(args, dev, emit) -> None:
         return step
 
     last: dict = {}
-    for rows, seq in BATCHES[args.shape]:
-        step = make_step(rows, seq)
-        seconds, peak = _time_steps(step, dev, args.warmup, args.steps)
-        emit(
-            rows=rows,
-            seq=seq,
-            seconds=seconds,
-            peak=peak,
-            params=params,
-            backend="local",
-            grad_norm=last.get("grad_norm"),
-        )
-        if args.profile_dir:
-            _profile(step, dev, os.path.join(args.profile_dir, f"megatron_local_{rows}x{seq}.txt"))
+    _time_shapes(
+        args, dev, emit, "megatron_local", make_step, "local", params, lambda: last.get("grad_norm")
+    )
     ps.destroy_model_parallel()
 
 
@@ -474,20 +477,9 @@ def row_transformers(args, dev, emit) -> None:
         return step
 
     last: dict = {}
-    for rows, seq in BATCHES[args.shape]:
-        step = make_step(rows, seq)
-        seconds, peak = _time_steps(step, dev, args.warmup, args.steps)
-        emit(
-            rows=rows,
-            seq=seq,
-            seconds=seconds,
-            peak=peak,
-            params=params,
-            backend="sdpa",
-            grad_norm=float(last["grad_norm"]),
-        )
-        if args.profile_dir:
-            _profile(step, dev, os.path.join(args.profile_dir, f"transformers_{rows}x{seq}.txt"))
+    _time_shapes(
+        args, dev, emit, "transformers", make_step, "sdpa", params, lambda: float(last["grad_norm"])
+    )
 
 
 ROW_FUNCS = {
