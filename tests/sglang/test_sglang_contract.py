@@ -6,7 +6,6 @@ from __future__ import annotations
 import os
 
 import pytest
-from sglang_groups import group_spec
 
 from posttrain.config.sections import GeneratingArgs
 from posttrain.protocol import GenerationRequest, SamplingParams
@@ -17,6 +16,7 @@ from posttrain.testing.contract import (
     reference_logprobs,
     samples_batch,
 )
+from posttrain.testing.groups import group_spec
 
 # Stop strings need the engine's tokenizer, which SGLang loads when the role's generating_args
 # name some: the class's engine does, so the kit also runs on an engine with a tokenizer (the
@@ -48,7 +48,7 @@ class TestSGLangContract(StrategyContract):
                     "actor_infer",
                     tiny_model_path,
                     run_dir,
-                    GeneratingArgs(stop_strings=list(STOP)),
+                    generating=GeneratingArgs(stop_strings=list(STOP)),
                 )
             )
         finally:

@@ -12,7 +12,6 @@ import signal
 import time
 
 import pytest
-from sglang_groups import descendants, engine_processes, group_spec
 
 from posttrain.errors import WorkerError
 from posttrain.launcher.local import LocalLauncher
@@ -23,6 +22,7 @@ from posttrain.testing.contract import (
     reference_logprobs,
     samples_batch,
 )
+from posttrain.testing.groups import descendants, engine_processes, group_spec
 from posttrain.weight_sync.transport import RANK_SIDE, BroadcastTransport
 
 pytest.importorskip("posttrain_fsdp")

@@ -15,7 +15,6 @@ import importlib.util
 import time
 
 import pytest
-from sglang_groups import descendants, engine_processes, group_spec
 
 from posttrain.launcher.local import LocalLauncher
 from posttrain.protocol import (
@@ -30,6 +29,7 @@ from posttrain.testing.contract import (
     samples_batch,
     synthetic_train_batch,
 )
+from posttrain.testing.groups import descendants, engine_processes, group_spec
 
 pytest.importorskip("posttrain_fsdp")
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]

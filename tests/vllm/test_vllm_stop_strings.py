@@ -7,18 +7,12 @@ from collections import Counter
 
 import pytest
 
-from posttrain.config.converter import CONVERTER
 from posttrain.config.sections import (
-    AlgorithmConfig,
     GeneratingArgs,
     ModelArgs,
-    RoleConfig,
-    StrategyArgs,
 )
 from posttrain.errors import UserError
-from posttrain.launcher.base import GroupSpec
 from posttrain.launcher.local import LocalLauncher
-from posttrain.plugin_host import create_plugin_host
 from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
 from posttrain.testing.contract import (
     PROMPTS,
@@ -27,24 +21,19 @@ from posttrain.testing.contract import (
     reference_logprobs,
     samples_batch,
 )
+from posttrain.testing.groups import group_spec
 
 
 def _vllm_spec(model_path, tmp_path, stop_strings):
-    config = CONVERTER.structure({}, create_plugin_host().strategies()["vllm"].config_class)
-    return GroupSpec(
-        role="actor_infer",
-        config=RoleConfig(
-            strategy_args=StrategyArgs(strategy_name="vllm", strategy_config=config),
-            device_mapping=(0,),
-            model_args=ModelArgs(model_name_or_path=model_path),
-            generating_args=GeneratingArgs(stop_strings=stop_strings),
-        ),
-        algorithm=AlgorithmConfig(),
-        seed=1234,
-        run_dir=str(tmp_path / "run"),
-        base_dir=str(tmp_path),
-        device="cpu",
-        threads=1,
+    return group_spec(
+        "vllm",
+        {},
+        1,
+        "actor_infer",
+        model_path,
+        tmp_path / "run",
+        base_dir=tmp_path,
+        generating=GeneratingArgs(stop_strings=stop_strings),
     )
 
 

@@ -12,18 +12,7 @@ import time
 
 import pytest
 
-from posttrain.config.converter import CONVERTER
-from posttrain.config.sections import (
-    AlgorithmConfig,
-    GeneratingArgs,
-    ModelArgs,
-    RoleConfig,
-    StrategyArgs,
-    TrainingArgs,
-)
-from posttrain.launcher.base import GroupSpec
 from posttrain.launcher.local import LocalLauncher
-from posttrain.plugin_host import create_plugin_host
 from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
 from posttrain.testing.contract import (
     PROMPTS,
@@ -31,6 +20,7 @@ from posttrain.testing.contract import (
     samples_batch,
     synthetic_train_batch,
 )
+from posttrain.testing.groups import descendants, engine_processes, group_spec
 
 pytest.importorskip("posttrain_fsdp")
 
@@ -38,59 +28,9 @@ TOLERANCE = 1e-4
 
 
 def _spec(strategy, raw, ranks, role, model_path, tmp_path, env=None):
-    config = CONVERTER.structure(raw, create_plugin_host().strategies()[strategy].config_class)
-    return GroupSpec(
-        role=role,
-        config=RoleConfig(
-            strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
-            device_mapping=tuple(range(ranks)),
-            model_args=ModelArgs(model_name_or_path=model_path),
-            training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0),
-            generating_args=GeneratingArgs(),
-        ),
-        algorithm=AlgorithmConfig(),
-        seed=1234,
-        run_dir=str(tmp_path / "run"),
-        base_dir=str(tmp_path),
-        device="cpu",
-        threads=1,
-        env=env or {},
+    return group_spec(
+        strategy, raw, ranks, role, model_path, tmp_path / "run", base_dir=tmp_path, env=env
     )
-
-
-def _descendants() -> set[int]:
-    """Process ids below this one (from /proc, no psutil needed)."""
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(ppid, []).append(int(entry))
-    out, todo = set(), [os.getpid()]
-    while todo:
-        for child in children.get(todo.pop(), []):
-            out.add(child)
-            todo.append(child)
-    return out
-
-
-def _engine_processes() -> set[int]:
-    """Descendants that are not multiprocessing's own helpers (the resource tracker that the
-    first spawn starts lives as long as this process)."""
-    out = set()
-    for pid in _descendants():
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                cmd = f.read()
-        except OSError:
-            continue
-        if b"resource_tracker" not in cmd and b"forkserver" not in cmd:
-            out.add(pid)
-    return out
 
 
 def _shm_entries() -> set[str]:
@@ -124,7 +64,7 @@ def test_sync_then_vllm_logprobs_match_trainer(
 ):
     from posttrain.weight_sync.transport import SharedMemoryTransport
 
-    before_procs, before_shm = _engine_processes(), _shm_entries()
+    before_procs, before_shm = descendants(), _shm_entries()
     launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=180)
     try:
         trainer = launcher.start_group(
@@ -169,9 +109,9 @@ def test_sync_then_vllm_logprobs_match_trainer(
     finally:
         launcher.shutdown()
     deadline = time.monotonic() + 20
-    while _engine_processes() - before_procs and time.monotonic() < deadline:
+    while engine_processes(before_procs) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not _engine_processes() - before_procs, "leaked processes"
+    assert not engine_processes(before_procs), "leaked processes"
     assert _shm_entries() == before_shm, "leaked tmpfs files"
     log = (tmp_path / "run" / "logs" / "actor_infer.rank0.log").read_text()
     assert log.count("vLLM has no sleep mode on CPU") == 1

@@ -1,8 +1,15 @@
-"""Worker groups of real engines for the SGLang tests (fsdp2_train trainers, sglang rollouts)."""
+"""Worker groups and engine processes for backend tests that drive real engines by hand.
+
+:func:`group_spec` builds the :class:`GroupSpec` a :class:`LocalLauncher` starts (one role on CPU
+ranks, strategy_config structured by the strategy's own class); :func:`engine_processes` lists the
+processes started under the test since a :func:`descendants` snapshot, so a test can assert that
+an engine's shutdown left nothing behind.
+"""
 
 from __future__ import annotations
 
 import os
+from typing import Any
 
 from posttrain.config.converter import CONVERTER
 from posttrain.config.sections import (
@@ -16,8 +23,23 @@ from posttrain.config.sections import (
 from posttrain.launcher.base import GroupSpec
 from posttrain.plugin_host import create_plugin_host
 
+# multiprocessing's helpers: started by the first spawn, they live as long as the test process.
+_HELPERS = (b"resource_tracker", b"forkserver")
 
-def group_spec(strategy, raw, ranks, role, model_path, run_dir, generating=None) -> GroupSpec:
+
+def group_spec(
+    strategy: str,
+    raw: dict[str, Any],
+    ranks: int,
+    role: str,
+    model_path: str,
+    run_dir,
+    *,
+    base_dir=None,
+    generating: GeneratingArgs | None = None,
+    env: dict[str, str] | None = None,
+) -> GroupSpec:
+    """``role`` on CPU ranks ``0 .. ranks-1`` running ``strategy`` with config ``raw``."""
     config = CONVERTER.structure(raw, create_plugin_host().strategies()[strategy].config_class)
     return GroupSpec(
         role=role,
@@ -31,9 +53,10 @@ def group_spec(strategy, raw, ranks, role, model_path, run_dir, generating=None)
         algorithm=AlgorithmConfig(),
         seed=1234,
         run_dir=str(run_dir),
-        base_dir=str(run_dir),
+        base_dir=str(base_dir if base_dir is not None else run_dir),
         device="cpu",
         threads=1,
+        env=env or {},
     )
 
 
@@ -47,7 +70,7 @@ def descendants(pid: int | None = None) -> set[int]:
             with open(f"/proc/{entry}/stat") as f:
                 ppid = int(f.read().rsplit(")", 1)[1].split()[1])
         except (OSError, IndexError, ValueError):
-            continue
+            continue  # gone meanwhile, or not a process entry
         children.setdefault(ppid, []).append(int(entry))
     out, todo = set(), [pid or os.getpid()]
     while todo:
@@ -58,15 +81,14 @@ def descendants(pid: int | None = None) -> set[int]:
 
 
 def engine_processes(before: set[int]) -> set[int]:
-    """Descendants started since ``before`` that are not multiprocessing's resource tracker
-    (which the first spawn starts and which lives as long as this process)."""
+    """Descendants started since the ``before`` snapshot, multiprocessing's helpers left out."""
     out = set()
     for pid in descendants() - before:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"resource_tracker" in f.read():
-                    continue
+                cmd = f.read()
         except OSError:
             continue  # gone meanwhile
-        out.add(pid)
+        if not any(helper in cmd for helper in _HELPERS):
+            out.add(pid)
     return out
