@@ -18,10 +18,22 @@ class PluginError(UserError):
 class WorkerError(PosttrainError):
     """A worker rank raised; carries the role, the rank and the remote traceback."""
 
-    def __init__(self, role: str, rank: int, message: str, remote_traceback: str = ""):
-        super().__init__(f"{role} rank {rank}: {message}")
+    def __init__(
+        self,
+        role: str,
+        rank: int,
+        message: str,
+        remote_traceback: str = "",
+        roles: tuple[str, ...] = (),
+    ):
+        # ``roles``: every role hosted by the failed rank's process (hybrid engine); a dead
+        # process takes all of them down, so the message names them all.
+        shared = f" (its process also hosted {', '.join(r for r in roles if r != role)})"
+        where = shared if len(roles) > 1 else ""
+        super().__init__(f"{role} rank {rank}{where}: {message}")
         self.role = role
         self.rank = rank
+        self.roles = roles or (role,)
         self.remote_traceback = remote_traceback
 
 

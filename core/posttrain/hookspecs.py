@@ -114,6 +114,24 @@ def posttrain_environment_checks() -> list[EnvCheck]:
     """
 
 
+@hookspec(firstresult=True)
+def posttrain_plan_processes(
+    workflow: Workflow, strategies: dict[str, StrategySpec]
+) -> list[tuple[str, ...]] | None:
+    """Decide which roles share one set of rank processes (the hybrid engine).
+
+    Called on the driver by ``posttrain run`` before any process starts (and by ``posttrain
+    validate``, to show the layout). Return a list of role-name tuples covering every role of
+    the workflow once; the roles of one tuple are hosted by the same rank processes, each rank
+    holding one :class:`~posttrain.worker.WorkerContext` per role, so they must have the same
+    ``device_mapping``. The core's trylast implementation groups roles with equal device
+    mappings whose strategies all declare ``Capabilities.shares_process`` (unless
+    ``cluster.colocation`` is ``separate``). A strategy plugin whose strategies cannot share a
+    process in some configurations wraps this hook (``wrapper=True``) and splits the tuples.
+    firstresult.
+    """
+
+
 # --------------------------------------------------------------------------------------------
 # Worker lifecycle (worker processes; firstresult, answered by the strategy's owner)
 # --------------------------------------------------------------------------------------------
@@ -176,13 +194,20 @@ def posttrain_train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn: A
 
 @hookspec(firstresult=True)
 def posttrain_export_weights(
-    worker: WorkerContext, bucket_bytes: int
+    worker: WorkerContext, bucket_bytes: int, in_process: bool
 ) -> Iterator[WeightBucket] | None:
     """Yield the trainer's weights as buckets of HF-named full tensors.
 
     Called on every rank of the trainer group at the same time (the gather is collective).
-    Ranks that do not hold the gathered result yield empty buckets, in the same number.
     A bucket never splits a fused group (q/k/v, gate/up of one layer). firstresult.
+
+    * ``in_process=False``: the buckets leave the process (shared memory, a broadcast). The
+      rank that holds the gathered result (rank 0) yields host (CPU) tensors in the export
+      dtype; the other ranks yield empty buckets, in the same number.
+    * ``in_process=True``: the rollout role lives in this same process (hybrid engine) and
+      loads each bucket before the next one is asked for. *Every* rank yields the full tensors,
+      gathered over the trainer's own process groups and left on its device in the export
+      dtype, with no host copy (a tensor may be a view of a live parameter).
     """
 
 
@@ -190,8 +215,11 @@ def posttrain_export_weights(
 def posttrain_import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bool | None:
     """Load HF-named tensors into the rollout engine, then flush its caches.
 
-    Called on every rank of the rollout group with every bucket of one sync. Return True when
-    done. firstresult: return None for strategies you do not own.
+    Called on every rank of the rollout group with every bucket of one sync. ``buckets`` may be
+    a generator that exports the next bucket as it is consumed (the ``in_process`` transport
+    streams device tensors this way): load each bucket before taking the next, and keep no
+    reference to its tensors. Return True when done. firstresult: return None for strategies
+    you do not own.
     """
 
 
@@ -223,7 +251,9 @@ def posttrain_select_weight_transport(source: Any, target: Any, colocated: bool)
     """Pick the transport for a trainer -> rollout weight sync.
 
     Called on the driver once per (source, target) pair. ``source`` and ``target`` are the
-    worker groups. The core's trylast implementation picks ``shared_memory`` when colocated and
+    worker groups; ``source.shares_processes_with(target)`` tells whether both roles live in
+    the same rank processes. The core's trylast implementation picks ``in_process`` for roles in
+    the same processes, ``shared_memory`` for separate processes on the same devices and
     ``broadcast`` otherwise. Return a name declared through ``posttrain_add_weight_transports``.
     """
 

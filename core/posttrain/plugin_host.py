@@ -27,6 +27,7 @@ BUILTIN_PLUGINS = (
     "posttrain.builtin.plotting",
     "posttrain.builtin.checks",
     "posttrain.builtin.sync",
+    "posttrain.builtin.placement",
 )
 
 

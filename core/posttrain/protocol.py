@@ -151,9 +151,14 @@ def concat_tensor_rows(parts: list[torch.Tensor]) -> torch.Tensor:
 
 
 def build_sequence_batch(
-    prompt_ids: list[list[int]], response_ids: list[list[int]], pad_token_id: int
+    prompt_ids: list[list[int]],
+    response_ids: list[list[int]],
+    pad_token_id: int,
+    response_logprobs: list[list[float]] | None = None,
 ) -> SequenceBatch:
-    """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`."""
+    """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`; with
+    ``response_logprobs`` (the rollout's), also ``rollout_logprobs`` laid out like
+    ``posttrain_compute_logprobs``'s answer (position t holds the log-prob of token t)."""
     import torch
 
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
@@ -166,9 +171,17 @@ def build_sequence_batch(
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, : len(p) + len(r)] = 1
         response_mask[i, len(p) : len(p) + len(r)] = 1.0
-    return SequenceBatch(
-        {"input_ids": input_ids, "attention_mask": attention_mask, "response_mask": response_mask}
-    )
+    tensors = {
+        "input_ids": input_ids,
+        "attention_mask": attention_mask,
+        "response_mask": response_mask,
+    }
+    if response_logprobs is not None:
+        rollout = torch.zeros((batch, width), dtype=torch.float32)
+        for i, (p, lps) in enumerate(zip(prompt_ids, response_logprobs)):
+            rollout[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
+        tensors["rollout_logprobs"] = rollout
+    return SequenceBatch(tensors)
 
 
 @attrs.define

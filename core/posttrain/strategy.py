@@ -17,6 +17,11 @@ class Capabilities:
     parallel_dims: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
     colocation: bool = True
+    # Can live in one process beside other roles' strategies (hybrid engine): its worker state
+    # stays in ``worker.state`` / ``worker.model`` and it tolerates a default process group that
+    # another role of the same ranks already made. Off by default: a strategy that owns
+    # process-wide state must say it is safe.
+    shares_process: bool = False
     import_transports: tuple[str, ...] = ()  # for rollout: transports it can import through
     exports_hf_weights: bool = False  # for trainers: can feed weight sync
     computes_logprobs: bool = True

@@ -56,10 +56,15 @@ class NoImplementationError(PosttrainError):
 
 
 class WorkerRuntime:
-    """The methods a launcher invokes on a rank; each one calls the strategy's hook."""
+    """The methods a launcher invokes on a rank; each one calls the strategy's hook.
 
-    def __init__(self, ctx: WorkerContext):
+    ``peers`` maps every role hosted by this rank's process to its runtime (this one included):
+    rank-side code such as the in-process weight transport reaches the other roles through it.
+    """
+
+    def __init__(self, ctx: WorkerContext, peers: dict[str, WorkerRuntime] | None = None):
         self.ctx = ctx
+        self.peers = peers if peers is not None else {ctx.role: self}
         self._export: Iterator | None = None
 
     def _call(self, hook_name: str, **kwargs: Any) -> Any:
@@ -89,8 +94,14 @@ class WorkerRuntime:
             "posttrain_train_step", batch=batch, loss_fn=PolicyLoss(self.ctx.algorithm)
         )
 
+    def export_weights(self, bucket_bytes: int, in_process: bool):
+        """The export hook's bucket iterator (see ``posttrain_export_weights``)."""
+        return iter(
+            self._call("posttrain_export_weights", bucket_bytes=bucket_bytes, in_process=in_process)
+        )
+
     def export_begin(self, bucket_bytes: int) -> None:
-        self._export = iter(self._call("posttrain_export_weights", bucket_bytes=bucket_bytes))
+        self._export = self.export_weights(bucket_bytes, in_process=False)
 
     def export_next(self):
         """The next bucket (empty on ranks that do not hold the gathered weights) or None."""

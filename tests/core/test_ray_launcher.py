@@ -1,5 +1,6 @@
 """The ray launcher: partial overlap refused by validate (without importing Ray), placement of
-colocated roles on shared bundles, rank environment, logs, and errors naming role/rank/node."""
+colocated roles on shared bundles, one actor hosting two roles (hybrid engine), rank
+environment, logs, and errors naming role/rank/node and every role of a dead actor."""
 
 from __future__ import annotations
 
@@ -76,10 +77,13 @@ def ray_setup(posttrain_cache, tmp_path_factory):
         "cluster.runtime_env": {
             "env_vars": {"PT_TEST_VAR": 7, "PYTHONPATH": str(Path(__file__).parent)}
         },
+        "actor_infer.device_mapping": [0],
+        "reference.device_mapping": [0],
     }
     workflow, report = load_workflow(str(QUICKSTART), host, overrides)
     assert workflow is not None, report
-    launcher = RayLauncher(workflow.cluster, workflow.roles(), "cpu")
+    plan = [("actor_train",), ("actor_infer", "reference")]
+    launcher = RayLauncher(workflow.cluster, workflow.roles(), "cpu", plan)
     yield workflow, launcher, tmp_path_factory.mktemp("ray-run")
     launcher.shutdown()
 
@@ -88,13 +92,13 @@ def ray_setup(posttrain_cache, tmp_path_factory):
 @pytest.mark.timeout(300)
 def test_colocated_roles_share_bundles(ray_setup):
     _, launcher, _ = ray_setup
-    train, infer, ref = (
-        launcher.placements[n] for n in ("actor_train", "actor_infer", "reference")
-    )
-    assert train.pg is infer.pg is ref.pg
-    assert (train.bundles, infer.bundles, ref.bundles) == ([0, 1], [0], [1])
-    # 2 CPUs, 2 bundles: half the CPUs in bundles, each bundle split between its 2 ranks.
-    assert train.cpus == infer.cpus + ref.cpus == [0.25, 0.25]
+    train = launcher.placements[("actor_train",)]
+    shared = launcher.placements[("actor_infer", "reference")]
+    assert train.pg is shared.pg
+    assert (train.bundles, shared.bundles) == ([0, 1], [0])
+    # 2 CPUs, 2 bundles: half the CPUs in bundles; bundle 0 split between its 2 actors (the
+    # two roles of the shared actor count once), bundle 1 all actor_train's.
+    assert train.cpus == [0.125, 0.25] and shared.cpus == [0.125]
     assert train.gpus == [0, 0]
 
 
@@ -104,9 +108,15 @@ def test_group_env_logs_and_errors(ray_setup):
     from posttrain.trainer.run import group_spec
 
     workflow, launcher, run_dir = ray_setup
-    role = workflow.actor_infer
-    group = launcher.start_group(group_spec(workflow, "actor_infer", role, str(run_dir), "cpu"))
-    assert group.call("ping")
+    groups = launcher.start_processes(
+        [
+            group_spec(workflow, name, getattr(workflow, name), str(run_dir), "cpu")
+            for name in ("actor_infer", "reference")
+        ]
+    )
+    group, other = groups["actor_infer"], groups["reference"]
+    assert group.shares_processes_with(other)
+    assert group.call("ping") == other.call("ping") == ["pong"]
     env = group.call("run_function", "ray_rank_helpers:rank_env")[0]
     assert env["MASTER_ADDR"] == group.master_address() != ""
     assert (env["RANK"], env["WORLD_SIZE"], env["LOCAL_RANK"], env["PT_TEST_VAR"]) == (
@@ -115,13 +125,14 @@ def test_group_env_logs_and_errors(ray_setup):
         "0",
         "7",
     )
-    log = run_dir / "logs" / "actor_infer.rank0.log"
+    log = run_dir / "logs" / "actor_infer+reference.rank0.log"
     assert "rank_env called on rank 0" in log.read_text()
 
     with pytest.raises(WorkerError) as raised:
         group.call("run_function", "ray_rank_helpers:boom")
     text = f"{raised.value}\n{raised.value.remote_traceback}"
-    assert f"actor_infer rank 0: ValueError: boom (node {group.master_address()})" in text
+    shared = "actor_infer rank 0 (its process also hosted reference)"
+    assert f"{shared}: ValueError: boom (node {group.master_address()})" in text
     assert "last lines of" in text and "about to fail" in text
 
     start = time.monotonic()
@@ -129,7 +140,7 @@ def test_group_env_logs_and_errors(ray_setup):
         group.call("run_function", "ray_rank_helpers:die")
     assert time.monotonic() - start < 30
     text = f"{raised.value}\n{raised.value.remote_traceback}"
-    assert "actor_infer rank 0: worker actor died during run_function (node " in text
+    assert f"{shared}: worker actor died during run_function (node " in text
     assert "about to exit" in text
     group.shutdown()
     group.shutdown()  # idempotent

@@ -1,5 +1,6 @@
 """The broadcast transport hands a rollout rank's place to an engine that receives itself
-(``posttrain_weight_receiver``): the rank-side functions call the receiver, not torch."""
+(``posttrain_weight_receiver``): the rank-side functions call the receiver, not torch, and the
+rank reads each bucket's metadata from the sync group's store (streaming, no driver call)."""
 
 from __future__ import annotations
 
@@ -36,15 +37,33 @@ def _runtime(receiver):
 
 
 def test_receiver_takes_the_rank_s_place_in_the_group():
+    import pickle
+    import socket
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    # The test plays trainer rank 0: it hosts the group's store and publishes the metadata.
+    master = dist.TCPStore(
+        "127.0.0.1", port, 2, True, timedelta(seconds=10), wait_for_workers=False
+    )
     receiver = RecordingReceiver()
     runtime, asked = _runtime(receiver)
     meta = [("model.norm.weight", (4,), "float32", 16)]
-    assert rank_side.join_sync_group(runtime, "10.0.0.1", 1234, 2, 3, 5.0, "g_1234")
-    assert rank_side.receive_and_import(runtime, meta)
+    assert rank_side.join_sync_group(runtime, "127.0.0.1", port, 2, 3, 5.0, "g_1234")
+    published = dist.PrefixStore(rank_side.META_PREFIX, master)
+    published.set("1/0", pickle.dumps(meta))
+    published.set("1/1", pickle.dumps(None))  # the end of sync round 1
+    assert rank_side.stream_receive(runtime) == {"bytes": 16, "buckets": 1}
+    assert rank_side.receive_and_import(runtime, meta)  # the per-bucket path
     assert rank_side.leave_sync_group(runtime)
     assert asked == [runtime.ctx]
     assert receiver.calls == [
-        ("join", "10.0.0.1", 1234, 2, 3, "g_1234", 5.0),
+        ("join", "127.0.0.1", port, 2, 3, "g_1234", 5.0),
+        ("receive", meta, "g_1234"),
         ("receive", meta, "g_1234"),
         ("leave", "g_1234"),
     ]

@@ -1,4 +1,5 @@
-"""Weight transports between real local worker groups, and how worker failures surface.
+"""Weight transports between real local worker groups (separate processes, and roles sharing
+processes: the hybrid engine), and how worker failures surface.
 
 The source is ``contract_fake_export`` (tests/core/export_source_plugin.py, a FAKE trainer that
 exports a seeded perturbation of the tiny model); the target is ``hf_infer`` with two ranks.
@@ -25,7 +26,11 @@ from posttrain.launcher.base import GroupSpec
 from posttrain.launcher.local import LocalLauncher
 from posttrain.protocol import WeightBucket, bucketize
 from posttrain.testing.contract import reference_logprobs, synthetic_train_batch
-from posttrain.weight_sync.transport import BroadcastTransport, SharedMemoryTransport
+from posttrain.weight_sync.transport import (
+    BroadcastTransport,
+    InProcessTransport,
+    SharedMemoryTransport,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 
@@ -128,6 +133,55 @@ def _sync_and_check(transport, groups, plugin_module, local_model, tiny_model_pa
     stats = transport.run(source, target)
     assert stats == expected
     _check_target(target, tiny_model_path, state)
+    return stats
+
+
+@pytest.fixture(scope="module")
+def shared_groups(tiny_model_path, tmp_path_factory, plugin_module):
+    """(source, target) of 2 ranks each, hosted by the same 2 rank processes."""
+    run_dir = tmp_path_factory.mktemp("in-process")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("PYTHONPATH", os.pathsep.join(filter(None, [HERE, os.environ.get("PYTHONPATH")])))
+        launcher = LocalLauncher(call_timeout_s=120, start_timeout_s=180)
+        try:
+            groups = launcher.start_processes(
+                [
+                    _spec(
+                        "actor_train",
+                        plugin_module.STRATEGY,
+                        plugin_module.ContractFakeExportConfig(scale=SCALE),
+                        2,
+                        tiny_model_path,
+                        run_dir,
+                        plugins=("export_source_plugin",),
+                    ),
+                    _spec("actor_infer", "hf_infer", HFInferConfig(), 2, tiny_model_path, run_dir),
+                ]
+            )
+            yield launcher, groups["actor_train"], groups["actor_infer"]
+        finally:
+            launcher.shutdown()
+
+
+def test_in_process_transport_is_one_call_per_rank(
+    shared_groups, plugin_module, local_model, tiny_model_path
+):
+    launcher, source, target = shared_groups
+    assert source.shares_processes_with(target)
+    assert source.procs == target.procs and len(source.procs) == 2
+    transport = InProcessTransport(bucket_bytes=BUCKET_BYTES)
+    for seed in (300, 301):  # a second sync must be observable too
+        source.call("run_function", "export_source_plugin:set_export_seed", seed)
+        state, expected = _expected(plugin_module, local_model, seed)
+        calls = launcher.driver_calls()
+        assert transport.run(source, target) == expected
+        assert launcher.driver_calls() - calls == 2  # one call, on each of the 2 processes
+        _check_target(target, tiny_model_path, state)
+
+
+def test_in_process_transport_refuses_groups_in_other_processes(groups):
+    with pytest.raises(ValueError, match="same processes"):
+        InProcessTransport(bucket_bytes=BUCKET_BYTES).run(*groups)
 
 
 @pytest.mark.parametrize("transport_cls", [SharedMemoryTransport, BroadcastTransport])
@@ -194,5 +248,25 @@ def test_killed_rank_fails_the_next_call_quickly(tiny_model_path, tmp_path):
         assert time.monotonic() - start < 15
         assert err.value.role == "actor_infer" and err.value.rank == 0
         assert "exited" in str(err.value)
+    finally:
+        launcher.shutdown()
+
+
+def test_dead_shared_process_names_every_role_it_hosted(tiny_model_path, tmp_path):
+    launcher = LocalLauncher(call_timeout_s=120, start_timeout_s=180)
+    try:
+        specs = [
+            _spec(role, "hf_infer", HFInferConfig(), 1, tiny_model_path, tmp_path)
+            for role in ("actor_infer", "reference")
+        ]
+        groups = launcher.start_processes(specs)
+        assert (tmp_path / "logs" / "actor_infer+reference.rank0.log").exists()
+        groups["reference"].procs[0].kill()
+        with pytest.raises(WorkerError) as err:
+            groups["actor_infer"].call("compute_logprobs", synthetic_train_batch())
+        assert err.value.roles == ("actor_infer", "reference")
+        assert str(err.value).startswith(
+            "actor_infer rank 0 (its process also hosted reference): worker process exited"
+        )
     finally:
         launcher.shutdown()

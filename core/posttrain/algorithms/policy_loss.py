@@ -4,7 +4,8 @@ Backends call ``PolicyLoss(algorithm)(logprobs, entropy, micro_batch)`` for each
 call ``backward()`` on the returned loss. The loss is this micro-batch's share of the *global*
 aggregate (over all micro-batches and data-parallel ranks), multiplied by the DP size so that
 data-parallel gradient averaging yields the global gradient: 1 rank and N ranks train alike.
-Metrics are shares of global means too, so summing them over micro-batches and ranks gives means.
+Metrics are shares of global means too, so summing them over micro-batches and ranks gives means
+(``_max`` keys are maxima: :mod:`posttrain.metrics`).
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ class PolicyLoss:
             metrics["actor/entropy"] = share(entropy)
         if kl is not None:
             metrics["actor/kl_loss"] = share(kl)
+        if meta.get("measure_rollout_mismatch"):
+            # Old log-probs are the rollout's and the policy has not moved yet: the difference
+            # is the rollout engine's disagreement with the trainer (sync bugs, dtypes).
+            diff = (logprobs.detach() - old).abs() * mask
+            metrics["rollout/logprob_diff_mean"] = share(diff)
+            metrics["rollout/logprob_diff_max"] = float(diff.max()) if diff.numel() else 0.0
         return loss, metrics
 
 

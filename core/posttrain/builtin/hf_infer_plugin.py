@@ -37,8 +37,9 @@ class HFInferPlugin(EngineHooks):
                 config_class=HFInferConfig,
                 capabilities=Capabilities(
                     kind="rollout",
-                    import_transports=("shared_memory", "broadcast"),
+                    import_transports=("in_process", "shared_memory", "broadcast"),
                     stop_strings=True,
+                    shares_process=True,
                 ),
                 description="generation and log-probs with plain transformers (reference backend)",
             )

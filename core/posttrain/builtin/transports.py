@@ -5,12 +5,23 @@ from posttrain import hookimpl
 
 @hookimpl(trylast=True)
 def posttrain_add_weight_transports():
-    from posttrain.weight_sync.transport import BroadcastTransport, SharedMemoryTransport
+    from posttrain.weight_sync.transport import (
+        BroadcastTransport,
+        InProcessTransport,
+        SharedMemoryTransport,
+    )
 
-    return {"shared_memory": SharedMemoryTransport, "broadcast": BroadcastTransport}
+    return {
+        "in_process": InProcessTransport,
+        "shared_memory": SharedMemoryTransport,
+        "broadcast": BroadcastTransport,
+    }
 
 
 @hookimpl(trylast=True)
 def posttrain_select_weight_transport(source, target, colocated):
-    # Colocated ranks share a host and its memory; otherwise a collective moves the weights.
+    # Roles in the same processes hand device tensors over; separate processes on the same
+    # devices share the host's memory; otherwise a collective streams the weights.
+    if source.shares_processes_with(target):
+        return "in_process"
     return "shared_memory" if colocated else "broadcast"

@@ -127,6 +127,17 @@ class AlgorithmConfig:
     entropy_coef: float = 0.0
     ppo_epochs: int = 1
     num_mini_batches: int = 1
+    # Where the old-policy log-probs of the ratio come from. "rollout": the rollout engine's
+    # log-probs of the sampled tokens (no extra forward pass); "recompute": a trainer forward
+    # pass before the update. "auto" is "rollout" when the update is on-policy (one PPO epoch,
+    # one mini-batch: the policy that sampled is the policy being updated), else "recompute".
+    old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+
+    def old_logprobs_source(self) -> str:
+        if self.old_logprobs != "auto":
+            return self.old_logprobs
+        on_policy = self.ppo_epochs == 1 and self.num_mini_batches == 1
+        return "rollout" if on_policy else "recompute"
 
 
 @attrs.frozen(kw_only=True)
@@ -159,6 +170,9 @@ class TrainerConfig:
 class ClusterConfig:
     launcher: Literal["local", "ray"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
+    # "auto": roles with the same device_mapping share one set of rank processes (hybrid engine)
+    # when their strategies can live beside others; "separate": one set of processes per role.
+    colocation: Literal["auto", "separate"] = "auto"
     address: str | None = None
     num_cpus: int | None = None
     object_store_memory: int | None = None

@@ -34,10 +34,17 @@ class PendingCall(abc.ABC):
 
 
 class WorkerGroup(abc.ABC):
+    """The ranks of one role. Several roles' groups may share one set of rank processes (the
+    hybrid engine): ``processes`` is that set, the same object for every group in it."""
+
     role: str
     world_size: int
     devices: tuple[int, ...]
     parallel: list[dict[str, int]]
+    processes: Any
+
+    def shares_processes_with(self, other: WorkerGroup) -> bool:
+        return self.processes is other.processes
 
     @property
     def dp_size(self) -> int:
@@ -84,15 +91,41 @@ class WorkerGroup(abc.ABC):
 
 class Launcher(abc.ABC):
     @abc.abstractmethod
+    def start_processes(self, specs: list[GroupSpec]) -> dict[str, WorkerGroup]:
+        """Start one set of rank processes hosting every role of ``specs`` (all with the same
+        device mapping), run each role's setup in order (parallel groups, model loading) and
+        return each role's group."""
+
     def start_group(self, spec: GroupSpec) -> WorkerGroup:
-        """Start the ranks of one role and run their setup (parallel groups, model loading)."""
+        """Start the ranks of one role in processes of their own."""
+        return self.start_processes([spec])[spec.role]
 
     @abc.abstractmethod
     def shutdown(self) -> None:
         """Stop every group this launcher started."""
 
-    def rank_log_path(self, run_dir: str, role: str, rank: int) -> str:
-        return os.path.join(run_dir, "logs", f"{role}.rank{rank}.log")
+    @abc.abstractmethod
+    def driver_calls(self) -> int:
+        """How many calls the driver has sent to rank processes so far (one per rank)."""
+
+
+def rank_log_path(run_dir: str, roles: list[str] | tuple[str, ...], rank: int) -> str:
+    """A rank's log: named after every role its process hosts."""
+    return os.path.join(run_dir, "logs", f"{'+'.join(roles)}.rank{rank}.log")
+
+
+def check_same_mapping(specs: list[GroupSpec]) -> None:
+    """Roles hosted by one set of processes are placed rank for rank on the same devices."""
+    first = specs[0].config
+    for spec in specs[1:]:
+        if (spec.config.device_mapping, spec.config.num_ranks) != (
+            first.device_mapping,
+            first.num_ranks,
+        ):
+            raise ValueError(
+                f"roles {specs[0].role} and {spec.role} cannot share rank processes: their "
+                "device mappings or rank counts differ"
+            )
 
 
 def tail(path: str, lines: int = 20) -> str:

@@ -14,58 +14,73 @@ from typing import Any
 
 from posttrain.launcher.base import GroupSpec
 
+START_CALL = -1  # the call id of a rank's start-up answer
+
 
 class RankServer:
-    def __init__(self, spec: GroupSpec, rank: int, world_size: int):
+    """One rank process, hosting one worker context per role of ``specs`` (several roles on the
+    same devices share the process: the hybrid engine)."""
+
+    def __init__(self, specs: list[GroupSpec], rank: int, world_size: int):
         from posttrain.plugin_host import create_plugin_host
         from posttrain.worker import WorkerContext, WorkerRuntime
 
-        if spec.threads:
+        threads = max((s.threads or 0 for s in specs), default=0)
+        if threads:
             import torch
 
-            torch.set_num_threads(spec.threads)
+            torch.set_num_threads(threads)
         host = create_plugin_host()
-        problems = host.load_workflow_plugins(list(spec.plugins))
+        plugins = list(dict.fromkeys(p for spec in specs for p in spec.plugins))
+        problems = host.load_workflow_plugins(plugins)
         if problems:
             raise RuntimeError("; ".join(p[1] for p in problems))
-        role = spec.config
-        device = spec.device
-        if device == "cuda":
-            device = f"cuda:{int(os.environ.get('LOCAL_RANK', '0'))}"
-        ctx = WorkerContext(
-            role=spec.role,
-            strategy_name=role.strategy_args.strategy_name,
-            config=role.strategy_args.strategy_config,
-            model_args=role.model_args,
-            training_args=role.training_args,
-            generating_args=role.generating_args,
-            rank=rank,
-            world_size=world_size,
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-            device=device,
-            seed=spec.seed,
-            run_dir=spec.run_dir,
-            base_dir=spec.base_dir,
-            algorithm=spec.algorithm,
-            hook=host.hook,
-        )
-        if role.infer_batch_size:
-            ctx.state["infer_batch_size"] = role.infer_batch_size
-        self.runtime = WorkerRuntime(ctx)
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.runtimes: dict[str, WorkerRuntime] = {}
+        for spec in specs:
+            role = spec.config
+            device = f"cuda:{local_rank}" if spec.device == "cuda" else spec.device
+            ctx = WorkerContext(
+                role=spec.role,
+                strategy_name=role.strategy_args.strategy_name,
+                config=role.strategy_args.strategy_config,
+                model_args=role.model_args,
+                training_args=role.training_args,
+                generating_args=role.generating_args,
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                device=device,
+                seed=spec.seed,
+                run_dir=spec.run_dir,
+                base_dir=spec.base_dir,
+                algorithm=spec.algorithm,
+                hook=host.hook,
+            )
+            if role.infer_batch_size:
+                ctx.state["infer_batch_size"] = role.infer_batch_size
+            self.runtimes[spec.role] = WorkerRuntime(ctx, peers=self.runtimes)
 
-    def handle(self, method: str, args: tuple, kwargs: dict) -> Any:
+    def handle(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
+        runtime = self.runtimes[role]
         if method == "run_function":
             # Worker-side code of transports and tools: "module:function"(runtime, *args).
             path, *rest = args
             module, _, name = path.partition(":")
-            return getattr(importlib.import_module(module), name)(self.runtime, *rest, **kwargs)
-        return getattr(self.runtime, method)(*args, **kwargs)
+            return getattr(importlib.import_module(module), name)(runtime, *rest, **kwargs)
+        return getattr(runtime, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Shut every hosted role down, the last set up first."""
+        for runtime in reversed(list(self.runtimes.values())):
+            runtime.shutdown()
 
 
 def serve(
-    conn, spec: GroupSpec, rank: int, world_size: int, env: dict[str, str], log_path: str
+    conn, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str], log_path: str
 ) -> None:
-    """Entry point of a local worker process."""
+    """Entry point of a local worker process. Messages are ``(call_id, role, method, args,
+    kwargs)``; answers ``(call_id, status, value, traceback)``, in the order of the calls."""
     os.makedirs(os.path.dirname(log_path), exist_ok=True)
     log = open(log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives as long as the rank)
     os.dup2(log.fileno(), 1)
@@ -75,31 +90,30 @@ def serve(
     import torch.multiprocessing  # noqa: F401  (registers tensor sharing for the pipe)
 
     try:
-        server = RankServer(spec, rank, world_size)
+        server = RankServer(specs, rank, world_size)
     except BaseException as exc:
         traceback.print_exc()
-        conn.send(("error", _describe(exc), traceback.format_exc()))
+        conn.send((START_CALL, "error", _describe(exc), traceback.format_exc()))
         return
-    conn.send(("ok", None, ""))
+    conn.send((START_CALL, "ok", None, ""))
     while True:
         try:
-            message = conn.recv()
+            call_id, role, method, args, kwargs = conn.recv()
         except EOFError:
             break
-        method, args, kwargs = message
         if method == "__stop__":
             try:
-                server.handle("shutdown", (), {})
+                server.shutdown()
             finally:
-                conn.send(("ok", None, ""))
+                conn.send((call_id, "ok", None, ""))
             break
         try:
-            result = server.handle(method, args, kwargs)
+            result = server.handle(role, method, args, kwargs)
         except BaseException as exc:
             traceback.print_exc()
-            conn.send(("error", _describe(exc), traceback.format_exc()))
+            conn.send((call_id, "error", _describe(exc), traceback.format_exc()))
             continue
-        conn.send(("ok", result, ""))
+        conn.send((call_id, "ok", result, ""))
 
 
 def _describe(exc: BaseException) -> str:

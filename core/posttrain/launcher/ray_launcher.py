@@ -3,7 +3,8 @@
 
 Roles whose device mappings overlap share one placement group (one bundle per device of the
 larger mapping) and time-share its bundles; a mapping that only partly overlaps another is
-refused by ``posttrain validate``. Ranks set up torch.distributed themselves from MASTER_ADDR /
+refused by ``posttrain validate``. Roles the process plan puts together (the hybrid engine) are
+hosted by one actor per rank. Ranks set up torch.distributed themselves from MASTER_ADDR /
 MASTER_PORT / RANK / WORLD_SIZE / LOCAL_RANK, as with the local launcher.
 
 Imported only when a workflow says ``cluster: {launcher: ray}``: ``posttrain validate`` never
@@ -35,7 +36,9 @@ from posttrain.launcher.base import (
     Launcher,
     PendingCall,
     WorkerGroup,
+    check_same_mapping,
     partial_overlaps,
+    rank_log_path,
     tail,
 )
 
@@ -70,20 +73,26 @@ class RankActor:
             s.bind(("", 0))
             return ip, s.getsockname()[1]
 
-    def start(self, spec: GroupSpec, rank: int, world_size: int, env: dict[str, str]):
+    def start(self, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str]):
         os.environ.update(env)
         try:
             from posttrain.launcher.rank_main import RankServer
 
-            self.server = RankServer(spec, rank, world_size)
+            self.server = RankServer(specs, rank, world_size)
         except BaseException as exc:
             traceback.print_exc()
             return ("error", _describe(exc), traceback.format_exc())
         return ("ok", None, "")
 
-    def handle(self, method: str, args: tuple, kwargs: dict):
+    def stop(self):
+        return self.handle("", "__stop__", (), {})
+
+    def handle(self, role: str, method: str, args: tuple, kwargs: dict):
         try:
-            result = self.server.handle(method, args, kwargs)
+            if method == "__stop__":
+                self.server.shutdown()
+                return ("ok", True, "")
+            result = self.server.handle(role, method, args, kwargs)
         except BaseException as exc:
             traceback.print_exc()
             return ("error", _describe(exc), traceback.format_exc())
@@ -105,13 +114,14 @@ def _describe(exc: BaseException) -> str:
 
 
 class _RayPending(PendingCall):
-    def __init__(self, group: RayWorkerGroup, method: str, refs: list):
-        self.group = group
+    def __init__(self, processes: RayProcesses, role: str, method: str, refs: list):
+        self.processes = processes
+        self.role = role
         self.method = method
         self.refs = refs
 
     def wait(self) -> list[Any]:
-        return self.group._collect(self.method, self.refs)
+        return self.processes.collect(self.role, self.method, self.refs)
 
 
 class Placement:
@@ -124,29 +134,34 @@ class Placement:
         self.gpus = gpus
 
 
-class RayWorkerGroup(WorkerGroup):
+class RayProcesses:
+    """One actor per rank, hosting the roles of ``specs`` (all on the same devices)."""
+
     def __init__(
         self,
-        spec: GroupSpec,
+        specs: list[GroupSpec],
         placement: Placement,
         timeout_s: float,
         start_timeout_s: float,
     ):
-        self.role = spec.role
-        self.spec = spec
-        self.devices = spec.config.device_mapping
-        self.world_size = spec.config.num_ranks
+        check_same_mapping(specs)
+        self.roles = tuple(spec.role for spec in specs)
+        first = specs[0]
+        self.device = first.device
+        self.devices = first.config.device_mapping
+        self.world_size = first.config.num_ranks
         self.timeout_s = timeout_s
-        self.parallel = []
+        self.calls = 0
         self.nodes = ["?"] * self.world_size
         self.log_paths = [
-            os.path.join(spec.run_dir, "logs", f"{spec.role}.rank{r}.log")
-            for r in range(self.world_size)
+            rank_log_path(first.run_dir, self.roles, r) for r in range(self.world_size)
         ]
         self._stopped = False
         self._failed = False
         self.actors = []
         actor_class = ray.remote(RankActor)
+        env_extra = {k: v for spec in specs for k, v in spec.env.items()}
+        threads = max((spec.threads or 0 for spec in specs), default=0)
         try:
             for rank in range(self.world_size):
                 self.actors.append(
@@ -162,7 +177,8 @@ class RayWorkerGroup(WorkerGroup):
                         ),
                     ).remote(self.log_paths[rank])
                 )
-            infos = self._collect(
+            infos = self.collect(
+                self.roles[0],
                 "node_info",
                 [a.node_info.remote() for a in self.actors],
                 timeout_s=start_timeout_s,
@@ -179,37 +195,37 @@ class RayWorkerGroup(WorkerGroup):
                     "WORLD_SIZE": str(self.world_size),
                     "LOCAL_RANK": self._local_rank(rank),
                     "LOCAL_WORLD_SIZE": str(self.nodes.count(self.nodes[rank])),
-                    **spec.env,
+                    **env_extra,
                 }
-                if spec.threads:
-                    env["OMP_NUM_THREADS"] = str(spec.threads)
-                refs.append(actor.start.remote(spec, rank, self.world_size, env))
-            self._collect("start", refs, timeout_s=start_timeout_s)
-            self.parallel = self.call("setup")
+                if threads:
+                    env["OMP_NUM_THREADS"] = str(threads)
+                refs.append(actor.start.remote(specs, rank, self.world_size, env))
+            self.collect(self.roles[0], "start", refs, timeout_s=start_timeout_s)
         except BaseException:
             self.shutdown()
             raise
 
     def _local_rank(self, rank: int) -> str:
-        if self.spec.device == "cuda":
+        if self.device == "cuda":
             # Ray shows each actor only its bundle's GPU (CUDA_VISIBLE_DEVICES): device 0.
             return "0"
         return str(self.devices[rank % len(self.devices)])
 
-    def master_address(self) -> str:
-        return self.nodes[0]
-
-    def submit(self, method, per_rank_args=None, args=(), kwargs=None) -> PendingCall:
+    def submit(self, role: str, method, per_rank_args, args, kwargs) -> PendingCall:
         if self._stopped:
-            raise WorkerError(self.role, 0, f"worker group is stopped (when sent {method})")
+            raise WorkerError(
+                role, 0, f"worker group is stopped (when sent {method})", "", self.roles
+            )
+        self.calls += self.world_size
         refs = []
         for rank, actor in enumerate(self.actors):
             call_args = per_rank_args[rank] if per_rank_args is not None else args
-            refs.append(actor.handle.remote(method, tuple(call_args), kwargs or {}))
-        return _RayPending(self, method, refs)
+            refs.append(actor.handle.remote(role, method, tuple(call_args), kwargs or {}))
+        return _RayPending(self, role, method, refs)
 
-    def _collect(
+    def collect(
         self,
+        role: str,
         method: str,
         refs: list,
         timeout_s: float | None = None,
@@ -231,19 +247,19 @@ class RayWorkerGroup(WorkerGroup):
                 try:
                     answer = ray.get(ref, timeout=max(1.0, remaining))
                 except RayActorError as exc:
-                    error = self._error(rank, f"worker actor died during {method}", str(exc))
+                    error = self._error(role, rank, f"worker actor died during {method}", str(exc))
                 except GetTimeoutError:
                     pending[ref] = rank
                     continue
                 except Exception as exc:  # e.g. a result that failed to deserialize
-                    error = self._error(rank, _describe(exc), traceback.format_exc())
+                    error = self._error(role, rank, _describe(exc), traceback.format_exc())
                 else:
                     if not wrapped:
                         results[rank] = answer
                         continue
                     status, value, trace = answer
                     if status == "error":
-                        error = self._error(rank, value, trace)
+                        error = self._error(role, rank, value, trace)
                     else:
                         results[rank] = value
                 if error is not None and first_error is None:
@@ -255,10 +271,10 @@ class RayWorkerGroup(WorkerGroup):
         if pending:
             self._failed = True
             rank = min(pending.values())
-            raise self._error(rank, f"timed out in {method} after {limit:.0f}s", "")
+            raise self._error(role, rank, f"timed out in {method} after {limit:.0f}s", "")
         return results
 
-    def _error(self, rank: int, message: str, trace: str) -> WorkerError:
+    def _error(self, role: str, rank: int, message: str, trace: str) -> WorkerError:
         log = self.log_paths[rank]
         lines = tail(log)
         detail = trace.rstrip()
@@ -266,14 +282,16 @@ class RayWorkerGroup(WorkerGroup):
             detail += f"\nlast lines of {log}:\n{lines.rstrip()}"
         else:
             detail += f"\n(log: {log})"
-        return WorkerError(self.role, rank, f"{message} (node {self.nodes[rank]})", detail.strip())
+        return WorkerError(
+            role, rank, f"{message} (node {self.nodes[rank]})", detail.strip(), self.roles
+        )
 
     def shutdown(self) -> None:
         if self._stopped:
             return
         self._stopped = True
         if self.actors and not self._failed:
-            refs = [a.handle.remote("shutdown", (), {}) for a in self.actors]
+            refs = [a.stop.remote() for a in self.actors]
             with contextlib.suppress(Exception):
                 ray.wait(refs, num_returns=len(refs), timeout=STOP_TIMEOUT_S)
         for actor in self.actors:
@@ -282,20 +300,61 @@ class RayWorkerGroup(WorkerGroup):
         self.actors = []
 
 
+class RayWorkerGroup(WorkerGroup):
+    """One role's view of a :class:`RayProcesses`."""
+
+    def __init__(self, processes: RayProcesses, spec: GroupSpec):
+        self.role = spec.role
+        self.spec = spec
+        self.processes = processes
+        self.devices = spec.config.device_mapping
+        self.world_size = processes.world_size
+        self.parallel: list[dict[str, int]] = []
+
+    @property
+    def nodes(self) -> list[str]:
+        return self.processes.nodes
+
+    @property
+    def log_paths(self) -> list[str]:
+        return self.processes.log_paths
+
+    @property
+    def actors(self) -> list:
+        return self.processes.actors
+
+    def master_address(self) -> str:
+        return self.processes.nodes[0]
+
+    def submit(self, method, per_rank_args=None, args=(), kwargs=None) -> PendingCall:
+        return self.processes.submit(self.role, method, per_rank_args, args, kwargs)
+
+    def shutdown(self) -> None:
+        self.processes.shutdown()
+
+
 class RayLauncher(Launcher):
-    def __init__(self, cluster: ClusterConfig, roles: dict[str, RoleConfig], device: str):
+    def __init__(
+        self,
+        cluster: ClusterConfig,
+        roles: dict[str, RoleConfig],
+        device: str,
+        plan: list[tuple[str, ...]] | None = None,
+    ):
+        """``plan``: the roles each set of rank processes hosts (default: one set per role)."""
         self.cluster = cluster
         self.device = device
         self.call_timeout_s = cluster.call_timeout_s
         self.start_timeout_s = cluster.start_timeout_s
-        self.groups: list[RayWorkerGroup] = []
+        self.process_sets: list[RayProcesses] = []
+        self._calls_of_stopped = 0
         self.placement_groups: list = []
-        self.placements: dict[str, Placement] = {}
+        self.placements: dict[tuple[str, ...], Placement] = {}
         self.owns_ray = False
         self.temp_dir: str | None = None
         self._init_ray()
         try:
-            self._place(roles)
+            self._place(roles, plan or [(name,) for name in roles])
         except BaseException:
             self.shutdown()
             raise
@@ -332,21 +391,23 @@ class RayLauncher(Launcher):
 
     # -- placement -------------------------------------------------------------------------
 
-    def _place(self, roles: dict[str, RoleConfig]) -> None:
+    def _place(self, roles: dict[str, RoleConfig], plan: list[tuple[str, ...]]) -> None:
         """One placement group per set of overlapping mappings (one bundle per device of the
-        largest mapping); every role gets the bundle of each rank's device."""
+        largest mapping); every set of rank processes gets the bundle of each rank's device."""
         problems = partial_overlaps(roles)
         if problems:
             raise UserError("; ".join(message for _, _, message in problems))
-        components: list[tuple[tuple[int, ...], list[str]]] = []
-        for name in sorted(roles, key=lambda n: -len(set(roles[n].device_mapping))):
-            devices = set(roles[name].device_mapping)
+        # A unit is one set of rank processes: the roles it hosts share a mapping.
+        units = {members: roles[members[0]] for members in plan}
+        components: list[tuple[tuple[int, ...], list[tuple[str, ...]]]] = []
+        for unit in sorted(units, key=lambda u: -len(set(units[u].device_mapping))):
+            devices = set(units[unit].device_mapping)
             for owner, members in components:
                 if devices & set(owner):
-                    members.append(name)
+                    members.append(unit)
                     break
             else:
-                components.append((tuple(dict.fromkeys(roles[name].device_mapping)), [name]))
+                components.append((tuple(dict.fromkeys(units[unit].device_mapping)), [unit]))
         total_bundles = sum(len(devs) for devs, _ in components)
         gpu = self.device == "cuda"
         available = ray.cluster_resources().get("CPU", 1.0)
@@ -359,21 +420,22 @@ class RayLauncher(Launcher):
             try:
                 ray.get(pg.ready(), timeout=self.start_timeout_s)
             except GetTimeoutError:
+                names = ", ".join("+".join(unit) for unit in members)
                 raise UserError(
                     f"cluster: a placement group of {len(devices)} x {bundle} bundles (devices "
-                    f"{list(devices)} of {', '.join(members)}) was not placed within "
+                    f"{list(devices)} of {names}) was not placed within "
                     f"{self.start_timeout_s:.0f}s; the cluster has {ray.cluster_resources()}"
                 ) from None
             sharers = {d: 0 for d in devices}
-            for name in members:
-                mapping = roles[name].device_mapping
-                for r in range(roles[name].num_ranks):
+            for unit in members:
+                mapping = units[unit].device_mapping
+                for r in range(units[unit].num_ranks):
                     sharers[mapping[r % len(mapping)]] += 1
-            for name in members:
-                mapping = roles[name].device_mapping
-                ranks = range(roles[name].num_ranks)
+            for unit in members:
+                mapping = units[unit].device_mapping
+                ranks = range(units[unit].num_ranks)
                 dev = [mapping[r % len(mapping)] for r in ranks]
-                self.placements[name] = Placement(
+                self.placements[unit] = Placement(
                     pg,
                     [devices.index(d) for d in dev],
                     [_round_down(bundle_cpu / sharers[d]) for d in dev],
@@ -382,18 +444,30 @@ class RayLauncher(Launcher):
 
     # -- Launcher --------------------------------------------------------------------------
 
-    def start_group(self, spec: GroupSpec) -> WorkerGroup:
-        placement = self.placements.get(spec.role)
+    def start_processes(self, specs: list[GroupSpec]) -> dict[str, WorkerGroup]:
+        unit = tuple(spec.role for spec in specs)
+        placement = self.placements.get(unit)
         if placement is None:
-            raise UserError(f"{spec.role}: no placement was made for this role")
-        group = RayWorkerGroup(spec, placement, self.call_timeout_s, self.start_timeout_s)
-        self.groups.append(group)
-        return group
+            raise UserError(f"{'+'.join(unit)}: no placement was made for these roles")
+        processes = RayProcesses(specs, placement, self.call_timeout_s, self.start_timeout_s)
+        self.process_sets.append(processes)
+        groups = {spec.role: RayWorkerGroup(processes, spec) for spec in specs}
+        try:
+            for group in groups.values():  # in order: the first role makes the process group
+                group.parallel = group.call("setup")
+        except BaseException:
+            processes.shutdown()
+            raise
+        return groups
+
+    def driver_calls(self) -> int:
+        return self._calls_of_stopped + sum(p.calls for p in self.process_sets)
 
     def shutdown(self) -> None:
-        for group in reversed(self.groups):
-            group.shutdown()
-        self.groups.clear()
+        for processes in reversed(self.process_sets):
+            processes.shutdown()
+            self._calls_of_stopped += processes.calls
+        self.process_sets.clear()
         if ray.is_initialized():
             for pg in self.placement_groups:
                 with contextlib.suppress(Exception):

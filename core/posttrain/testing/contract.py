@@ -133,7 +133,9 @@ class StrategyContract:
 
     @pytest.fixture
     def start(self, spec_and_config, tiny_model_path, tmp_path):
-        """``start(strategy=None, config=None, world_size=None)`` -> a started worker group."""
+        """``start(strategy=None, config=None, world_size=None)`` -> a started worker group;
+        ``start(..., beside=("hf_infer", "actor_infer"))`` -> the group and a group of that
+        strategy and role hosted by the same rank processes (the hybrid engine)."""
         from posttrain.launcher.base import GroupSpec
         from posttrain.launcher.local import LocalLauncher
 
@@ -146,7 +148,16 @@ class StrategyContract:
             config: Any = None,
             world_size: int | None = None,
             role: str = "actor_train",
+            beside: tuple[str, str] | None = None,
         ):
+            if beside is not None:
+                spec = spec_for(strategy, config, world_size, role)
+                other = spec_for(beside[0], None, spec.config.num_ranks, beside[1])
+                groups = launcher.start_processes([spec, other])
+                return groups[role], groups[beside[1]]
+            return launcher.start_group(spec_for(strategy, config, world_size, role))
+
+        def spec_for(strategy, config, world_size, role):
             if strategy is None:
                 strategy, config = self.strategy, spec_and_config[1]
             elif config is None:
@@ -169,7 +180,7 @@ class StrategyContract:
                 device=self.device,
                 threads=1,
             )
-            return launcher.start_group(spec)
+            return spec
 
         yield start
         launcher.shutdown()
@@ -282,6 +293,30 @@ class StrategyContract:
         sample_batch = samples_batch(out)
         from posttrain.protocol import concat_tensor_rows
 
+        per = len(sample_batch) // trainer.dp_size
+        shares = [
+            sample_batch.select(list(range(i * per, (i + 1) * per))) for i in range(trainer.dp_size)
+        ]
+        got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
+        assert max_sample_logprob_diff(out, got) <= self.logprob_tolerance
+
+    def test_train_then_in_process_sync_logprob_parity(self, spec_and_config, start):
+        """Hybrid engine: hf_infer in the trainer's own rank processes; after a step, the
+        in-process hand-over gives it the trainer's weights exactly (every rank a replica)."""
+        self.require(spec_and_config, "train")
+        if not spec_and_config[0].capabilities.shares_process:
+            pytest.skip(f"{self.strategy} does not declare Capabilities.shares_process")
+        from posttrain.protocol import concat_tensor_rows
+        from posttrain.weight_sync.transport import InProcessTransport
+
+        trainer, rollout = start(beside=("hf_infer", "actor_infer"))
+        assert trainer.shares_processes_with(rollout)
+        batch = synthetic_train_batch(dp_size=trainer.dp_size)
+        trainer.call_dp("train_step", batch.split(trainer.dp_size))
+        stats = InProcessTransport(bucket_bytes=64 << 10).run(trainer, rollout)
+        assert stats["buckets"] >= 1
+        out = self._generate(rollout)
+        sample_batch = samples_batch(out)
         per = len(sample_batch) // trainer.dp_size
         shares = [
             sample_batch.select(list(range(i * per, (i + 1) * per))) for i in range(trainer.dp_size)

@@ -52,7 +52,7 @@ def export_checkpoint_to_hf(checkpoint_dir: str, output: str, host, console) -> 
     output = os.path.abspath(output)
     staging = output + ".tmp-export"
     shutil.rmtree(staging, ignore_errors=True)
-    launcher = make_launcher(workflow)
+    launcher = make_launcher(workflow, [(EXPORTED_ROLE,)])
     try:
         group = launcher.start_group(
             group_spec(workflow, EXPORTED_ROLE, role, run_dir, resolve_device(workflow))

@@ -45,7 +45,8 @@ def resolve_device(workflow: Workflow) -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
 
 
-def make_launcher(workflow: Workflow) -> Launcher:
+def make_launcher(workflow: Workflow, plan: list[tuple[str, ...]]) -> Launcher:
+    """The workflow's launcher; ``plan`` lists the roles each set of rank processes hosts."""
     cluster = workflow.cluster
     if cluster.launcher == "local":
         from posttrain.launcher.local import LocalLauncher
@@ -56,17 +57,45 @@ def make_launcher(workflow: Workflow) -> Launcher:
     if cluster.launcher == "ray":
         from posttrain.launcher.ray_launcher import RayLauncher
 
-        return RayLauncher(cluster, workflow.roles(), resolve_device(workflow))
+        return RayLauncher(cluster, workflow.roles(), resolve_device(workflow), plan)
     raise UserError(f"cluster.launcher: '{cluster.launcher}' is not available; use local or ray")
 
 
+def plan_processes(workflow: Workflow, host) -> list[tuple[str, ...]]:
+    """Which roles share rank processes (``posttrain_plan_processes``), checked to cover every
+    role once with equal device mappings inside a set."""
+    roles = workflow.roles()
+    plan = [
+        tuple(m)
+        for m in host.hook.posttrain_plan_processes(workflow=workflow, strategies=host.strategies())
+    ]
+    listed = [name for members in plan for name in members]
+    if sorted(listed) != sorted(roles):
+        raise UserError(f"the process plan {plan} must name every role once ({', '.join(roles)})")
+    for members in plan:
+        mappings = {(roles[m].device_mapping, roles[m].num_ranks) for m in members}
+        if len(mappings) > 1:
+            raise UserError(
+                f"the process plan puts {', '.join(members)} in the same processes, but their "
+                "device mappings differ"
+            )
+    return plan
+
+
 def group_spec(
-    workflow: Workflow, role_name: str, role: RoleConfig, run_dir: str, device: str
+    workflow: Workflow,
+    role_name: str,
+    role: RoleConfig,
+    run_dir: str,
+    device: str,
+    processes: int | None = None,
 ) -> GroupSpec:
+    """``processes``: how many rank processes the whole run starts (default: one per rank of
+    every role), among which CPU threads are shared."""
     threads = workflow.cluster.threads_per_worker
     if threads is None and device == "cpu":
         # Share the machine's cores between every rank instead of oversubscribing them.
-        ranks = sum(r.num_ranks for r in workflow.roles().values())
+        ranks = processes or sum(r.num_ranks for r in workflow.roles().values())
         threads = max(1, (os.cpu_count() or 1) // ranks)
     return GroupSpec(
         role=role_name,
@@ -146,20 +175,28 @@ class Trainer:
             self.host.pm.register(plugin, name=f"logger-{name}")
 
     def _start_groups(self) -> None:
-        self.launcher = make_launcher(self.wf)
-        for name, role in self.wf.roles().items():
-            if name == "critic":
-                raise UserError(
-                    "critic: PPO with a value model is not implemented yet; use "
-                    "algorithm.name: grpo"
-                )
-            t0 = time.perf_counter()
-            self.groups[name] = self.launcher.start_group(
-                group_spec(self.wf, name, role, self.run_dir, self.device)
+        roles = self.wf.roles()
+        if "critic" in roles:
+            raise UserError(
+                "critic: PPO with a value model is not implemented yet; use algorithm.name: grpo"
             )
+        plan = plan_processes(self.wf, self.host)
+        self.launcher = make_launcher(self.wf, plan)
+        processes = sum(roles[members[0]].num_ranks for members in plan)
+        for members in plan:
+            t0 = time.perf_counter()
+            specs = [
+                group_spec(self.wf, name, roles[name], self.run_dir, self.device, processes)
+                for name in members
+            ]
+            self.groups.update(self.launcher.start_processes(specs))
+            what = " + ".join(
+                f"{name} ({roles[name].strategy_args.strategy_name})" for name in members
+            )
+            shared = "shared " if len(members) > 1 else ""
             self.console.print(
-                f"started {name}: {role.strategy_args.strategy_name} x "
-                f"{role.num_ranks} ranks ({time.perf_counter() - t0:.1f}s)"
+                f"started {what}: {roles[members[0]].num_ranks} {shared}rank processes "
+                f"({time.perf_counter() - t0:.1f}s)"
             )
 
     # -- the loop --------------------------------------------------------------------------
@@ -225,14 +262,19 @@ class Trainer:
             while self.state.step < t.max_steps:
                 self.state.step += 1
                 step_start = time.perf_counter()
+                calls_before = self.launcher.driver_calls()
                 metrics = self._step(sampler, timer)
                 if (t.save_steps and self.state.step % t.save_steps == 0) or (
                     t.save_final and self.state.step == t.max_steps
                 ):
                     with timer.phase("checkpoint"):
                         self._checkpoint(sampler)
-                metrics.update(timer.pop())
+                phases = timer.pop()
+                metrics.update(phases)
                 metrics["time/step"] = time.perf_counter() - step_start
+                # The driver's own work: what the phases do not account for, and its calls.
+                metrics["time/outside_phases"] = metrics["time/step"] - sum(phases.values())
+                metrics["driver/calls"] = float(self.launcher.driver_calls() - calls_before)
                 metrics["perf/tokens_per_s"] = metrics.pop("_tokens") / metrics["time/step"]
                 metrics["step"] = self.state.step
                 self.state.history.append(metrics)
@@ -250,7 +292,10 @@ class Trainer:
         with timer.phase("reward"):
             rewards = self._rewards(picked, samples)
         batch = build_sequence_batch(
-            samples.prompt_ids, samples.response_ids, self.tokenizer.pad_token_id
+            samples.prompt_ids,
+            samples.response_ids,
+            self.tokenizer.pad_token_id,
+            samples.response_logprobs,
         )
         with timer.phase("logprobs"):
             batch, kl_metrics = self._logprobs(batch)
@@ -325,16 +370,24 @@ class Trainer:
         from posttrain.algorithms.kl import kl_penalty
         from posttrain.protocol import concat_tensor_rows
 
-        self.sharing.activate("actor_train")
-        old = concat_tensor_rows(self._split_call("actor_train", "compute_logprobs", batch))
-        batch = batch.with_tensors(old_logprobs=old * batch.response_mask)
+        mask = batch.response_mask
         metrics: dict[str, float] = {}
+        if self.wf.algorithm.old_logprobs_source() == "rollout":
+            # On-policy: the policy that sampled is the one being updated, so the rollout's
+            # log-probs are the old policy's (the mismatch is measured in the first update).
+            old = batch["rollout_logprobs"] * mask
+        else:
+            self.sharing.activate("actor_train")
+            old = concat_tensor_rows(self._split_call("actor_train", "compute_logprobs", batch))
+            old = old * mask
+            metrics.update(rollout_mismatch(batch["rollout_logprobs"], old, mask))
+        batch = batch.with_tensors(old_logprobs=old)
         if "reference" in self.groups:
             self.sharing.activate("reference")
             ref = concat_tensor_rows(self._split_call("reference", "compute_logprobs", batch))
-            batch = batch.with_tensors(ref_logprobs=ref * batch.response_mask)
-            kl = kl_penalty(old, ref, self.wf.algorithm.kl_estimator) * batch.response_mask
-            metrics["actor/kl"] = float(kl.sum() / batch.response_mask.sum().clamp(min=1))
+            batch = batch.with_tensors(ref_logprobs=ref * mask)
+            kl = kl_penalty(old, ref, self.wf.algorithm.kl_estimator) * mask
+            metrics["actor/kl"] = float(kl.sum() / mask.sum().clamp(min=1))
             batch.meta["seq_kl"] = kl.sum(dim=1)
         return batch, metrics
 
@@ -351,26 +404,33 @@ class Trainer:
         return batch, {"adv/abs_mean": float(adv.abs().mean())}
 
     def _train(self, batch: SequenceBatch) -> dict[str, float]:
+        from posttrain.metrics import accumulate, combine, is_max
+
         algo = self.wf.algorithm
         group = self.groups["actor_train"]
         self.sharing.activate("actor_train")
+        measure = algo.old_logprobs_source() == "rollout"
         totals: dict[str, float] = {}
-        updates = 0
+        reported: dict[str, int] = {}
         for _ in range(algo.ppo_epochs):
             for mini in batch.split(algo.num_mini_batches):
                 mini.meta.update(
                     global_tokens=float(mini.response_mask.sum()),
                     global_seqs=float(len(mini)),
                     dp_size=group.dp_size,
+                    measure_rollout_mismatch=measure,
                 )
+                measure = False  # only before the first update is the policy the sampler
                 answers = group.call_dp("train_step", mini.split(group.dp_size))
-                updates += 1
-                for key in answers[0]:
-                    if key.endswith(("grad_norm", "lr")):
-                        totals[key] = totals.get(key, 0.0) + answers[0][key]
-                    else:
-                        totals[key] = totals.get(key, 0.0) + sum(a[key] for a in answers)
-        return {k: v / updates for k, v in totals.items()}
+                # grad norm and lr are the same on every rank: rank 0's; the rest are shares.
+                update = combine(
+                    {k: v for k, v in a.items() if a is answers[0] or not _per_step(k)}
+                    for a in answers
+                )
+                for key in update:
+                    reported[key] = reported.get(key, 0) + 1
+                accumulate(totals, update)
+        return {k: v if is_max(k) else v / reported[k] for k, v in totals.items()}
 
     def _sync_weights(self) -> dict:
         self.sharing.activate("actor_train", "actor_infer")
@@ -407,6 +467,20 @@ class Trainer:
         )
         manifest = ckpt.verify(path)
         self.host.hook.posttrain_checkpoint_saved(checkpoint_dir=path, manifest=manifest)
+
+
+def _per_step(key: str) -> bool:
+    """Metrics every rank reports alike (not shares to add up)."""
+    return key.endswith(("grad_norm", "lr"))
+
+
+def rollout_mismatch(rollout, trainer, mask) -> dict[str, float]:
+    """How far the rollout engine's log-probs of the sampled tokens are from the trainer's."""
+    diff = (rollout - trainer).abs() * mask
+    return {
+        "rollout/logprob_diff_mean": float(diff.sum() / mask.sum().clamp(min=1)),
+        "rollout/logprob_diff_max": float(diff.max()) if diff.numel() else 0.0,
+    }
 
 
 def _plain(value: Any) -> Any:

@@ -6,6 +6,16 @@ The broadcast transport's wire format, which an engine that receives the broadca
 rank ``r`` is group rank ``1 + r``. Each bucket is one broadcast from group rank 0 of a uint8
 tensor: the bytes of the bucket's tensors, concatenated in the order of its metadata
 ``(name, shape, dtype, nbytes)`` (SGLang's ``flattened_bucket`` layout).
+
+Streaming (:func:`stream_send` / :func:`stream_receive`): both loops run on the ranks, with no
+driver call per bucket. The sending rank publishes bucket ``k``'s metadata of sync round ``n``
+in the group's store under ``posttrain_meta/{n}/{k}`` (a pickled list; ``None`` ends the round)
+and broadcasts its bytes; rollout ranks read the metadata from the store, then take part in the
+broadcast (or hand it to their receiver).
+
+In-process (:func:`hand_over`): trainer and rollout roles live in the same process (hybrid
+engine); every trainer rank exports the full tensors on its device and its rollout peer loads
+them as they come, with no copy through host memory.
 """
 
 from __future__ import annotations
@@ -17,8 +27,12 @@ import torch
 from posttrain.protocol import WeightBucket
 
 _GROUP = "_sync_group"
+_STORE = "_sync_store"
+_ROUND = "_sync_round"
 _PENDING = "_sync_pending_bucket"
+_LAST_COUNT = "_sync_last_count"  # buckets the sending rank published in the previous round
 _RECEIVER = "_sync_receiver"
+META_PREFIX = "posttrain_meta/"
 
 
 def free_port(runtime) -> int:
@@ -59,17 +73,22 @@ def join_sync_group(
     if group_rank < 0:
         return True
     ctx = runtime.ctx
+    import torch.distributed as dist
+
+    ctx.state[_ROUND] = 0
     if group_rank > 0:
         receiver = ctx.hook.posttrain_weight_receiver(worker=ctx)
         if receiver is not None:
             receiver.join(addr, port, group_rank, size, group_name, timeout_s)
             ctx.state[_RECEIVER] = (receiver, group_name)
+            # The rank itself only reads the buckets' metadata from the group's store.
+            store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
+            ctx.state[_STORE] = dist.PrefixStore(META_PREFIX, store)
             return True
-    import torch.distributed as dist
-
     store = dist.TCPStore(
         addr, port, size, is_master=group_rank == 0, timeout=timedelta(seconds=timeout_s)
     )
+    ctx.state[_STORE] = dist.PrefixStore(META_PREFIX, store)
     prefixed = _named_group_store(store, group_name, ctx.device)
     if ctx.device.startswith("cuda"):
         group = dist.ProcessGroupNCCL(prefixed, group_rank, size)
@@ -80,11 +99,19 @@ def join_sync_group(
 
 
 def leave_sync_group(runtime) -> bool:
-    runtime.ctx.state.pop(_GROUP, None)
+    for key in (_GROUP, _STORE, _ROUND, _LAST_COUNT):
+        runtime.ctx.state.pop(key, None)
     receiver = runtime.ctx.state.pop(_RECEIVER, None)
     if receiver is not None:
         receiver[0].leave(receiver[1])
     return True
+
+
+def bucket_meta(bucket: WeightBucket) -> list[tuple[str, tuple[int, ...], str, int]]:
+    return [
+        (name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
+        for name, t in bucket.tensors
+    ]
 
 
 def export_next_meta(runtime):
@@ -93,46 +120,134 @@ def export_next_meta(runtime):
     if bucket is None:
         return None
     runtime.ctx.state[_PENDING] = bucket
-    return [
-        (name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
-        for name, t in bucket.tensors
-    ]
+    return bucket_meta(bucket)
 
 
-def _broadcast(runtime, flat: torch.Tensor) -> None:
+def _broadcast(runtime, flat: torch.Tensor):
+    """Start broadcasting ``flat`` from group rank 0; return the work to wait on."""
     import torch.distributed as dist
 
     group, _ = runtime.ctx.state[_GROUP]
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
-    group.broadcast([flat], opts).wait()
+    return group.broadcast([flat], opts)
+
+
+def _flatten(bucket: WeightBucket, device: str) -> torch.Tensor:
+    return torch.cat(
+        [
+            t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
+            for _, t in bucket.tensors
+        ]
+    )
 
 
 def broadcast_pending(runtime) -> bool:
     bucket = runtime.ctx.state.pop(_PENDING, None)
     if _GROUP not in runtime.ctx.state:
         return True  # not the sending rank
-    device = runtime.ctx.device
-    flat = torch.cat(
-        [
-            t.detach().contiguous().reshape(-1).view(torch.uint8).to(device)
-            for _, t in bucket.tensors
-        ]
-    )
-    _broadcast(runtime, flat)
+    _broadcast(runtime, _flatten(bucket, runtime.ctx.device)).wait()
     return True
+
+
+def _receive_bucket(runtime, meta) -> WeightBucket:
+    total = sum(n for *_, n in meta)
+    flat = torch.empty(total, dtype=torch.uint8, device=runtime.ctx.device)
+    _broadcast(runtime, flat).wait()
+    tensors, offset = [], 0
+    for name, shape, dtype, nbytes in meta:
+        piece = flat[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
+        tensors.append((name, piece))
+        offset += nbytes
+    return WeightBucket(tensors)
 
 
 def receive_and_import(runtime, meta) -> bool:
     receiver = runtime.ctx.state.get(_RECEIVER)
     if receiver is not None:
         return receiver[0].receive(meta, receiver[1])
-    total = sum(n for *_, n in meta)
-    flat = torch.empty(total, dtype=torch.uint8, device=runtime.ctx.device)
-    _broadcast(runtime, flat)
-    tensors, offset = [], 0
-    for name, shape, dtype, nbytes in meta:
-        piece = flat[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
-        tensors.append((name, piece))
-        offset += nbytes
-    return runtime.import_weights([WeightBucket(tensors)])
+    return runtime.import_weights([_receive_bucket(runtime, meta)])
+
+
+def _next_round(runtime) -> int:
+    state = runtime.ctx.state
+    state[_ROUND] = state.get(_ROUND, 0) + 1
+    return state[_ROUND]
+
+
+def stream_send(runtime, bucket_bytes: int) -> dict[str, int]:
+    """Trainer ranks: run the export (collective); the sending rank publishes each bucket's
+    metadata and broadcasts its bytes, exporting bucket k+1 while bucket k is on the wire."""
+    import pickle
+
+    sync_round = _next_round(runtime)
+    sending = _GROUP in runtime.ctx.state
+    store = runtime.ctx.state.get(_STORE)
+    total, count = 0, 0
+    in_flight = None  # (work, tensor): the tensor must outlive its broadcast
+    for bucket in runtime.export_weights(bucket_bytes, in_process=False):
+        if not sending or not bucket:
+            continue
+        store.set(f"{sync_round}/{count}", pickle.dumps(bucket_meta(bucket)))
+        flat = _flatten(bucket, runtime.ctx.device)
+        work = _broadcast(runtime, flat)
+        if in_flight is not None:
+            in_flight[0].wait()
+        in_flight = (work, flat)
+        total += flat.numel()
+        count += 1
+    if in_flight is not None:
+        in_flight[0].wait()
+    if sending:
+        store.set(f"{sync_round}/{count}", pickle.dumps(None))
+        if sync_round > 1:  # every reader of the previous round is done with it by now
+            for key in range(runtime.ctx.state.get(_LAST_COUNT, -1) + 1):
+                store.delete_key(f"{sync_round - 1}/{key}")
+        runtime.ctx.state[_LAST_COUNT] = count
+    return {"bytes": total, "buckets": count}
+
+
+def stream_receive(runtime) -> dict[str, int]:
+    """Rollout ranks: read each bucket's metadata from the store and receive it (or let the
+    engine's receiver take part in the broadcast), until the round's end marker."""
+    import pickle
+
+    sync_round = _next_round(runtime)
+    store = runtime.ctx.state[_STORE]
+    receiver = runtime.ctx.state.get(_RECEIVER)
+    counts = {"bytes": 0, "buckets": 0}
+
+    def metas():
+        while True:
+            meta = pickle.loads(store.get(f"{sync_round}/{counts['buckets']}"))
+            if meta is None:
+                return
+            counts["buckets"] += 1
+            counts["bytes"] += sum(n for *_, n in meta)
+            yield meta
+
+    if receiver is not None:
+        for meta in metas():
+            receiver[0].receive(meta, receiver[1])
+    else:
+        runtime.import_weights(_receive_bucket(runtime, meta) for meta in metas())
+    return counts
+
+
+def hand_over(runtime, target_role: str, bucket_bytes: int) -> dict[str, int]:
+    """Hybrid engine: export on this rank's trainer role (every rank gathers the full tensors
+    on its device) and load each bucket into ``target_role`` of the same process as it comes."""
+    target = runtime.peers[target_role]
+    counts = {"bytes": 0, "buckets": 0}
+    buckets = runtime.export_weights(bucket_bytes, in_process=True)
+
+    def counted():
+        for bucket in buckets:
+            counts["bytes"] += bucket.nbytes
+            counts["buckets"] += 1
+            yield bucket
+
+    target.import_weights(counted())
+    for _ in buckets:  # the export is collective: finish it even if the import stopped early
+        continue
+    return counts

@@ -28,8 +28,28 @@ class WeightTransport(abc.ABC):
         """Release what the transport set up (default: nothing)."""
 
 
+class InProcessTransport(WeightTransport):
+    """Trainer and rollout roles live in the same rank processes (hybrid engine): one call per
+    sync; on each rank the trainer's device tensors go straight into its rollout peer
+    (:func:`posttrain.weight_sync.rank_side.hand_over`)."""
+
+    name = "in_process"
+
+    def run(self, source: WorkerGroup, target: WorkerGroup) -> dict[str, Any]:
+        if not source.shares_processes_with(target):
+            raise ValueError(
+                f"the in_process transport needs {source.role} and {target.role} in the same "
+                "processes (cluster.colocation: auto and equal device mappings)"
+            )
+        answers = source.call(
+            "run_function", f"{RANK_SIDE}:hand_over", target.role, self.bucket_bytes
+        )
+        return answers[0]
+
+
 class SharedMemoryTransport(WeightTransport):
-    """Buckets travel as shared-memory tensors through the driver (same host)."""
+    """Buckets travel as shared-memory tensors through the driver (same host): one driver
+    round trip per bucket, for engines that can take nothing else."""
 
     name = "shared_memory"
 
@@ -49,7 +69,9 @@ class SharedMemoryTransport(WeightTransport):
 
 class BroadcastTransport(WeightTransport):
     """A torch.distributed broadcast from trainer rank 0 to every rollout rank (gloo on CPU,
-    NCCL on GPU), over a process group made for the sync only. The wire format is described in
+    NCCL on GPU), over a process group made for the sync only. Both sides' loops run on the
+    ranks (one driver call per group per sync, none per bucket), and the export of bucket k+1
+    overlaps the broadcast of bucket k. The wire format is described in
     :mod:`posttrain.weight_sync.rank_side`; a rollout engine may join the group and receive the
     broadcasts in its own processes (``posttrain_weight_receiver``)."""
 
@@ -90,21 +112,11 @@ class BroadcastTransport(WeightTransport):
     def run(self, source: WorkerGroup, target: WorkerGroup) -> dict[str, Any]:
         if not self._joined:
             self._join(source, target)
-        source.call("export_begin", self.bucket_bytes)
-        total, count = 0, 0
-        while True:
-            meta = source.call("run_function", f"{RANK_SIDE}:export_next_meta")[0]
-            if meta is None:
-                break
-            if not meta:
-                continue
-            send = source.submit("run_function", args=(f"{RANK_SIDE}:broadcast_pending",))
-            recv = target.submit("run_function", args=(f"{RANK_SIDE}:receive_and_import", meta))
-            send.wait()
-            recv.wait()
-            total += sum(n for _, _, _, n in meta)
-            count += 1
-        return {"bytes": total, "buckets": count}
+        send = source.submit("run_function", args=(f"{RANK_SIDE}:stream_send", self.bucket_bytes))
+        recv = target.submit("run_function", args=(f"{RANK_SIDE}:stream_receive",))
+        sent = send.wait()[0]
+        recv.wait()
+        return sent
 
     def close(self, source: WorkerGroup, target: WorkerGroup) -> None:
         if self._joined:

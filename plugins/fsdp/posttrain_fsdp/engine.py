@@ -338,21 +338,24 @@ def _export_dtype(worker) -> torch.dtype:
     return torch_dtype(worker.model_args.dtype)
 
 
-def export_weights(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
-    """Generator: gathers lazily (collectively), rank 0 keeps the tensors, others yield empty
-    buckets of the same count (they bucket shape-only meta tensors the same way)."""
-    return _export_buckets(worker, bucket_bytes)
+def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Iterator[WeightBucket]:
+    """Generator: gathers lazily (collectively). Leaving the process, rank 0 keeps host copies
+    and the others yield empty buckets of the same count (they bucket shape-only meta tensors
+    the same way); in process, every rank yields the gathered tensors on its device."""
+    return _export_buckets(worker, bucket_bytes, in_process)
 
 
-def _export_buckets(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
-    rank0 = _is_rank0()
-    for bucket in bucketize(_gathered(worker, keep=rank0), bucket_bytes):
-        yield bucket if rank0 else WeightBucket()
+def _export_buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
+    keep = in_process or _is_rank0()
+    device = None if in_process else "cpu"
+    for bucket in bucketize(_gathered(worker, keep=keep, device=device), bucket_bytes):
+        yield bucket if keep else WeightBucket()
 
 
-def _gathered(worker, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, full tensor)`` for every state-dict entry, on CPU in the export dtype; with
-    ``keep=False`` a meta tensor of the same shape stands in (the gather still runs)."""
+def _gathered(worker, keep: bool, device: str | None = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, full tensor)`` for every state-dict entry in the export dtype, on ``device``
+    (None: where the gather left it, with no copy when the dtype matches); with ``keep=False``
+    a meta tensor of the same shape stands in (the gather still runs)."""
     model = worker.model
     dtype = _export_dtype(worker)
     # Tied weights appear under several names: gather once.
@@ -367,8 +370,10 @@ def _gathered(worker, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
             yield hf_name(name), cache[source]
             continue
         full = value.full_tensor() if isinstance(value, DTensor) else value
-        if keep:
-            tensor = full.detach().to(device="cpu", dtype=dtype, copy=True)
+        if keep and device is None:
+            tensor = full.detach().to(dtype=dtype)
+        elif keep:
+            tensor = full.detach().to(device=device, dtype=dtype, copy=True)
         else:
             tensor = torch.empty(full.shape, dtype=dtype, device="meta")
         del full

@@ -74,14 +74,19 @@ class FSDPPlugin(EngineHooks):
                 name=TRAIN,
                 config_class=FSDP2TrainConfig,
                 capabilities=Capabilities(
-                    kind="train", exports_hf_weights=True, computes_logprobs=True
+                    kind="train",
+                    exports_hf_weights=True,
+                    computes_logprobs=True,
+                    shares_process=True,
                 ),
                 description="training with PyTorch FSDP2 and torch DCP checkpoints",
             ),
             StrategySpec(
                 name=INFER,
                 config_class=FSDP2InferConfig,
-                capabilities=Capabilities(kind="infer", computes_logprobs=True),
+                capabilities=Capabilities(
+                    kind="infer", computes_logprobs=True, shares_process=True
+                ),
                 description="log-probs (reference / old policy) with an FSDP2-sharded model",
             ),
         ]

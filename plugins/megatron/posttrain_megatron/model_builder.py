@@ -29,6 +29,11 @@ def device(worker) -> torch.device:
     )
 
 
+# The layout megatron-core's parallel state was set up with in this process (it is one per
+# process, as megatron-core's own state is).
+_PROCESS_LAYOUT: dict[str, int | None] = {}
+
+
 def setup_parallel(worker) -> dict[str, int]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
@@ -40,15 +45,26 @@ def setup_parallel(worker) -> dict[str, int]:
         cpu_support.apply()
     mcore_compat.apply()
     cfg = worker.config
-    ps.initialize_model_parallel(
-        tensor_model_parallel_size=cfg.tensor_model_parallel_size,
-        pipeline_model_parallel_size=cfg.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=cfg.virtual_pipeline_model_parallel_size,
-        context_parallel_size=cfg.context_parallel_size,
-        expert_model_parallel_size=cfg.expert_model_parallel_size,
-        expert_tensor_parallel_size=cfg.expert_tensor_parallel_size,
-    )
-    model_parallel_cuda_manual_seed(worker.seed)
+    layout = {
+        "tensor_model_parallel_size": cfg.tensor_model_parallel_size,
+        "pipeline_model_parallel_size": cfg.pipeline_model_parallel_size,
+        "virtual_pipeline_model_parallel_size": cfg.virtual_pipeline_model_parallel_size,
+        "context_parallel_size": cfg.context_parallel_size,
+        "expert_model_parallel_size": cfg.expert_model_parallel_size,
+        "expert_tensor_parallel_size": cfg.expert_tensor_parallel_size,
+    }
+    if _PROCESS_LAYOUT:
+        # Another megatron role of this process (hybrid engine) set the layout up; the plan
+        # only puts roles of one layout together (plugin.split_by_layout).
+        if layout != _PROCESS_LAYOUT:
+            raise RuntimeError(
+                f"megatron: role {worker.role} needs layout {layout} but this process already "
+                f"runs {_PROCESS_LAYOUT}; use cluster.colocation: separate"
+            )
+    else:
+        ps.initialize_model_parallel(**layout)
+        model_parallel_cuda_manual_seed(worker.seed)
+        _PROCESS_LAYOUT.update(layout)
     return {
         "dp_rank": ps.get_data_parallel_rank(),
         "dp_size": ps.get_data_parallel_world_size(),

@@ -31,6 +31,41 @@ _PARALLEL_DIMS = (
     "pipeline_model_parallel_size",
     "context_parallel_size",
 )
+# What initialize_model_parallel sets for the whole process.
+LAYOUT_FIELDS = (
+    *_PARALLEL_DIMS,
+    "virtual_pipeline_model_parallel_size",
+    "expert_model_parallel_size",
+    "expert_tensor_parallel_size",
+)
+
+
+def _layout(role) -> tuple | None:
+    """The parallel layout a megatron role sets process-wide (None for other strategies)."""
+    if role.strategy_args.strategy_name not in STRATEGIES:
+        return None
+    cfg = role.strategy_args.strategy_config
+    return tuple(getattr(cfg, name, None) for name in LAYOUT_FIELDS)
+
+
+def split_by_layout(members: tuple[str, ...], layout_of) -> list[tuple[str, ...]]:
+    """Split one set of roles so that no two megatron layouts differ inside a set."""
+    parts: list[list[str]] = []
+    for name in members:
+        mine = layout_of(name)
+        home = next(
+            (
+                part
+                for part in parts
+                if mine is None or all(layout_of(m) in (None, mine) for m in part)
+            ),
+            None,
+        )
+        if home is None:
+            parts.append([name])
+        else:
+            home.append(name)
+    return [tuple(part) for part in parts]
 
 
 class MegatronPlugin(EngineHooks):
@@ -48,6 +83,7 @@ class MegatronPlugin(EngineHooks):
                     parallel_dims=_PARALLEL_DIMS,
                     exports_hf_weights=True,
                     computes_logprobs=True,
+                    shares_process=True,
                 ),
                 description="training with megatron-core (TP/PP/VPP/EP/SP, distributed "
                 "optimizer, dist checkpoints), HF weights through mbridge",
@@ -56,10 +92,25 @@ class MegatronPlugin(EngineHooks):
                 name=INFER,
                 config_class=MegatronInferConfig,
                 capabilities=Capabilities(
-                    kind="infer", parallel_dims=_PARALLEL_DIMS, computes_logprobs=True
+                    kind="infer",
+                    parallel_dims=_PARALLEL_DIMS,
+                    computes_logprobs=True,
+                    shares_process=True,
                 ),
                 description="log-probs (reference / old policy) with a megatron-core model",
             ),
+        ]
+
+    @hookimpl(wrapper=True)
+    def posttrain_plan_processes(self, workflow, strategies):
+        """megatron-core's parallel state is one per process: two megatron roles share rank
+        processes only with the same layout (the second one reuses it)."""
+        plan = yield
+        roles = workflow.roles()
+        return [
+            part
+            for members in plan
+            for part in split_by_layout(members, lambda name: _layout(roles[name]))
         ]
 
     @hookimpl

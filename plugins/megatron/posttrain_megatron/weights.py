@@ -3,7 +3,8 @@
 mbridge's ``export_weights`` walks the parameters in a fixed global order, gathering each one
 across TP / PP / EP as it goes, so at most one full tensor (plus the bucket being filled on rank
 0) is alive at a time: no rank ever holds the whole model. Every rank of the role must iterate
-it in step (the gathers are collectives); only global rank 0 keeps tensors.
+it in step (the gathers are collectives); only global rank 0 keeps tensors (every rank, for a
+rollout role in the same process).
 """
 
 from __future__ import annotations
@@ -23,28 +24,36 @@ from posttrain_megatron.model_builder import is_rank0
 log = logging.getLogger(__name__)
 
 
-def hf_tensors(worker, keep: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    """``(hf_name, tensor)`` in the export dtype on CPU; meta tensors when ``keep`` is False."""
+def hf_tensors(
+    worker, keep: bool, device: str | None = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(hf_name, tensor)`` in the export dtype on ``device`` (None: where mbridge's gather
+    left it, on this rank's GPU, with no copy when the dtype matches); meta tensors when
+    ``keep`` is False."""
     dtype = torch_dtype(worker.model_args.dtype)
     seen: set[str] = set()
     for name, tensor in worker.state["bridge"].export_weights(worker.model):
         if name in seen:  # a tied output layer on the last PP stage maps to the embedding
             continue
         seen.add(name)
-        if keep:
-            yield name, tensor.detach().to(device="cpu", dtype=dtype, copy=True)
+        if keep and device is None:
+            yield name, tensor.detach().to(dtype=dtype)
+        elif keep:
+            yield name, tensor.detach().to(device=device, dtype=dtype, copy=True)
         else:
             yield name, torch.empty(tensor.shape, dtype=dtype, device="meta")
 
 
-def export_weights(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
-    return _buckets(worker, bucket_bytes)
+def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Iterator[WeightBucket]:
+    return _buckets(worker, bucket_bytes, in_process)
 
 
-def _buckets(worker, bucket_bytes: int) -> Iterator[WeightBucket]:
-    rank0 = is_rank0()
-    for bucket in bucketize(hf_tensors(worker, keep=rank0), bucket_bytes):
-        yield bucket if rank0 else WeightBucket()
+def _buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
+    # mbridge's walk gives every rank each full tensor: in process, every rank keeps them.
+    keep = in_process or is_rank0()
+    device = None if in_process else "cpu"
+    for bucket in bucketize(hf_tensors(worker, keep=keep, device=device), bucket_bytes):
+        yield bucket if keep else WeightBucket()
 
 
 def export_hf(worker, path: str) -> bool:
