@@ -1,5 +1,6 @@
 """Time per phase of the quickstart (rollout, reward, log-probs, training, weight sync,
-checkpoint), steps/s and tokens/s, printed as a table.
+checkpoint, and the driver's time outside the phases), driver calls per step, steps/s and
+tokens/s, printed as a table.
 
     python benchmarks/quickstart.py [--steps 100] [--save-steps 25] [--workflow WORKFLOW.yaml]
 """
@@ -16,7 +17,16 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-PHASES = ("rollout", "reward", "logprobs", "train", "weight_sync", "checkpoint")
+# "outside_phases": step time no phase accounts for (the driver's own work between phases).
+PHASES = (
+    "rollout",
+    "reward",
+    "logprobs",
+    "train",
+    "weight_sync",
+    "checkpoint",
+    "outside_phases",
+)
 
 
 def main() -> int:
@@ -75,6 +85,8 @@ def main() -> int:
     for phase, per_step, per_call, share in rows:
         print(f"{phase:<12} {per_step:>9.1f} {per_call:>9.1f} {share:>6.1f}%")
     print(f"{'step':<12} {1000 * statistics.mean(m['time/step'] for m in steady):>9.1f}")
+    calls = statistics.mean(m.get("driver/calls", 0.0) for m in steady)
+    print(f"driver calls/step     {calls:.1f} (one per rank called)")
     print(f"steps/s (loop)        {len(metrics) / loop_time:.2f}")
     print(f"tokens/s (loop)       {tokens / loop_time:.0f}")
     print(f"start-up + teardown   {wall - loop_time:.1f} s")
