@@ -1,0 +1,362 @@
+"""posttrain against Hugging Face TRL's GRPOTrainer on the tiny addition task, side by side in one
+run: per-step time, start-up, and steps and time to a rolling reward threshold, as ratios.
+
+    benchmarks/trl_env.sh .venv-trl        # once: TRL in its own virtual environment
+    nice -n 5 python benchmarks/vs_trl.py [--steps 200] [--threshold 0.65] [--window 10]
+        [--trl-python .venv-trl/bin/python] [--set KEY=VALUE ...]
+
+Both sides start from the same locally built model: a ~0.5M-parameter Qwen2 over the arithmetic
+alphabet (posttrain.presets' builder, hidden 128, 2 layers), given a short supervised warm start
+(plain torch, deterministic) that teaches the format, not the sums: after "a+b=" it emits a
+digit, any digit equally likely (see ``warm_start``). Then GRPO on the 55 problems of
+``single_digit_addition`` with the ``exact_match`` reward: 8 prompts x 8 samples = 64 completions
+and one optimizer step per RL step, lr 1e-4, temperature 1, one new token, no KL, one thread per
+process. posttrain runs benchmarks/vs_trl.yaml through ``posttrain run`` (fsdp2_train + hf_infer
+on device [0]); TRL runs benchmarks/trl_grpo_side.py in its venv. The sides run one after the
+other, never at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+WORKFLOW = REPO / "benchmarks" / "vs_trl.yaml"
+TRL_SIDE = REPO / "benchmarks" / "trl_grpo_side.py"
+WARMUP_STEPS = 5  # steps left out of the steady-state per-step time (caches, allocator, JIT)
+
+
+# --- the shared starting point -------------------------------------------------------------------
+
+
+def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -> dict:
+    """Build the ~0.5M-parameter Qwen2 and give it a short SFT on the task's format.
+
+    The target after each prompt "a+b=" is a distribution over the ten digits: ``answer_weight``
+    on the right sum and the rest spread evenly over all ten digits (default weight 0: the format
+    only, so the starting reward is chance, 0.1; SFT on the sums themselves reaches 0.98 within
+    100 steps and would leave RL nothing to learn). Full batch of all 55 prompts, AdamW lr 1e-3,
+    ``sft_steps`` steps, one thread, fixed seed: the same weights on every run of this machine.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from posttrain.data import synthetic_single_digit_addition
+    from posttrain.presets import Preset, build_preset, build_tokenizer
+
+    preset = Preset(
+        hidden_size=128,
+        num_hidden_layers=2,
+        seed=seed,
+        description="Qwen2, hidden 128, 2 layers, arithmetic alphabet (~0.5M parameters)",
+    )
+    base = out_dir.with_name(out_dir.name + "-init")
+    build_preset(preset, str(base))
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_pretrained(str(base), dtype=torch.float32)
+    tokenizer = build_tokenizer()
+    records = synthetic_single_digit_addition()
+    ids = torch.tensor([tokenizer(r["prompt"])["input_ids"] for r in records])
+    answers = torch.tensor([tokenizer(r["answer"])["input_ids"][0] for r in records])
+    digits = torch.tensor([tokenizer(str(d))["input_ids"][0] for d in range(10)])
+    target = torch.zeros(len(records), model.config.vocab_size)
+    target[:, digits] = (1.0 - answer_weight) / len(digits)
+    target[torch.arange(len(records)), answers] += answer_weight
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.0)
+    start = time.perf_counter()
+    model.train()
+    for _ in range(sft_steps):
+        logits = model(input_ids=ids).logits[:, -1].float()
+        loss = -(target * torch.log_softmax(logits, dim=-1)).sum(-1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.eval()
+    with torch.no_grad():
+        probs = torch.softmax(model(input_ids=ids).logits[:, -1].float(), dim=-1)
+    info = {
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "sft_seconds": time.perf_counter() - start,
+        "sft_loss": float(loss.detach()),
+        # The expected exact_match reward at temperature 1 over the 55 prompts.
+        "expected_reward": float(probs.gather(1, answers[:, None]).mean()),
+        "p_digit": float(probs[:, digits].sum(-1).mean()),
+    }
+    model.save_pretrained(str(out_dir), safe_serialization=True)
+    for name in os.listdir(base):  # the tokenizer files, as the preset builder wrote them
+        if name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(base / name, out_dir / name)
+    shutil.rmtree(base)
+    return info
+
+
+# --- the two sides -------------------------------------------------------------------------------
+
+
+def side_env() -> dict[str, str]:
+    return {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "MKL_NUM_THREADS": "1",
+        "TOKENIZERS_PARALLELISM": "false",
+    }
+
+
+def follow(proc: subprocess.Popen, path: Path, poll_s: float = 0.005) -> list[tuple[float, dict]]:
+    """Lines of a JSONL file as the process appends them, each with its arrival (time.time())."""
+    lines: list[tuple[float, dict]] = []
+    buf = ""
+    handle = None
+    while True:
+        running = proc.poll() is None
+        if handle is None and path.exists():
+            handle = open(path, encoding="utf-8")  # noqa: SIM115
+        if handle is not None:
+            chunk = handle.read()
+            now = time.time()
+            if chunk:
+                buf += chunk
+                *complete, buf = buf.split("\n")
+                lines += [(now, json.loads(line)) for line in complete if line.strip()]
+        if not running:
+            break
+        time.sleep(poll_s)
+    if handle is not None:
+        handle.close()
+    return lines
+
+
+def run_side(name: str, cmd: list[str], steps_file: Path, log: Path) -> tuple[float, float, list]:
+    with open(log, "w") as out:
+        launch = time.time()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=side_env(), cwd=REPO)
+        lines = follow(proc, steps_file)
+        done = time.time()
+    if proc.returncode:
+        tail = log.read_text()[-3000:]
+        sys.exit(f"{name} side failed (exit {proc.returncode}); log {log}:\n{tail}")
+    return launch, done, lines
+
+
+def run_posttrain(work: Path, model_dir: Path, steps: int, extra: list[str]) -> dict:
+    run_dir = work / "posttrain_run"
+    cmd = [sys.executable, "-m", "posttrain.cli", "run", str(WORKFLOW)]
+    sets = [
+        f"model_args.model_name_or_path={model_dir}",
+        f"trainer.output_dir={run_dir}",
+        f"trainer.max_steps={steps}",
+        *extra,
+    ]
+    for item in sets:
+        cmd += ["--set", item]
+    launch, done, lines = run_side(
+        "posttrain", cmd, run_dir / "metrics.jsonl", work / "posttrain.log"
+    )
+    rows = []
+    for arrived, m in lines:
+        # A step's metrics line is written as the step ends; time/step is the step's own time.
+        rows.append(
+            {
+                "reward": m["reward/mean"],
+                "begin": arrived - m["time/step"],
+                "end": arrived,
+                "own": m["time/step"],
+            }
+        )
+    return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
+
+
+def run_trl(work: Path, model_dir: Path, prompts: Path, steps: int, trl_python: str) -> dict:
+    steps_file = work / "trl_steps.jsonl"
+    cmd = [
+        trl_python,
+        str(TRL_SIDE),
+        "--model",
+        str(model_dir),
+        "--prompts",
+        str(prompts),
+        "--out",
+        str(steps_file),
+        "--output-dir",
+        str(work / "trl_output"),
+        "--steps",
+        str(steps),
+        "--prompts-per-step",
+        "8",
+        "--group-size",
+        "8",
+        "--lr",
+        "1e-4",
+    ]
+    launch, done, lines = run_side("TRL", cmd, steps_file, work / "trl.log")
+    rows = [
+        {"reward": r["reward"], "begin": r["begin"], "end": r["end"], "own": r["end"] - r["begin"]}
+        for _, r in lines
+    ]
+    return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
+
+
+# --- measures ------------------------------------------------------------------------------------
+
+
+def summarize(side: dict, threshold: float, window: int) -> dict:
+    rows = side["rows"]
+    ends = [r["end"] for r in rows]
+    # Wall time per step: from one step's end to the next (everything the loop does, logging
+    # included), steady state only.
+    intervals = [b - a for a, b in itertools.pairwise(ends)][WARMUP_STEPS:]
+    own = [r["own"] for r in rows][WARMUP_STEPS + 1 :]
+    rewards = [r["reward"] for r in rows]
+    first_begin = rows[0]["begin"]
+    out = {
+        "step": statistics.median(intervals) if intervals else float("nan"),
+        "step_own": statistics.median(own) if own else float("nan"),
+        "startup": first_begin - side["launch"],
+        "loop": ends[-1] - first_begin,
+        "wall": side["done"] - side["launch"],
+        "steps": len(rows),
+        "reward_first": statistics.mean(rewards[:window]),
+        "reward_last": statistics.mean(rewards[-window:]),
+        "hit_step": None,
+        "hit_loop": None,
+        "hit_wall": None,
+    }
+    for k in range(window, len(rows) + 1):
+        if statistics.mean(rewards[k - window : k]) >= threshold:
+            out["hit_step"] = k
+            out["hit_loop"] = rows[k - 1]["end"] - first_begin
+            out["hit_wall"] = rows[k - 1]["end"] - side["launch"]
+            break
+    return out
+
+
+def fmt(value, spec: str) -> str:
+    return "-" if value is None or value != value else format(value, spec)
+
+
+def ratio(a, b) -> str:
+    return "-" if a is None or b is None or not b or a != a or b != b else f"{a / b:.2f}x"
+
+
+def print_table(pt: dict, trl: dict, args, info: dict, trl_version: str) -> None:
+    print(
+        f"\nposttrain vs TRL {trl_version}: single_digit_addition, {info['parameters'] / 1e6:.2f}M-"
+        f"parameter Qwen2, warm start reward {info['expected_reward']:.3f}, 64 completions/step, "
+        f"lr 1e-4, one thread per process, {args.steps} steps"
+    )
+    if args.set:
+        print(f"posttrain overrides: {' '.join(args.set)}")
+    rows = [
+        (f"wall time per step, median after step {WARMUP_STEPS} (s)", "step", ".4f"),
+        ("step's own time, median (s)", "step_own", ".4f"),
+        ("start-up: launch to step 1 (s)", "startup", ".1f"),
+        (f"steps to rolling({args.window}) reward >= {args.threshold}", "hit_step", "d"),
+        ("time to threshold, from step 1 (s)", "hit_loop", ".1f"),
+        ("time to threshold, from launch (s)", "hit_wall", ".1f"),
+        ("loop time, all steps (s)", "loop", ".1f"),
+        ("wall time, launch to exit (s)", "wall", ".1f"),
+        (f"reward, first {args.window} steps", "reward_first", ".3f"),
+        (f"reward, last {args.window} steps", "reward_last", ".3f"),
+    ]
+    width = max(len(label) for label, _, _ in rows)
+    print(f"| {'':{width}} | {'posttrain':>9} | {'TRL':>9} | {'pt/TRL':>7} |")
+    print(f"| {'-' * width} | {'-' * 9} | {'-' * 9} | {'-' * 7} |")
+    for label, key, spec in rows:
+        a, b = pt[key], trl[key]
+        r = ratio(a, b) if not key.startswith("reward") else ""
+        print(f"| {label:{width}} | {fmt(a, spec):>9} | {fmt(b, spec):>9} | {r:>7} |")
+    print(
+        f"goals: time to threshold <= 0.5x TRL's (now {ratio(pt['hit_loop'], trl['hit_loop'])} "
+        f"from step 1, {ratio(pt['hit_wall'], trl['hit_wall'])} from launch); per step <= 1.0x "
+        f"(now {ratio(pt['step'], trl['step'])})"
+    )
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=200, help="RL steps per side")
+    parser.add_argument("--threshold", type=float, default=0.65, help="rolling reward to reach")
+    parser.add_argument(
+        "--window",
+        type=int,
+        default=10,
+        help="steps in the rolling mean (10: 640 completions; the per-step reward has a standard "
+        "error of ~0.06-0.08 near 0.65 from 64 correlated samples, a 10-step mean ~0.02-0.03, so "
+        "one lucky batch cannot cross the threshold while the lag stays ~5 steps)",
+    )
+    parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    parser.add_argument("--set", action="append", default=[], help="posttrain workflow overrides")
+    parser.add_argument("--sft-steps", type=int, default=100, help="warm-start SFT steps")
+    parser.add_argument(
+        "--sft-answer-weight",
+        type=float,
+        default=0.0,
+        help="weight of the right sum in the SFT target (0: format only, chance reward)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="model init and SFT seed")
+    parser.add_argument("--work-dir", default=None, help="keep model, logs and metrics here")
+    parser.add_argument("--only", choices=["posttrain", "trl"], default=None, help="run one side")
+    args = parser.parse_args()
+    if args.steps <= max(args.window, WARMUP_STEPS + 1):
+        parser.error("--steps must exceed --window and the warm-up steps")
+    trl_python = args.trl_python
+    if args.only != "posttrain" and not Path(trl_python).exists():
+        sys.exit(f"no TRL python at {trl_python}; run: benchmarks/trl_env.sh .venv-trl")
+
+    import torch
+
+    torch.set_num_threads(1)
+    work = Path(args.work_dir or tempfile.mkdtemp(prefix="posttrain-vs-trl-")).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    model_dir = work / "warm_start"
+    if model_dir.exists():
+        shutil.rmtree(model_dir)
+    info = warm_start(model_dir, args.sft_steps, args.sft_answer_weight, args.seed)
+    print(
+        f"warm start: {info['parameters']:,} parameters, {args.sft_steps} SFT steps in "
+        f"{info['sft_seconds']:.1f} s, P(digit) {info['p_digit']:.3f}, expected reward "
+        f"{info['expected_reward']:.3f} -> {model_dir}"
+    )
+    from posttrain.data import synthetic_single_digit_addition
+
+    prompts = work / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps(r) + "\n" for r in synthetic_single_digit_addition()))
+
+    trl_version = "-"
+    if args.only != "posttrain":
+        trl_version = subprocess.run(
+            [trl_python, "-c", "import trl; print(trl.__version__)"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.strip()
+
+    results = {}
+    if args.only != "trl":
+        print(f"posttrain: {args.steps} steps ...", flush=True)
+        results["posttrain"] = run_posttrain(work, model_dir, args.steps, args.set)
+    if args.only != "posttrain":
+        print(f"TRL {trl_version}: {args.steps} steps ...", flush=True)
+        results["trl"] = run_trl(work, model_dir, prompts, args.steps, trl_python)
+    summaries = {k: summarize(v, args.threshold, args.window) for k, v in results.items()}
+    (work / "summary.json").write_text(json.dumps({"warm_start": info, **summaries}, indent=2))
+    if len(summaries) == 2:
+        print_table(summaries["posttrain"], summaries["trl"], args, info, trl_version)
+    else:
+        print(json.dumps(summaries, indent=2))
+    print(f"model, logs and per-step metrics: {work}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
