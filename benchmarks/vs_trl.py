@@ -53,6 +53,7 @@ def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -
     """
     import torch
     from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     from posttrain.data import synthetic_single_digit_addition
     from posttrain.presets import Preset, build_preset, build_tokenizer
@@ -63,6 +64,7 @@ def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -
         seed=seed,
         description="Qwen2, hidden 128, 2 layers, arithmetic alphabet (~0.5M parameters)",
     )
+    hf_logging.disable_progress_bar()
     base = out_dir.with_name(out_dir.name + "-init")
     build_preset(preset, str(base))
     torch.manual_seed(seed)
