@@ -101,12 +101,8 @@ def _shard(
         param_dtype=torch_dtype(param_dtype) if param_dtype else None,
         reduce_dtype=torch_dtype(reduce_dtype) if reduce_dtype else None,
     )
-    offload: OffloadPolicy = OffloadPolicy()
-    if cpu_offload:
-        if _is_cuda(worker):
-            offload = CPUOffloadPolicy()
-        else:
-            log.debug("fsdp: cpu_offload has no effect on a CPU device")
+    # cpu_offload on a CPU device has nothing to move (load_model passes False there).
+    offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
     kwargs = {"mesh": worker.state["mesh"], "mp_policy": mp, "offload_policy": offload}
     for layer in _decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -127,14 +123,14 @@ def load_model(worker):
     if param_dtype == model_args.dtype:
         param_dtype = None  # no cast needed
     reduce_dtype = getattr(cfg, "reduce_dtype", None)
-    _shard(
-        worker,
-        model,
-        param_dtype,
-        reduce_dtype,
-        cfg.reshard_after_forward,
-        getattr(cfg, "cpu_offload", False),
-    )
+    offload = getattr(cfg, "cpu_offload", False) and _is_cuda(worker)
+    if dist.get_world_size() == 1 and param_dtype is None and not offload:
+        # Nothing to shard, cast or offload: a plain module skips FSDP's hooks and DTensor
+        # dispatch (a third of a small model's step on CPU); checkpoints, export and memory
+        # release take plain tensors as they take DTensors.
+        model.to(_device(worker))
+    else:
+        _shard(worker, model, param_dtype, reduce_dtype, cfg.reshard_after_forward, offload)
     if train:
         _build_optimizer(worker, model)
         model.train()
