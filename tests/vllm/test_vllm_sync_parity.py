@@ -140,3 +140,45 @@ def test_two_data_parallel_engines(tiny_model_path, tmp_path):
         assert max_sample_logprob_diff(out, ref) <= 1e-5
     finally:
         launcher.shutdown()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240)
+def test_in_process_sync_beside_the_trainer(tiny_model_path, tmp_path):
+    """Hybrid engine: vllm in fsdp2_train's own 2 rank processes (vLLM's external launcher
+    over the trainer's world, one engine per rank); after a step, the in-process hand-over (one
+    call per rank, no host copy) gives both engines the trainer's weights: their sampled
+    log-probs equal the trainer's."""
+    from posttrain.protocol import concat_tensor_rows
+    from posttrain.weight_sync.transport import InProcessTransport
+
+    launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=180)
+    try:
+        groups = launcher.start_processes(
+            [
+                _spec("fsdp2_train", {}, 2, "actor_train", tiny_model_path, tmp_path),
+                _spec("vllm", {}, 2, "actor_infer", tiny_model_path, tmp_path),
+            ]
+        )
+        trainer, rollout = groups["actor_train"], groups["actor_infer"]
+        assert trainer.shares_processes_with(rollout) and rollout.dp_size == 2
+        batch = synthetic_train_batch(dp_size=trainer.dp_size)
+        trainer.call_dp("train_step", batch.split(trainer.dp_size))
+        calls = launcher.driver_calls()
+        stats = InProcessTransport(bucket_bytes=64 << 10).run(trainer, rollout)
+        assert launcher.driver_calls() - calls == 2  # one call per rank for the whole sync
+        assert stats["buckets"] > 1
+        sampling = SamplingParams(n=2, max_new_tokens=8)
+        shares = [
+            GenerationRequest(prompt_ids=PROMPTS[2 * i : 2 * i + 2], sampling=sampling, seed=i)
+            for i in range(2)
+        ]
+        out = RolloutSamples.concat(rollout.call_dp("generate", shares))
+        assert len(out) == 8
+        sample_batch = samples_batch(out)
+        got = concat_tensor_rows(trainer.call_dp("compute_logprobs", sample_batch.split(2)))
+        diff = max_sample_logprob_diff(out, got)
+        print(f"\nvllm beside fsdp2_train: max |logprob diff| = {diff:.2e}")
+        assert diff <= TOLERANCE
+    finally:
+        launcher.shutdown()

@@ -8,6 +8,12 @@ Weight import: with the in-process engine (``VLLM_ENABLE_V1_MULTIPROCESSING=0``,
 here) the tensors go straight to the worker through ``collective_rpc("reload_weights",
 weights_iterator=...)``. With the multiprocessing engine tensors do not survive the RPC, so each
 bucket is written as safetensors into a tmpfs directory and loaded with ``weights_path=``.
+
+Hybrid engine: beside a trainer in the same rank processes, the trainer has already made the
+process group, and vLLM's own single-process world cannot be made next to it. The engine then
+runs with vLLM's ``external_launcher`` executor (as verl's does): vLLM takes the existing world
+as its outer data-parallel dimension, each rank a replica of its own, and the ``in_process``
+transport hands the trainer's tensors to ``reload_weights`` without a copy through host memory.
 """
 
 from __future__ import annotations
@@ -35,6 +41,7 @@ _ENGINE = "vllm_engine"
 _SHM_DIR = "vllm_shm_dir"
 _HAS_TOKENIZER = "vllm_has_tokenizer"
 _CPU_SLEEP_WARNED = "vllm_cpu_sleep_warned"
+_EXTERNAL_WORLD = "vllm_external_world"
 CPU_KV_CACHE_BYTES = 64 << 20
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
@@ -48,6 +55,12 @@ def _is_cuda(worker) -> bool:
 def multiprocessing_engine() -> bool:
     """Whether vLLM runs its engine core in a separate process (env ``VLLM_ENABLE_V1_...``)."""
     return os.environ.get(_MP_ENV, "0").strip().lower() in ("1", "true")
+
+
+def beside_another_role() -> bool:
+    """Whether another role of this rank process (a trainer) already made the process group:
+    vLLM must then join that world (``external_launcher``) instead of making its own."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -100,6 +113,8 @@ def engine_args(worker) -> dict[str, Any]:
         # Weight import (and re-tying a tied LM head) runs in the worker through this.
         "worker_extension_cls": worker_side.EXTENSION,
     }
+    if beside_another_role():
+        args["distributed_executor_backend"] = "external_launcher"
     if cfg.kv_cache_memory_bytes is not None:
         args["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
     elif not _is_cuda(worker):
@@ -186,6 +201,11 @@ def load_model(worker):
     if not _is_leader(worker):
         return {"replica_leader": False}
     os.environ.setdefault(_MP_ENV, "0")
+    if beside_another_role() and multiprocessing_engine():
+        raise UserError(
+            "vllm: beside another role in the same processes (cluster.colocation: auto) the "
+            f"engine runs in-process; unset {_MP_ENV} or set cluster.colocation: separate"
+        )
     if _is_cuda(worker) and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # The leader drives the replica's GPUs: its own and the next tp - 1. (A launcher that
         # already narrowed the visible devices, as Ray does, is left alone.)
@@ -212,6 +232,7 @@ def load_model(worker):
         # vLLM drops torch to one thread in-process; give the rank back its setting.
         _restore_threads(threads)
     worker.state[_ENGINE] = llm  # before the check below, so that shutdown stops it
+    worker.state[_EXTERNAL_WORLD] = args.get("distributed_executor_backend") == "external_launcher"
     worker.state[_HAS_TOKENIZER] = not args["skip_tokenizer_init"]
     if worker.state[_HAS_TOKENIZER]:
         _check_engine_tokenizer(worker, llm)
@@ -452,7 +473,9 @@ def shutdown(worker) -> bool:
             )
 
             destroy_model_parallel()
-            destroy_distributed_environment()
+            if not worker.state.pop(_EXTERNAL_WORLD, False):
+                # The world is vLLM's own; beside a trainer it is the trainer's, left to it.
+                destroy_distributed_environment()
         except Exception as exc:
             log.debug("vLLM distributed teardown: %s", exc)
         if torch.cuda.is_available():

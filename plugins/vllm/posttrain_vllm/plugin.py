@@ -90,12 +90,40 @@ class VLLMPlugin(EngineHooks):
                 capabilities=Capabilities(
                     kind="rollout",
                     parallel_dims=("tensor_parallel_size",),
-                    import_transports=("shared_memory", "broadcast"),
+                    import_transports=("in_process", "shared_memory", "broadcast"),
                     computes_logprobs=True,
                     stop_strings=True,
+                    shares_process=True,
                 ),
                 description="rollout with vLLM (tensor parallel in a replica, sleep mode on GPU)",
             )
+        ]
+
+    @hookimpl(wrapper=True)
+    def posttrain_plan_processes(self, workflow, strategies):
+        """Beside a trainer, every rank drives an engine of its own (vLLM's external launcher
+        makes the trainer's world its data-parallel dimension); with tensor parallelism one rank
+        drives a replica's engine over several devices, so such a role keeps its own processes."""
+        plan = yield
+        roles = workflow.roles()
+
+        def alone(name: str) -> bool:
+            role = roles[name]
+            config = role.strategy_args.strategy_config
+            return (
+                role.strategy_args.strategy_name == STRATEGY
+                and getattr(config, "tensor_parallel_size", 1) > 1
+            )
+
+        return [
+            part
+            for members in plan
+            for part in (
+                [tuple(m for m in members if not alone(m))] + [(m,) for m in members if alone(m)]
+                if len(members) > 1
+                else [members]
+            )
+            if part
         ]
 
     @hookimpl
