@@ -96,8 +96,8 @@ def test_colocated_roles_share_bundles(ray_setup):
     shared = launcher.placements[("actor_infer", "reference")]
     assert train.pg is shared.pg
     assert (train.bundles, shared.bundles) == ([0, 1], [0])
-    # 2 CPUs, 2 bundles: half the CPUs in bundles (0.5 each); bundle 0 split between its 2 actors (the
-    # two roles of the shared actor count once), bundle 1 all actor_train's.
+    # 2 CPUs, 2 bundles: half the CPUs in bundles (0.5 each); bundle 0 split between its 2
+    # actors (the two roles of the shared actor count once), bundle 1 all actor_train's.
     assert train.cpus == [0.25, 0.5] and shared.cpus == [0.25]
     assert train.gpus == [0, 0]
 
