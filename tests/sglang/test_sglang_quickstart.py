@@ -68,8 +68,10 @@ def test_quickstart_sglang_learns_addition(tmp_path, posttrain_cache):
     run_dir = tmp_path / "run"
     metrics, wall = _run(run_dir, timeout=880)
     rewards = [m["reward/mean"] for m in metrics]
-    last = sum(rewards[-10:]) / 10
-    print(f"\nquickstart_sglang: {len(rewards)} steps in {wall:.0f}s, last-10 reward {last:.3f}")
+    # SGLang's sampling is not seeded per request: one 10-step window swings by +-0.08 around
+    # the plateau (~0.81); 40 steps (10240 samples) do not.
+    last = sum(rewards[-40:]) / 40
+    print(f"\nquickstart_sglang: {len(rewards)} steps in {wall:.0f}s, last-40 reward {last:.3f}")
     assert len(rewards) == 400
     assert sum(rewards[:5]) / 5 < 0.2, "the model should start near chance"
     assert last >= 0.8

@@ -63,8 +63,12 @@ def groups(tiny_model_path, tmp_path_factory):
 
 def _rollout(rollout, seed: int) -> RolloutSamples:
     sampling = SamplingParams(n=4, max_new_tokens=8)
-    request = GenerationRequest(prompt_ids=PROMPTS, sampling=sampling, seed=seed)
-    return RolloutSamples.concat(rollout.call_dp("generate", [request]))
+    per = len(PROMPTS) // rollout.dp_size
+    requests = [
+        GenerationRequest(prompt_ids=PROMPTS[i * per : (i + 1) * per], sampling=sampling, seed=seed)
+        for i in range(rollout.dp_size)
+    ]
+    return RolloutSamples.concat(rollout.call_dp("generate", requests))
 
 
 def _trainer_logprobs(trainer, batch):
@@ -84,7 +88,9 @@ def _train_sync_check(trainer, rollout, transport, seed: int, name="fsdp2_train"
     sample_batch = samples_batch(out)
     expected = _trainer_logprobs(trainer, sample_batch)
     diff = max_sample_logprob_diff(out, expected)
-    scored = concat_tensor_rows(rollout.call_dp("compute_logprobs", [sample_batch]))
+    scored = concat_tensor_rows(
+        rollout.call_dp("compute_logprobs", sample_batch.split(rollout.dp_size))
+    )
     scored_diff = float(((scored - expected) * sample_batch.response_mask).abs().max())
     print(
         f"\nsglang via {transport.name}: sync {sync_s:.2f}s ({stats['buckets']} buckets), "
@@ -146,6 +152,36 @@ def test_megatron_tp2_sync_then_logprobs_match_trainer(groups, tiny_model_path, 
         _train_sync_check(trainer, rollout, transport, 4, name="megatron_train TP2")
     finally:
         launcher.shutdown()
+
+
+def test_in_process_sync_beside_the_trainer_then_logprobs_match(tiny_model_path, tmp_path):
+    """Hybrid engine: sglang in fsdp2_train's own 2 rank processes (one engine per rank, its
+    schedulers child processes); the in-process hand-over (one call per rank) loads the
+    trainer's tensors with update_weights_from_tensor."""
+    from posttrain.weight_sync.transport import InProcessTransport
+
+    before = descendants()
+    launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=240)
+    try:
+        groups = launcher.start_processes(
+            [
+                group_spec("fsdp2_train", {}, 2, "actor_train", tiny_model_path, tmp_path),
+                group_spec("sglang", {}, 2, "actor_infer", tiny_model_path, tmp_path),
+            ]
+        )
+        trainer, rollout = groups["actor_train"], groups["actor_infer"]
+        assert trainer.shares_processes_with(rollout) and rollout.dp_size == 2
+        calls = launcher.driver_calls()
+        _train_sync_check(trainer, rollout, InProcessTransport(bucket_bytes=BUCKET_BYTES), 5)
+        # train step, stale rollout and its log-probs, the sync, rollout, log-probs, scoring:
+        # the sync itself is one call per rank.
+        assert launcher.driver_calls() - calls == 7 * 2
+    finally:
+        launcher.shutdown()
+    deadline = time.monotonic() + 30
+    while engine_processes(before) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not engine_processes(before), "leaked processes"
 
 
 def test_release_and_resume_are_noops_on_cpu_said_once(groups):

@@ -97,14 +97,26 @@ def flush_cache(worker, engine) -> None:
 
 
 def update_from_tensors(worker, engine, tensors, timeout_s: float) -> None:
-    """Load ``(name, tensor)`` pairs (tensors travel to the scheduler as shared memory)."""
+    """Load ``(name, tensor)`` pairs: CUDA tensors travel to the scheduler as IPC handles, host
+    tensors as shared memory."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
     from sglang.srt.utils import MultiprocessingSerializer
 
+    tensors = [(name, _shareable(t)) for name, t in tensors]
     payload = [MultiprocessingSerializer.serialize(tensors) for _ in range(worker.config.tp_size)]
     request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload, **_FLUSH)
     what = "update_weights_from_tensor"
     _ok(bounded(worker, engine, what, request, timeout_s, what), what)
+
+
+def _shareable(tensor):
+    """Pickling a host tensor moves its storage into shared memory in place: a tensor the
+    trainer still owns (in-process hand-over) is copied there instead, once, as the move would."""
+    if tensor.is_cuda or tensor.is_shared():
+        return tensor
+    import torch
+
+    return torch.empty_like(tensor).share_memory_().copy_(tensor)
 
 
 def init_group(worker, engine, address, port, rank, world_size, group, backend, timeout_s):

@@ -6,9 +6,10 @@ the engine runs with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1``, so they compare direc
 trainer's forward pass, as ``hf_infer``'s and ``vllm``'s do.
 
 Weight import, both through ``begin_weight_update`` / ``end_weight_update`` and a cache flush:
-colocated (``shared_memory`` transport) the buckets arrive on the rank and go to the scheduler with
-``update_weights_from_tensor`` (as shared memory); on separate devices (``broadcast`` transport)
-the scheduler receives them itself (:mod:`posttrain_sglang.receiver`).
+beside the trainer in its process (``in_process`` transport: the trainer's tensors, CUDA IPC
+handles on GPU) or colocated (``shared_memory`` transport: the buckets arrive on the rank) they
+go to the scheduler with ``update_weights_from_tensor``; on separate devices (``broadcast``
+transport) the scheduler receives them itself (:mod:`posttrain_sglang.receiver`).
 """
 
 from __future__ import annotations

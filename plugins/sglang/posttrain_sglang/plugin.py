@@ -89,9 +89,12 @@ class SGLangPlugin(EngineHooks):
                 capabilities=Capabilities(
                     kind="rollout",
                     parallel_dims=("tp_size",),
-                    import_transports=("shared_memory", "broadcast"),
+                    import_transports=("in_process", "shared_memory", "broadcast"),
                     computes_logprobs=True,
                     stop_strings=True,  # SamplingParams.stop goes to SGLang's `stop`
+                    # The engine's schedulers are child processes of their own; the rank only
+                    # drives them, so it can live beside a trainer.
+                    shares_process=True,
                 ),
                 description="rollout with SGLang (weights from tensors or a broadcast group)",
             )
