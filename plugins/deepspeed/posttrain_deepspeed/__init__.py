@@ -1,0 +1,1 @@
+"""posttrain-deepspeed: DeepSpeed ZeRO strategies."""

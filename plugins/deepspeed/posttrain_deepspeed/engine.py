@@ -1,0 +1,756 @@
+"""Engine side of ``deepspeed_train`` / ``deepspeed_infer``: an HF causal LM in a DeepSpeed engine.
+
+``worker.model`` is the :class:`deepspeed.DeepSpeedEngine`; ``engine.module`` is the HF model, so
+parameter names are HF names. Gradient accumulation is unmanaged
+(``managed_gradient_accumulation: false``): the number of micro-batches may change from step to
+step (dynamic batching), ``engine.backward`` accumulates and ``engine.step`` is the boundary.
+
+Collectives (ZeRO-3 parameter gathers in forward, ZeRO-2/3 gradient reduction in backward) need
+every rank to run the same passes: micro-batch counts are agreed on before a step, and ranks with
+fewer micro-batches run zero-weight ones.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import importlib
+import json
+import logging
+import math
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from posttrain.distributed import (
+    agree_max,
+    backend_for,
+    destroy_default_process_group,
+    init_default_process_group,
+)
+from posttrain.errors import CheckpointError, UserError
+from posttrain.lr_schedule import lr_lambda
+from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
+from posttrain.modeling import shifted_entropy, shifted_token_logprobs
+from posttrain.models import load_causal_lm, load_tokenizer, resolve_model_path, torch_dtype
+from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
+
+log = logging.getLogger(__name__)
+
+TRAIN = "deepspeed_train"
+TAG = "deepspeed"  # DeepSpeed's checkpoint tag (a sub-directory of the role's directory)
+LAYOUT_FILE = "deepspeed_layout.json"
+_logged_once: set[str] = set()
+
+
+# --------------------------------------------------------------------------------------------
+# Set-up
+# --------------------------------------------------------------------------------------------
+
+
+def _is_cuda(worker) -> bool:
+    return str(worker.device).startswith("cuda")
+
+
+def _device(worker) -> torch.device:
+    if _is_cuda(worker):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _log_once(message: str, level: int = logging.DEBUG) -> None:
+    if message not in _logged_once:
+        _logged_once.add(message)
+        log.log(level, message)
+
+
+def _deepspeed(worker):
+    """Import DeepSpeed with the accelerator matching the worker's device (it is chosen once, at
+    DeepSpeed's first import, from ``DS_ACCELERATOR``)."""
+    wanted = "cuda" if _is_cuda(worker) else "cpu"
+    os.environ.setdefault("DS_ACCELERATOR", wanted)
+    import deepspeed
+    from deepspeed.accelerator import get_accelerator
+
+    got = get_accelerator().device_name()
+    if got != wanted:
+        raise UserError(
+            f"role {worker.role}: DeepSpeed's accelerator is {got!r} but the role runs on "
+            f"{wanted!r} (DS_ACCELERATOR={os.environ.get('DS_ACCELERATOR')!r}): unset "
+            "DS_ACCELERATOR or set it to match the device"
+        )
+    return deepspeed
+
+
+def setup_parallel(worker) -> dict[str, int]:
+    deepspeed = _deepspeed(worker)
+    init_default_process_group(worker.device)
+    # DeepSpeed's comm layer wraps the default group torch.distributed already has.
+    deepspeed.init_distributed(dist_backend=backend_for(worker.device), dist_init_required=False)
+    return {"dp_rank": dist.get_rank(), "dp_size": dist.get_world_size()}
+
+
+def _refuse_on_cpu(worker) -> None:
+    if _is_cuda(worker):
+        return
+    if worker.model_args.dtype == "fp16":
+        raise UserError(
+            f"role {worker.role}: {worker.strategy_name} with model_args.dtype fp16 needs a GPU: "
+            "DeepSpeed's fp16 mixed precision (loss scaling, fused fp16 optimizer paths) is not "
+            "supported by its CPU accelerator; use bf16 or fp32 on CPU"
+        )
+    cfg = worker.config
+    if getattr(cfg, "offload_optimizer", False) or cfg.offload_param:
+        _log_once(
+            "deepspeed: offload_optimizer / offload_param have no effect on a CPU device "
+            "(parameters and optimizer state already live in host memory)",
+            logging.INFO,
+        )
+
+
+def build_ds_config(worker) -> dict[str, Any]:
+    """The DeepSpeed config of this role: the typed fields, then ``ds_config`` merged over."""
+    cfg = worker.config
+    train = worker.strategy_name == TRAIN
+    cuda = _is_cuda(worker)
+    zero: dict[str, Any] = {
+        "stage": cfg.zero_stage,
+        "overlap_comm": cfg.overlap_comm,
+        "contiguous_gradients": cfg.contiguous_gradients,
+        "reduce_bucket_size": cfg.reduce_bucket_size,
+        "allgather_bucket_size": cfg.allgather_bucket_size,
+    }
+    if cfg.zero_stage == 3:
+        zero.update(
+            stage3_param_persistence_threshold=cfg.stage3_param_persistence_threshold,
+            stage3_max_live_parameters=cfg.stage3_max_live_parameters,
+            stage3_max_reuse_distance=cfg.stage3_max_reuse_distance,
+            stage3_prefetch_bucket_size=cfg.stage3_prefetch_bucket_size,
+        )
+    if cuda and cfg.offload_param and cfg.zero_stage == 3:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+    if cuda and train and cfg.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+    dtype = worker.model_args.dtype
+    config: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": _micro_batch_size(worker, for_logprobs=False),
+        "gradient_accumulation_steps": 1,
+        "managed_gradient_accumulation": False,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == "bf16"},
+        "fp16": {"enabled": dtype == "fp16"},
+        # Any torch optimizer is fine with ZeRO (DeepSpeed lists only its own as tested).
+        "zero_allow_untested_optimizer": True,
+        "steps_per_print": 2**31 - 1,
+        "wall_clock_breakdown": False,
+    }
+    if train:
+        args = worker.training_args
+        clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0
+        config["gradient_clipping"] = float(clip)
+        if "offload_optimizer" in zero:
+            config["optimizer"] = {"type": "AdamW", "params": _adamw_params(args)}
+    return _merge(config, dict(cfg.ds_config))
+
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for key, value in over.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _adamw_params(args) -> dict[str, Any]:
+    return {
+        "lr": args.learning_rate,
+        "betas": [args.adam_beta1, args.adam_beta2],
+        "eps": args.adam_epsilon,
+        "weight_decay": args.weight_decay,
+    }
+
+
+def load_model(worker):
+    deepspeed = _deepspeed(worker)
+    _refuse_on_cpu(worker)
+    cfg = worker.config
+    train = worker.strategy_name == TRAIN
+    if train and worker.training_args is None:
+        raise UserError(f"role {worker.role}: deepspeed_train needs training_args")
+    ds_config = build_ds_config(worker)
+    if cfg.zero_stage == 3 and cfg.zero_init:
+        module = _load_partitioned(worker, deepspeed, ds_config)
+    else:
+        # float32 on the host; DeepSpeed casts to bf16 / fp16 and moves to the device.
+        module = load_causal_lm(_fp32(worker.model_args), worker.base_dir, "cpu")
+    if train and not worker.model_args.disable_gradient_checkpointing:
+        _enable_checkpointing(module)
+    optimizer = scheduler = None
+    if train:
+        args = worker.training_args
+        if "optimizer" not in ds_config:
+            optimizer = torch.optim.AdamW(
+                [p for p in module.parameters() if p.requires_grad],
+                lr=args.learning_rate,
+                betas=(args.adam_beta1, args.adam_beta2),
+                eps=args.adam_epsilon,
+                weight_decay=args.weight_decay,
+            )
+        multiplier = lr_lambda(args)
+
+        def scheduler(opt):
+            return torch.optim.lr_scheduler.LambdaLR(opt, multiplier)
+
+    else:
+        for p in module.parameters():
+            p.requires_grad_(False)
+    try:
+        engine, _, _, lr_scheduler = deepspeed.initialize(
+            model=module,
+            optimizer=optimizer,
+            model_parameters=None if optimizer is not None or not train else module.parameters(),
+            lr_scheduler=scheduler,
+            config=ds_config,
+            dist_init_required=False,
+        )
+    except (ValueError, TypeError, AssertionError) as exc:
+        raise UserError(
+            f"role {worker.role}: DeepSpeed refused the config built from strategy_config "
+            f"(ds_config passthrough included): {type(exc).__name__}: {exc}\n"
+            f"config: {json.dumps(ds_config, default=str)}"
+        ) from exc
+    worker.state["scheduler"] = lr_scheduler
+    worker.state["step"] = 0
+    worker.state["ds_config"] = ds_config
+    if train:
+        engine.train()
+    else:
+        engine.eval()
+    return engine
+
+
+def _fp32(model_args):
+    import attrs
+
+    return attrs.evolve(model_args, dtype="fp32")
+
+
+def _load_partitioned(worker, deepspeed, ds_config: dict) -> torch.nn.Module:
+    """ZeRO-3: build the model partitioned (``zero.Init``), then load the checkpoint one tensor at
+    a time (rank 0 reads it from the safetensors files, each gathered parameter is broadcast
+    back into its partitions): no rank holds the whole model."""
+    from safetensors import safe_open
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    model_args = worker.model_args
+    path = resolve_model_path(model_args.model_name_or_path, worker.base_dir)
+    files = _safetensors_files(path)
+    if files is None:
+        raise UserError(
+            f"role {worker.role}: zero_init loads the model partitioned from a local directory "
+            f"with safetensors weights; {path!r} has none (set strategy_config.zero_init: false "
+            "to load it whole on every rank first)"
+        )
+    hf_config = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    kwargs: dict[str, Any] = {"dtype": torch.float32}
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    # zero.Init patches torch.Tensor.__new__ while it is open: what imports torch._dynamo for the
+    # first time in there (transformers does, lazily) fails its signature check. Import first.
+    for name in ("torch._dynamo", "transformers.integrations.flash_attention"):
+        importlib.import_module(name)
+
+    # Every weight is loaded below: skip HF's initialisation (it indexes into partitions).
+    # No dtype argument: zero.Init's own pick follows the config (fp32 unless bf16 / fp16 is on);
+    # an explicit dtype is dropped for bf16 on accelerators without fp16 (the CPU's) by an
+    # operator-precedence slip in DeepSpeed 0.19's Init._set_dtype.
+    with deepspeed.zero.Init(config_dict_or_path=ds_config), _no_init():
+        module = AutoModelForCausalLM.from_config(
+            hf_config, trust_remote_code=model_args.trust_remote_code, **kwargs
+        )
+    module.tie_weights()  # no_init_weights skipped it too
+    rank0 = _is_rank0()
+    index = {}
+    if rank0:
+        for file in files:
+            with safe_open(file, framework="pt") as f:
+                index.update(dict.fromkeys(f.keys(), file))
+    tied = {n for n, _ in _tied_names(module)}
+    missing = []
+    for name, param in module.named_parameters():
+        present = torch.tensor([int(name in index)])
+        if dist.is_initialized():
+            dist.broadcast(present, 0)
+        if not present.item():
+            if name not in tied:
+                missing.append(name)
+            continue
+        with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
+            if rank0:
+                with safe_open(index[name], framework="pt") as f:
+                    param.data.copy_(f.get_tensor(name).to(param.dtype))
+    for name, buf in module.named_buffers():
+        if rank0 and name in index:
+            with safe_open(index[name], framework="pt") as f:
+                buf.data.copy_(f.get_tensor(name))
+        if dist.is_initialized():
+            dist.broadcast(buf.data, 0)
+    if missing:
+        raise UserError(
+            f"role {worker.role}: {path}: weights missing from the checkpoint: {missing}"
+        )
+    return module
+
+
+def _no_init():
+    try:
+        from transformers.initialization import no_init_weights
+    except ImportError:  # transformers 4.x
+        from transformers.modeling_utils import no_init_weights
+    return no_init_weights()
+
+
+def _safetensors_files(path: str) -> list[str] | None:
+    if not os.path.isdir(path):
+        return None
+    single = os.path.join(path, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index, encoding="utf-8") as f:
+            names = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(path, n) for n in names]
+    return None
+
+
+def _tied_names(module) -> list[tuple[str, str]]:
+    """``(name, owner name)`` of every parameter that is another parameter under a second name."""
+    first: dict[int, str] = {}
+    out = []
+    for name, param in module.named_parameters(remove_duplicate=False):
+        owner = first.setdefault(id(param), name)
+        if owner != name:
+            out.append((name, owner))
+    return out
+
+
+def _enable_checkpointing(model) -> None:
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+# --------------------------------------------------------------------------------------------
+# Micro-batches
+# --------------------------------------------------------------------------------------------
+
+
+def _micro_batch_size(worker, for_logprobs: bool) -> int:
+    cfg = worker.config
+    if worker.strategy_name != TRAIN:
+        return cfg.micro_batch_size or worker.state.get("infer_batch_size") or 8
+    if for_logprobs and cfg.logprob_micro_batch_size:
+        return cfg.logprob_micro_batch_size
+    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+
+
+def plan_micro_batches(
+    worker, batch: SequenceBatch, for_logprobs: bool = False
+) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches (row indices) and the number every rank will run."""
+    args = worker.training_args
+    dynamic = worker.strategy_name == TRAIN and args is not None and args.use_dynamic_batch_size
+    if dynamic:
+        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
+    else:
+        groups = fixed_micro_batches(len(batch), _micro_batch_size(worker, for_logprobs))
+    count = agree_max(len(groups), _device(worker))
+    if dynamic and len(groups) < count <= len(batch):
+        # Spread this rank's rows over as many micro-batches as the busiest rank runs.
+        spread = token_budget_micro_batches(
+            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
+        )
+        if len(spread) == count:
+            groups = spread
+    return groups, count
+
+
+def _filler(batch: SequenceBatch) -> SequenceBatch:
+    """A one-row micro-batch that scores nothing (response_mask 0): keeps collectives in step."""
+    if len(batch):
+        mb = batch.select([0])
+        tensors = dict(mb.tensors)
+        tensors["attention_mask"] = torch.zeros_like(tensors["attention_mask"])
+        tensors["attention_mask"][:, :2] = 1
+        tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
+        return SequenceBatch(tensors, dict(batch.meta)).trimmed()
+    tensors = {
+        k: torch.zeros((1, 2), dtype=v.dtype)
+        if v.dim() == 2
+        else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
+        for k, v in batch.tensors.items()
+    }
+    tensors["attention_mask"] = torch.ones((1, 2), dtype=torch.long)
+    return SequenceBatch(tensors, dict(batch.meta))
+
+
+def _to_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
+    return SequenceBatch(
+        {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}, dict(batch.meta)
+    )
+
+
+def _forward_logits(engine, mb: SequenceBatch) -> torch.Tensor:
+    out = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
+    return out.logits.float()
+
+
+# --------------------------------------------------------------------------------------------
+# Training and scoring
+# --------------------------------------------------------------------------------------------
+
+
+def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+    engine = worker.model
+    scheduler = worker.state["scheduler"]
+    device = _device(worker)
+    entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
+    engine.train()
+
+    groups, count = plan_micro_batches(worker, batch)
+    metrics: dict[str, float] = {}
+    for i in range(count):
+        real = i < len(groups)
+        mb = batch.select(groups[i]).trimmed() if real else _filler(batch)
+        mb = _to_device(mb, device)
+        logits = _forward_logits(engine, mb)
+        logprobs = shifted_token_logprobs(logits, mb.input_ids)
+        if entropy_grad:
+            entropy = shifted_entropy(logits)
+        else:
+            with torch.no_grad():
+                entropy = shifted_entropy(logits.detach())
+        loss, mb_metrics = loss_fn(logprobs, entropy, mb)
+        if not real:
+            loss = loss * 0.0
+        # The core's loss is already normalised over the whole step: no 1/accumulation scaling.
+        engine.backward(loss, scale_wrt_gas=False)
+        del logits, logprobs, entropy, loss
+        if real:
+            for key, value in mb_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+
+    lr = float(scheduler.get_last_lr()[0]) if scheduler is not None else float("nan")
+    engine.step()  # reduce (ZeRO-1) / finalize (ZeRO-2/3), clip, update, scheduler step
+    norm = engine.get_global_grad_norm()
+    grad_norm = float(norm) if norm is not None else float("nan")
+    if not math.isfinite(grad_norm):
+        log.warning(
+            "deepspeed: non-finite grad norm (%s) at step %d", grad_norm, worker.state["step"]
+        )
+    engine.zero_grad()
+    worker.state["step"] += 1
+    metrics["actor/grad_norm"] = grad_norm
+    metrics["actor/lr"] = lr
+    return metrics
+
+
+@torch.no_grad()
+def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+    engine = worker.model
+    device = _device(worker)
+    was_training = engine.training
+    engine.eval()
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
+    for i in range(count):
+        real = i < len(groups)
+        mb = batch.select(groups[i]).trimmed() if real else _filler(batch)
+        mb = _to_device(mb, device)
+        logits = _forward_logits(engine, mb)
+        if real:
+            lp = shifted_token_logprobs(logits, mb.input_ids) * mb.attention_mask
+            index = torch.as_tensor(groups[i], dtype=torch.long)
+            out[index, : lp.shape[1]] = lp.float().cpu()
+        del logits
+    engine.train(was_training)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Weights out: sync buckets and HF export
+# --------------------------------------------------------------------------------------------
+
+
+def _is_rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def _export_dtype(worker) -> torch.dtype:
+    return torch_dtype(worker.model_args.dtype)
+
+
+def _is_partitioned(tensor) -> bool:
+    return hasattr(tensor, "ds_id")
+
+
+def _full_shape(tensor) -> torch.Size:
+    return tensor.ds_shape if _is_partitioned(tensor) else tensor.shape
+
+
+def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Iterator[WeightBucket]:
+    """Generator of buckets of HF-named full tensors in the export dtype.
+
+    ``in_process=False``: rank 0 yields the tensors on the host; the other ranks yield empty
+    buckets, as many. ``in_process=True`` (the rollout role lives in this process): every rank
+    yields the tensors, left on the trainer's device. At ZeRO-3 one bucket's parameters are
+    gathered at a time (one all-gather per bucket), so no rank ever holds the whole model.
+    """
+    return _export_buckets(worker, bucket_bytes, in_process)
+
+
+def _plan(worker, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+    """Buckets of ``(hf_name, parameter or buffer)`` in state-dict order, sized by full shapes
+    (the same plan on every rank, whatever each rank holds)."""
+    dtype = _export_dtype(worker)
+    entries = list(worker.model.module.state_dict(keep_vars=True).items())
+    sources = dict(entries)
+    shaped = (
+        (name, torch.empty(_full_shape(value), dtype=dtype, device="meta"))
+        for name, value in entries
+    )
+    return [
+        [(n, sources[n]) for n, _ in bucket.tensors] for bucket in bucketize(shaped, bucket_bytes)
+    ]
+
+
+def _export_buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
+    deepspeed = _deepspeed(worker)
+    dtype = _export_dtype(worker)
+    keep = in_process or _is_rank0()
+    cache: dict[int, torch.Tensor] = {}  # tied weights: one gather, several names
+    for planned in _plan(worker, bucket_bytes):
+        gather: dict[int, Any] = {}
+        for _, value in planned:
+            if _is_partitioned(value) and id(value) not in cache:
+                gather[id(value)] = value
+        context = (
+            deepspeed.zero.GatheredParameters(list(gather.values()), modifier_rank=None)
+            if gather
+            else contextlib.nullcontext()
+        )
+        bucket = WeightBucket()
+        with context:
+            for name, value in planned:
+                tensor = cache.get(id(value))
+                if tensor is None:
+                    tensor = _export_tensor(value, dtype, in_process, keep)
+                    cache[id(value)] = tensor
+                bucket.tensors.append((name, tensor))
+        # Drop cached tensors no later bucket names (only tied weights repeat).
+        cache = {k: v for k, v in cache.items() if _tied_later(worker, k)}
+        yield bucket if keep else WeightBucket()
+
+
+def _tied_later(worker, key: int) -> bool:
+    tied = worker.state.get("_tied_ids")
+    if tied is None:
+        module = worker.model.module
+        ids: dict[int, int] = {}
+        for _, param in module.named_parameters(remove_duplicate=False):
+            ids[id(param)] = ids.get(id(param), 0) + 1
+        tied = {k for k, n in ids.items() if n > 1}
+        worker.state["_tied_ids"] = tied
+    return key in tied
+
+
+def _export_tensor(value, dtype: torch.dtype, in_process: bool, keep: bool) -> torch.Tensor:
+    data = value.detach()
+    if not keep:
+        return torch.empty(0, dtype=dtype, device="meta")
+    if not in_process:
+        return data.to(device="cpu", dtype=dtype, copy=True)
+    if data.dtype != dtype:
+        return data.to(dtype)
+    # A gathered ZeRO-3 parameter's storage is released when its gather ends: copy it (on the
+    # device); other parameters are handed out as they are (no copy).
+    return data.clone() if _is_partitioned(value) else data
+
+
+def full_state_dict(worker) -> dict[str, torch.Tensor]:
+    """The full HF-named state dict on rank 0 (CPU, export dtype); empty on other ranks."""
+    state: dict[str, torch.Tensor] = {}
+    for bucket in _export_buckets(worker, 256 << 20, in_process=False):
+        state.update(bucket.tensors)
+    return state
+
+
+def export_hf(worker, path: str) -> bool:
+    state = full_state_dict(worker)
+    if _is_rank0():
+        _write_hf_dir(worker, state, path)
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
+    module = worker.model.module
+    os.makedirs(path, exist_ok=True)
+    # transformers writes the safetensors (sharded when large) and drops tied duplicates.
+    module.save_pretrained(path, state_dict=state, safe_serialization=True)
+    config = copy.deepcopy(module.config)
+    config.dtype = _export_dtype(worker)
+    config.save_pretrained(path)
+    try:
+        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
+    except (OSError, ValueError) as exc:  # the weights are usable with the original tokenizer
+        log.warning("deepspeed: export_hf could not save the tokenizer: %s", exc)
+
+
+# --------------------------------------------------------------------------------------------
+# Checkpoints (DeepSpeed's own format)
+# --------------------------------------------------------------------------------------------
+
+
+def _extra_path(path: str, rank: int) -> str:
+    return os.path.join(path, f"extra_state_rank{rank}.pt")
+
+
+def _world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def save_checkpoint(worker, path: str) -> dict:
+    engine = worker.model
+    os.makedirs(path, exist_ok=True)
+    rank, world = _world()
+    layout = {
+        "format": "deepspeed",
+        "zero_stage": worker.config.zero_stage,
+        "dp_size": world,
+        "strategy": worker.strategy_name,
+    }
+    # Model, optimizer partitions (fp32 master weights) and the LR scheduler, per DeepSpeed.
+    engine.save_checkpoint(path, tag=TAG, save_latest=False)
+    extra = {
+        "step": worker.state.get("step", 0),
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state() if _is_cuda(worker) else None,
+        "world_size": world,
+    }
+    torch.save(extra, _extra_path(path, rank))
+    if rank == 0:
+        with open(os.path.join(path, LAYOUT_FILE), "w") as f:
+            json.dump(layout, f)
+    if dist.is_initialized():
+        dist.barrier()
+    return {"format": "deepspeed", "zero_stage": worker.config.zero_stage, "dp_size": world}
+
+
+def load_checkpoint(worker, path: str) -> bool:
+    engine = worker.model
+    rank, world = _world()
+    layout_file = os.path.join(path, LAYOUT_FILE)
+    if not os.path.exists(layout_file):
+        raise CheckpointError(f"{path}: not a deepspeed checkpoint (no {LAYOUT_FILE})")
+    with open(layout_file, encoding="utf-8") as f:
+        layout = json.load(f)
+    if layout["dp_size"] != world or layout["zero_stage"] != worker.config.zero_stage:
+        raise CheckpointError(
+            f"{path}: written by {layout['dp_size']} rank(s) at ZeRO-{layout['zero_stage']}, "
+            f"loaded by {world} rank(s) at ZeRO-{worker.config.zero_stage}: DeepSpeed's "
+            "partitioned optimizer state loads only into the same layout (convert it with "
+            "DeepSpeed's ds_to_universal.py and load with ds_config: {checkpoint: "
+            "{load_universal: true}}, or resume with the same ranks and stage)"
+        )
+    train = worker.strategy_name == TRAIN
+    load_path, _ = engine.load_checkpoint(
+        path,
+        tag=TAG,
+        load_optimizer_states=train,
+        load_lr_scheduler_states=train,
+        load_module_strict=True,
+    )
+    if load_path is None:
+        raise CheckpointError(f"{path}: DeepSpeed found no checkpoint under tag {TAG!r}")
+    extra_file = _extra_path(path, rank)
+    if os.path.exists(extra_file):
+        extra = torch.load(extra_file, weights_only=False)
+        worker.state["step"] = extra.get("step", 0)
+        torch.set_rng_state(extra["rng_cpu"])
+        if extra.get("rng_cuda") is not None and _is_cuda(worker):
+            torch.cuda.set_rng_state(extra["rng_cuda"])
+    if dist.is_initialized():
+        dist.barrier()
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# Memory lifecycle and shutdown
+# --------------------------------------------------------------------------------------------
+
+_OFFLOAD_TAGS = {
+    "weights": ("lp_params",),
+    "grads": ("lp_grads", "hp_grads", "contiguous_grad_buffer"),
+    "optimizer": ("optim_states", "hp_params"),
+}
+
+
+def _offload_kinds(tags) -> list:
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+
+    names = {n for tag in (tags or ("weights",)) for n in _OFFLOAD_TAGS.get(tag, ())}
+    return [OffloadStateTypeEnum(n) for n in sorted(names)]
+
+
+def release_memory(worker, tags: list[str]) -> bool:
+    if not _is_cuda(worker):
+        _log_once("deepspeed: release_memory on a CPU device: nothing to free")
+        return True
+    engine = worker.model
+    kinds = _offload_kinds(tags)
+    if kinds and worker.config.zero_stage == 3 and engine.optimizer is not None:
+        engine.offload_states(include=kinds, device="cpu", non_blocking=True)
+    else:  # ZeRO-1/2 or no optimizer: move the module (the optimizer partitions stay)
+        engine.module.to("cpu")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    worker.state["released"] = True
+    return True
+
+
+def resume_memory(worker, tags: list[str]) -> bool:
+    if not _is_cuda(worker) or not worker.state.pop("released", False):
+        return True
+    engine = worker.model
+    if worker.config.zero_stage == 3 and engine.optimizer is not None:
+        engine.reload_states(non_blocking=True)
+    else:
+        engine.module.to(_device(worker))
+    torch.cuda.synchronize()
+    return True
+
+
+def shutdown(worker) -> bool:
+    engine = worker.model
+    destroy = getattr(engine, "destroy", None)
+    if destroy is not None:
+        destroy()
+    worker.state.clear()
+    worker.model = None
+    if dist.is_initialized():
+        # A rank tearing down gloo while a peer still finishes a collective aborts the peer.
+        dist.barrier()
+    destroy_default_process_group()
+    return True

@@ -1,0 +1,63 @@
+"""The ``deepspeed_train`` and ``deepspeed_infer`` strategies: HF models in DeepSpeed ZeRO engines.
+
+This module is cheap to import (no torch, no deepspeed): ``posttrain validate``, ``plugins`` and
+``doctor`` load it. The worker hooks (from :class:`posttrain.engine_hooks.EngineHooks`) import
+:mod:`posttrain_deepspeed.engine` when a rank of one of these strategies first needs it.
+"""
+
+from __future__ import annotations
+
+from posttrain import hookimpl
+from posttrain.config.report import ErrorReport
+from posttrain.doctor import EnvCheck
+from posttrain.engine_hooks import EngineHooks
+from posttrain.strategy import Capabilities, StrategySpec
+from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
+
+TRAIN = "deepspeed_train"
+INFER = "deepspeed_infer"
+STRATEGIES = (TRAIN, INFER)
+# The DeepSpeed releases this plugin is tested with (0.19.8 on CPU over gloo).
+TESTED = ">=0.16,<0.20"
+
+
+class DeepSpeedPlugin(EngineHooks):
+    strategies = STRATEGIES
+    engine = "posttrain_deepspeed.engine"
+
+    @hookimpl
+    def posttrain_add_strategies(self):
+        return [
+            StrategySpec(
+                name=TRAIN,
+                config_class=DeepSpeedTrainConfig,
+                capabilities=Capabilities(
+                    kind="train", exports_hf_weights=True, computes_logprobs=True
+                ),
+                description="training with DeepSpeed ZeRO-1/2/3 (optional CPU offload), "
+                "DeepSpeed checkpoints",
+            ),
+            StrategySpec(
+                name=INFER,
+                config_class=DeepSpeedInferConfig,
+                capabilities=Capabilities(kind="infer", computes_logprobs=True),
+                description="log-probs (reference / old policy) with a DeepSpeed ZeRO-3 model",
+            ),
+        ]
+
+    @hookimpl
+    def posttrain_validate_workflow(self, workflow, strategies, report: ErrorReport):
+        from posttrain_deepspeed.checks import check_role
+
+        for name, role in workflow.roles().items():
+            config = role.strategy_args.strategy_config
+            if role.strategy_args.strategy_name not in STRATEGIES or isinstance(config, dict):
+                continue
+            check_role(name, config, report)
+
+    @hookimpl
+    def posttrain_environment_checks(self):
+        return [EnvCheck(plugin="posttrain-deepspeed", package="deepspeed", tested=TESTED)]
+
+
+plugin = DeepSpeedPlugin()

@@ -1,0 +1,54 @@
+"""Fixtures of the DeepSpeed plugin tests: a private preset cache and the multi-process runs.
+
+The expensive runs (1 rank, 2 ranks, 2 ranks resuming; per ZeRO stage) happen once per session;
+each test compares what they wrote.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+pytest.importorskip("torch")
+pytest.importorskip("deepspeed")
+pytest.importorskip("posttrain_deepspeed")
+
+# DeepSpeed picks its accelerator at first import; these tests run on CPU over gloo.
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _preset_cache(tmp_path_factory):
+    """Build the tiny preset once, in a directory of this session (children inherit it)."""
+    old = os.environ.get("POSTTRAIN_CACHE")
+    os.environ["POSTTRAIN_CACHE"] = str(tmp_path_factory.mktemp("posttrain-cache"))
+    from ds_workers import MODEL
+
+    from posttrain.presets import preset_path
+
+    preset_path(MODEL)
+    yield
+    if old is None:
+        os.environ.pop("POSTTRAIN_CACHE", None)
+    else:
+        os.environ["POSTTRAIN_CACHE"] = old
+
+
+@pytest.fixture(scope="session", params=[2, 3], ids=["zero2", "zero3"])
+def stage(request):
+    return request.param
+
+
+@pytest.fixture(scope="session")
+def runs(tmp_path_factory, stage):
+    """``{"w1": dir, "w2": dir}`` for one ZeRO stage: 3 steps on 1 rank, and on 2 ranks with a
+    checkpoint after step 2, exports and dynamic / uneven variants; then 2 fresh ranks resume."""
+    from ds_workers import launch
+
+    one = tmp_path_factory.mktemp(f"ds-z{stage}-w1")
+    launch("train", 1, str(one), stage=stage)
+    two = tmp_path_factory.mktemp(f"ds-z{stage}-w2")
+    launch("train", 2, str(two), stage=stage, extras=True)
+    launch("resume", 2, str(two), stage=stage)
+    return {"w1": one, "w2": two}

@@ -1,0 +1,212 @@
+"""Rank functions run by the DeepSpeed tests in spawned processes (importable by the children).
+
+Each scenario builds :class:`WorkerContext` objects by hand, drives them through
+:class:`WorkerRuntime` (so the plugin's hooks are what runs) and writes what the parent process
+compares into ``out_dir`` with ``torch.save``.
+"""
+
+from __future__ import annotations
+
+import os
+
+MODEL = "preset:tiny-qwen2"
+BATCH_ROWS = 8
+STEPS = 3
+SAVE_AFTER = 2
+
+
+def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 300.0, **kwargs):
+    """Run ``scenario`` on ``world_size`` spawned ranks (gloo); raise on failure or timeout."""
+    from posttrain.testing.spawn import run_ranks
+
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    run_ranks(f"ds_workers:scenario_{scenario}", world_size, out_dir, timeout=timeout, **kwargs)
+
+
+def hook_relay():
+    import pluggy
+
+    import posttrain_deepspeed.plugin
+    from posttrain import hookspecs
+
+    pm = pluggy.PluginManager("posttrain")
+    pm.add_hookspecs(hookspecs)
+    pm.register(posttrain_deepspeed.plugin.plugin, name="deepspeed")
+    return pm.hook
+
+
+def make_runtime(rank: int, world_size: int, strategy="deepspeed_train", config=None, **training):
+    from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
+    from posttrain.worker import WorkerContext, WorkerRuntime
+    from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
+
+    train = strategy == "deepspeed_train"
+    if config is None:
+        config = DeepSpeedTrainConfig(micro_batch_size=3) if train else DeepSpeedInferConfig()
+    targs = {
+        "learning_rate": 1e-3,
+        "weight_decay": 0.01,
+        "max_grad_norm": 1.0,
+        "lr_scheduler_type": "cosine",
+        "max_steps": 10,
+        **training,
+    }
+    ctx = WorkerContext(
+        role="actor_train" if train else "reference",
+        strategy_name=strategy,
+        config=config,
+        model_args=ModelArgs(model_name_or_path=MODEL, disable_gradient_checkpointing=False),
+        training_args=TrainingArgs(**targs) if train else None,
+        rank=rank,
+        world_size=world_size,
+        algorithm=AlgorithmConfig(entropy_coef=1e-3),
+        hook=hook_relay(),
+    )
+    runtime = WorkerRuntime(ctx)
+    runtime.setup()
+    return runtime
+
+
+def step_batch(step: int, vocab: int):
+    from posttrain.testing.batches import random_step_batch
+
+    return random_step_batch(step, vocab, BATCH_ROWS)
+
+
+def rank_share(batch, rank: int, world_size: int, rows=None):
+    share = batch.select(rows[rank]) if rows else batch.split(world_size)[rank]
+    share.meta["dp_size"] = world_size
+    return share
+
+
+def train_one(runtime, step: int, rank: int, world_size: int, rows=None) -> dict:
+    """One RL step: old log-probs from the current model, then the policy update."""
+    vocab = runtime.ctx.model.module.config.vocab_size
+    share = rank_share(step_batch(step, vocab), rank, world_size, rows)
+    old = runtime.compute_logprobs(share)
+    share = share.with_tensors(old_logprobs=old + 0.05 * (share.response_mask - 0.5))
+    return runtime.train_step(share)
+
+
+def full_params(runtime) -> dict:
+    from posttrain_deepspeed.engine import full_state_dict
+
+    return full_state_dict(runtime.ctx)
+
+
+def probe_batch(vocab: int):
+    import torch
+
+    from posttrain.protocol import build_sequence_batch
+
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (4, 6, 3, 5)]
+    responses = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (5, 2, 7, 4)]
+    return build_sequence_batch(prompts, responses, pad_token_id=0)
+
+
+def _config(stage: int, **kw):
+    from posttrain_deepspeed.config import DeepSpeedTrainConfig
+
+    return DeepSpeedTrainConfig(zero_stage=stage, micro_batch_size=3, **kw)
+
+
+def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras: bool = False):
+    """3 steps with fixed micro-batches; with ``extras``: a checkpoint after step 2, weight export
+    in both modes, HF export, then dynamic / uneven-share variants."""
+    import torch
+
+    def save(obj, name):
+        if rank == 0:
+            torch.save(obj, os.path.join(out_dir, name))
+
+    rt = make_runtime(rank, world_size, config=_config(stage))
+    metrics = []
+    for step in range(STEPS):
+        metrics.append(train_one(rt, step, rank, world_size))
+        if extras and step + 1 == SAVE_AFTER:
+            save(rt.save_checkpoint(os.path.join(out_dir, "ckpt")), "layout.pt")
+            save(full_params(rt), "params_at_save.pt")
+    all_metrics = [None] * world_size
+    torch.distributed.all_gather_object(all_metrics, metrics)
+    save(all_metrics, f"metrics_w{world_size}.pt")
+    save(full_params(rt), f"params_w{world_size}.pt")
+    if not extras:
+        return
+
+    # Weight export (small buckets: many of them), through the hook: rank 0 on the host.
+    rt.export_begin(bucket_bytes=64 * 1024)
+    buckets = []
+    while (bucket := rt.export_next()) is not None:
+        buckets.append([(n, t.clone()) for n, t in bucket.tensors])
+    counts = [None] * world_size
+    torch.distributed.all_gather_object(counts, [len(b) for b in buckets])
+    save({"buckets": buckets, "counts_per_rank": counts}, "export.pt")
+    # In-process export (hybrid engine): every rank gets every tensor.
+    from posttrain_deepspeed.engine import export_weights
+
+    got = {}
+    for bucket in export_weights(rt.ctx, 64 * 1024, in_process=True):
+        for name, tensor in bucket.tensors:
+            got[name] = (str(tensor.device), tensor.dtype, tensor.clone())
+    torch.save(got, os.path.join(out_dir, f"export_in_process_rank{rank}.pt"))
+    rt.export_hf(os.path.join(out_dir, "hf"))
+
+    # Dynamic micro-batches: a token budget that gives the ranks different micro-batch counts.
+    dyn = make_runtime(
+        rank,
+        world_size,
+        config=_config(stage),
+        use_dynamic_batch_size=True,
+        max_tokens_per_micro_batch=14,
+    )
+    plans = []
+    from posttrain_deepspeed.engine import plan_micro_batches
+
+    for step in range(STEPS):
+        vocab = dyn.ctx.model.module.config.vocab_size
+        share = rank_share(step_batch(step, vocab), rank, world_size)
+        plans.append(plan_micro_batches(dyn.ctx, share))
+        train_one(dyn, step, rank, world_size)
+    all_plans = [None] * world_size
+    torch.distributed.all_gather_object(all_plans, plans)
+    save(all_plans, "dynamic_plans.pt")
+    save(full_params(dyn), "params_dynamic.pt")
+
+    # Uneven shares (7 rows / 1 row, micro-batch size 2): rank 1 runs zero-weight fillers.
+    from posttrain_deepspeed.config import DeepSpeedTrainConfig
+
+    rows = [list(range(BATCH_ROWS - 1)), [BATCH_ROWS - 1]] if world_size == 2 else None
+    uneven = make_runtime(
+        rank, world_size, config=DeepSpeedTrainConfig(zero_stage=stage, micro_batch_size=2)
+    )
+    for step in range(STEPS):
+        train_one(uneven, step, rank, world_size, rows=rows)
+    save(full_params(uneven), "params_uneven.pt")
+
+
+def scenario_resume(rank: int, world_size: int, out_dir: str, stage: int):
+    """Fresh ranks load the checkpoint written after step 2, dump state, run step 3; then
+    deepspeed_infer log-probs of the initial weights."""
+    import torch
+
+    def save(obj, name):
+        if rank == 0:
+            torch.save(obj, os.path.join(out_dir, name))
+
+    rt = make_runtime(rank, world_size, config=_config(stage))
+    rt.load_checkpoint(os.path.join(out_dir, "ckpt"))
+    save(full_params(rt), "params_loaded.pt")
+    save(rt.ctx.state["scheduler"].get_last_lr(), "lr_loaded.pt")
+    for step in range(SAVE_AFTER, STEPS):
+        train_one(rt, step, rank, world_size)
+    save(full_params(rt), "params_resumed.pt")
+
+    from posttrain_deepspeed.config import DeepSpeedInferConfig
+
+    ref = make_runtime(
+        rank, world_size, "deepspeed_infer", DeepSpeedInferConfig(micro_batch_size=3)
+    )
+    probe = probe_batch(ref.ctx.model.module.config.vocab_size)
+    save(ref.compute_logprobs(rank_share(probe, rank, world_size)), "ref_logprobs_rank0.pt")
+    rt.shutdown()
