@@ -32,7 +32,10 @@ class DeepSpeedPlugin(EngineHooks):
                 name=TRAIN,
                 config_class=DeepSpeedTrainConfig,
                 capabilities=Capabilities(
-                    kind="train", exports_hf_weights=True, computes_logprobs=True
+                    kind="train",
+                    exports_hf_weights=True,
+                    computes_logprobs=True,
+                    shares_process=True,
                 ),
                 description="training with DeepSpeed ZeRO-1/2/3 (optional CPU offload), "
                 "DeepSpeed checkpoints",
@@ -40,7 +43,9 @@ class DeepSpeedPlugin(EngineHooks):
             StrategySpec(
                 name=INFER,
                 config_class=DeepSpeedInferConfig,
-                capabilities=Capabilities(kind="infer", computes_logprobs=True),
+                capabilities=Capabilities(
+                    kind="infer", computes_logprobs=True, shares_process=True
+                ),
                 description="log-probs (reference / old policy) with a DeepSpeed ZeRO-3 model",
             ),
         ]
