@@ -85,8 +85,30 @@ def _deepspeed(worker):
     return deepspeed
 
 
+def _skip_shm_comm_op() -> None:
+    """Keep DeepSpeed from JIT-compiling its shared-memory comm op on CPU.
+
+    Its comm layer builds that C++ op when it starts on the CPU accelerator (about 80 s on 2
+    cores, and it needs a compiler), yet only its inference all-reduce uses it: training runs
+    through torch.distributed over gloo. DeepSpeed builds the op only where its cached table of
+    compatible ops says so, and that table is a module-level dict meant to be edited.
+    """
+    import deepspeed.ops
+    from deepspeed.accelerator import get_accelerator
+
+    builder = get_accelerator().create_op_builder("ShareMemCommBuilder")
+    if builder is not None:
+        deepspeed.ops.__compatible_ops__[builder.NAME] = False
+
+
 def setup_parallel(worker) -> dict[str, int]:
     deepspeed = _deepspeed(worker)
+    if not _is_cuda(worker):
+        _skip_shm_comm_op()
+    # Spawned rank processes start with a random global seed: seed it from the run's seed so
+    # that whatever draws from it (dropout) repeats from run to run, and a checkpoint's saved
+    # RNG state is the one an uninterrupted run has at that step.
+    torch.manual_seed(worker.seed + worker.rank)
     init_default_process_group(worker.device)
     # DeepSpeed's comm layer wraps the default group torch.distributed already has.
     deepspeed.init_distributed(dist_backend=backend_for(worker.device), dist_init_required=False)
