@@ -1,4 +1,4 @@
-"""Fixtures of the DeepSpeed plugin tests: a private preset cache and the multi-process runs.
+"""Fixtures of the DeepSpeed plugin tests: the shared tiny model and the multi-process runs.
 
 The expensive runs (1 rank, 2 ranks, 2 ranks resuming; per ZeRO stage) happen once per session;
 each test compares what they wrote.
@@ -19,20 +19,10 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 
 @pytest.fixture(scope="session", autouse=True)
-def _preset_cache(tmp_path_factory):
-    """Build the tiny preset once, in a directory of this session (children inherit it)."""
-    old = os.environ.get("POSTTRAIN_CACHE")
-    os.environ["POSTTRAIN_CACHE"] = str(tmp_path_factory.mktemp("posttrain-cache"))
-    from ds_workers import MODEL
-
-    from posttrain.presets import preset_path
-
-    preset_path(MODEL)
-    yield
-    if old is None:
-        os.environ.pop("POSTTRAIN_CACHE", None)
-    else:
-        os.environ["POSTTRAIN_CACHE"] = old
+def _tiny_model(tiny_model_path):
+    """The tiny preset, built once per session in the kit's shared cache (``posttrain_cache``,
+    which spawned ranks inherit through POSTTRAIN_CACHE)."""
+    return tiny_model_path
 
 
 @pytest.fixture(scope="session", params=[2, 3], ids=["zero2", "zero3"])

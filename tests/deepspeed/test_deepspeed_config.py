@@ -1,0 +1,110 @@
+"""posttrain validate for deepspeed roles (no torch, no deepspeed import), doctor, and the
+refusals of what DeepSpeed's CPU accelerator cannot run."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+QUICKSTART = REPO / "examples" / "quickstart_deepspeed.yaml"
+
+
+def test_validate_reports_every_error_at_once_without_importing_torch(tmp_path):
+    workflow = yaml.safe_load(QUICKSTART.read_text())
+    workflow["actor_train"]["strategy_args"]["strategy_config"] = {
+        "zero_stage": 1,
+        "offload_param": True,
+        "overlap_comm": True,
+        "ds_config": {
+            "zero_optimizaton": {},
+            "gradient_clipping": 0.5,
+            "communication_data_type": "fp32",  # a real DeepSpeed key: accepted
+            "zero_optimization": {
+                "overlap_com": True,
+                "stage": 3,
+                "stage3_gather_16bit_weights_on_model_save": True,  # accepted
+            },
+        },
+    }
+    path = tmp_path / "wf.yaml"
+    path.write_text(yaml.safe_dump(workflow))
+    code = (
+        "import sys; from posttrain.cli import main;"
+        f"rc = main(['validate', {str(path)!r}]);"
+        "print('IMPORTED', 'torch' in sys.modules, 'deepspeed' in sys.modules); sys.exit(rc)"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "Traceback" not in out
+    where = "actor_train.strategy_args.strategy_config"
+    expected = [
+        (f"{where}.offload_param", "needs zero_stage 3"),
+        (f"{where}.overlap_comm", "only at ZeRO-2/3"),
+        (f"{where}.ds_config.zero_optimizaton", "did you mean 'zero_optimization'"),
+        (f"{where}.ds_config.gradient_clipping", "training_args.max_grad_norm"),
+        (f"{where}.ds_config.zero_optimization.overlap_com", "did you mean 'overlap_comm'"),
+        (f"{where}.ds_config.zero_optimization.stage", "strategy_config.zero_stage"),
+    ]
+    for path_, message in expected:
+        line = next((ln for ln in out.splitlines() if path_ + ":" in ln), "")
+        assert message in line, (path_, out)
+    assert "6 error(s)" in out, out
+    assert "IMPORTED False False" in out
+
+
+def test_unknown_strategy_config_key_suggests_the_field(tmp_path):
+    workflow = yaml.safe_load(QUICKSTART.read_text())
+    workflow["actor_train"]["strategy_args"]["strategy_config"] = {"zero_stag": 3}
+    path = tmp_path / "wf.yaml"
+    path.write_text(yaml.safe_dump(workflow))
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "validate", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 2, out
+    assert "strategy_config.zero_stag: unknown key (did you mean 'zero_stage'?)" in out
+
+
+def test_doctor_reports_the_deepspeed_range():
+    proc = subprocess.run(
+        [sys.executable, "-m", "posttrain.cli", "doctor"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "COLUMNS": "200"},  # rich would truncate the package names
+    )
+    out = proc.stdout + proc.stderr
+    from importlib.metadata import version
+
+    line = next((ln for ln in out.splitlines() if "posttrain-deepspeed" in ln), "")
+    cells = [c.strip() for c in line.split("│")[1:-1]]
+    assert cells == ["posttrain-deepspeed", "deepspeed", version("deepspeed"), ">=0.16,<0.20", "ok"]
+
+
+def test_fp16_on_cpu_is_refused_with_a_clear_message():
+    from types import SimpleNamespace
+
+    from posttrain.config.sections import ModelArgs
+    from posttrain.errors import UserError
+    from posttrain_deepspeed import engine
+    from posttrain_deepspeed.config import DeepSpeedTrainConfig
+
+    worker = SimpleNamespace(
+        device="cpu",
+        role="actor_train",
+        strategy_name="deepspeed_train",
+        model_args=ModelArgs(model_name_or_path="preset:tiny-qwen2", dtype="fp16"),
+        config=DeepSpeedTrainConfig(),
+    )
+    with pytest.raises(UserError, match=r"fp16 needs a GPU.*use bf16 or fp32 on CPU"):
+        engine._refuse_on_cpu(worker)
