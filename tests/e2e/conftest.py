@@ -41,11 +41,17 @@ def small_run(max_steps: int, save_steps: int) -> tuple[str, ...]:
 
 
 def run_quickstart(
-    run_dir: Path, *overrides: str, env=None, check=True, timeout: float = 300
+    run_dir: Path,
+    *overrides: str,
+    env=None,
+    check=True,
+    timeout: float = 300,
+    workflow: Path = QUICKSTART,
 ) -> subprocess.CompletedProcess:
-    """``posttrain run examples/quickstart.yaml`` into ``run_dir`` with ``--set`` overrides."""
+    """``posttrain run examples/quickstart.yaml`` (or ``workflow``) into ``run_dir`` with
+    ``--set`` overrides."""
     proc = subprocess.run(
-        posttrain_cmd("run", str(QUICKSTART), "--set", f"trainer.output_dir={run_dir}", *overrides),
+        posttrain_cmd("run", str(workflow), "--set", f"trainer.output_dir={run_dir}", *overrides),
         capture_output=True,
         text=True,
         env=env or run_env(),
