@@ -1,7 +1,7 @@
 """Fixtures of the DeepSpeed plugin tests: the shared tiny model and the multi-process runs.
 
-The expensive runs (1 rank, 2 ranks, 2 ranks resuming; per ZeRO stage) happen once per session;
-each test compares what they wrote.
+The expensive runs (1 rank; 2 ranks per ZeRO stage) happen once per session; each test compares
+what they wrote.
 """
 
 from __future__ import annotations
@@ -32,13 +32,16 @@ def stage(request):
 
 @pytest.fixture(scope="session")
 def runs(tmp_path_factory, stage):
-    """``{"w1": dir, "w2": dir}`` for one ZeRO stage: 3 steps on 1 rank, and on 2 ranks with a
-    checkpoint after step 2, exports and dynamic / uneven variants; then 2 fresh ranks resume."""
+    """``{"w1": dir, "w2": dir}`` for one ZeRO stage: 3 steps on 1 rank at the same stage (the
+    reference: held against a 1-rank ZeRO-2 run, 2-rank ZeRO-3 lands ~1e-5 away, its flattening
+    and reduction order differ), and on 2 ranks
+    followed by weight export (both modes), HF export and dynamic / uneven variants.
+    Checkpoint round trips are the conformance kit's (test_deepspeed_contract.py) and the
+    SIGKILL resume test's (tests/e2e/test_resume_deepspeed.py)."""
     from ds_workers import launch
 
     one = tmp_path_factory.mktemp(f"ds-z{stage}-w1")
     launch("train", 1, str(one), stage=stage)
     two = tmp_path_factory.mktemp(f"ds-z{stage}-w2")
     launch("train", 2, str(two), stage=stage, extras=True)
-    launch("resume", 2, str(two), stage=stage)
     return {"w1": one, "w2": two}

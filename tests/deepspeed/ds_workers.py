@@ -12,7 +12,6 @@ import os
 MODEL = "preset:tiny-qwen2"
 BATCH_ROWS = 8
 STEPS = 3
-SAVE_AFTER = 2
 
 
 def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 300.0, **kwargs):
@@ -94,17 +93,6 @@ def full_params(runtime) -> dict:
     return full_state_dict(runtime.ctx)
 
 
-def probe_batch(vocab: int):
-    import torch
-
-    from posttrain.protocol import build_sequence_batch
-
-    g = torch.Generator().manual_seed(7)
-    prompts = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (4, 6, 3, 5)]
-    responses = [torch.randint(4, vocab, (n,), generator=g).tolist() for n in (5, 2, 7, 4)]
-    return build_sequence_batch(prompts, responses, pad_token_id=0)
-
-
 def _config(stage: int, **kw):
     from posttrain_deepspeed.config import DeepSpeedTrainConfig
 
@@ -112,8 +100,8 @@ def _config(stage: int, **kw):
 
 
 def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras: bool = False):
-    """3 steps with fixed micro-batches; with ``extras``: a checkpoint after step 2, weight export
-    in both modes, HF export, then dynamic / uneven-share variants."""
+    """3 steps with fixed micro-batches; with ``extras``: weight export in both modes, HF export,
+    then dynamic / uneven-share variants."""
     import torch
 
     def save(obj, name):
@@ -124,9 +112,6 @@ def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras:
     metrics = []
     for step in range(STEPS):
         metrics.append(train_one(rt, step, rank, world_size))
-        if extras and step + 1 == SAVE_AFTER:
-            save(rt.save_checkpoint(os.path.join(out_dir, "ckpt")), "layout.pt")
-            save(full_params(rt), "params_at_save.pt")
     all_metrics = [None] * world_size
     torch.distributed.all_gather_object(all_metrics, metrics)
     save(all_metrics, f"metrics_w{world_size}.pt")
@@ -183,30 +168,3 @@ def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras:
     for step in range(STEPS):
         train_one(uneven, step, rank, world_size, rows=rows)
     save(full_params(uneven), "params_uneven.pt")
-
-
-def scenario_resume(rank: int, world_size: int, out_dir: str, stage: int):
-    """Fresh ranks load the checkpoint written after step 2, dump state, run step 3; then
-    deepspeed_infer log-probs of the initial weights."""
-    import torch
-
-    def save(obj, name):
-        if rank == 0:
-            torch.save(obj, os.path.join(out_dir, name))
-
-    rt = make_runtime(rank, world_size, config=_config(stage))
-    rt.load_checkpoint(os.path.join(out_dir, "ckpt"))
-    save(full_params(rt), "params_loaded.pt")
-    save(rt.ctx.state["scheduler"].get_last_lr(), "lr_loaded.pt")
-    for step in range(SAVE_AFTER, STEPS):
-        train_one(rt, step, rank, world_size)
-    save(full_params(rt), "params_resumed.pt")
-
-    from posttrain_deepspeed.config import DeepSpeedInferConfig
-
-    ref = make_runtime(
-        rank, world_size, "deepspeed_infer", DeepSpeedInferConfig(micro_batch_size=3)
-    )
-    probe = probe_batch(ref.ctx.model.module.config.vocab_size)
-    save(ref.compute_logprobs(rank_share(probe, rank, world_size)), "ref_logprobs_rank0.pt")
-    rt.shutdown()

@@ -1,5 +1,7 @@
-"""deepspeed_train numerics on 2 gloo ranks, at ZeRO-2 and ZeRO-3: DP equivalence, dynamic
-micro-batches, weight export in both modes, DeepSpeed checkpoint resume, deepspeed_infer."""
+"""deepspeed_train numerics on 2 gloo ranks, at ZeRO-2 and ZeRO-3: 2 ranks match 1 rank, dynamic
+and uneven micro-batches, weight export in both modes, HF export. (Log-probs against
+transformers, sync parity and exact checkpoint round trips are the conformance kit's, in
+test_deepspeed_contract.py.)"""
 
 from __future__ import annotations
 
@@ -24,13 +26,24 @@ def assert_bitwise(a: dict, b: dict):
         assert torch.equal(a[key], b[key]), key
 
 
+def initial_weights() -> dict:
+    from ds_workers import MODEL
+    from safetensors.torch import load_file
+
+    from posttrain.models import resolve_model_path
+
+    return load_file(resolve_model_path(MODEL) + "/model.safetensors")
+
+
 def test_two_ranks_match_one_rank(runs, stage):
     one = load(runs["w1"], "params_w1.pt")
     two = load(runs["w2"], "params_w2.pt")
     diff = max_abs_diff(one, two)
     print(f"ZeRO-{stage}: max |w(2 ranks) - w(1 rank)| after 3 steps: {diff:.3e}")
     assert diff < 1e-5  # what fsdp2_train meets
-    assert max_abs_diff(two, load(runs["w2"], "params_at_save.pt")) > 1e-4  # it did train
+    start = initial_weights()
+    moved = max(float((two[k] - t).abs().max()) for k, t in start.items())
+    assert moved > 1e-4  # it did train
 
     m1 = load(runs["w1"], "metrics_w1.pt")[0]
     m2 = load(runs["w2"], "metrics_w2.pt")
@@ -59,11 +72,6 @@ def test_dynamic_and_uneven_micro_batches_match_fixed(runs, stage):
 
 
 def test_export_weights_both_modes(runs, stage):
-    from ds_workers import MODEL
-    from safetensors.torch import load_file
-
-    from posttrain.models import resolve_model_path
-
     params = load(runs["w2"], "params_w2.pt")
     export = load(runs["w2"], "export.pt")
     counts = export["counts_per_rank"]
@@ -71,8 +79,7 @@ def test_export_weights_both_modes(runs, stage):
     host = {n: t for bucket in export["buckets"] for n, t in bucket}
     assert len(export["buckets"]) > 3
     assert_bitwise(host, params)
-    names = set(load_file(resolve_model_path(MODEL) + "/model.safetensors"))
-    assert names <= set(host)
+    assert set(initial_weights()) <= set(host)
     for rank in range(2):
         got = load(runs["w2"], f"export_in_process_rank{rank}.pt")
         assert got.keys() == host.keys()
@@ -85,32 +92,3 @@ def test_export_weights_both_modes(runs, stage):
     model = AutoModelForCausalLM.from_pretrained(str(runs["w2"] / "hf"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, host[name]), name
-
-
-def test_checkpoint_resume_is_bit_exact(runs, stage):
-    directory = runs["w2"]
-    assert load(directory, "layout.pt") == {
-        "format": "deepspeed",
-        "zero_stage": stage,
-        "dp_size": 2,
-    }
-    assert_bitwise(load(directory, "params_at_save.pt"), load(directory, "params_loaded.pt"))
-    # The step after resuming equals the uninterrupted run's third step, bit for bit.
-    assert_bitwise(load(directory, "params_w2.pt"), load(directory, "params_resumed.pt"))
-
-
-def test_deepspeed_infer_logprobs_match_hf(runs):
-    from ds_workers import MODEL, probe_batch
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.modeling import shifted_token_logprobs
-    from posttrain.models import resolve_model_path
-
-    model = AutoModelForCausalLM.from_pretrained(resolve_model_path(MODEL)).eval()
-    batch = probe_batch(model.config.vocab_size).split(2)[0]
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    expected = shifted_token_logprobs(logits, batch.input_ids) * batch.attention_mask
-    got = load(runs["w2"], "ref_logprobs_rank0.pt")
-    assert got.shape == batch.input_ids.shape and got.dtype == torch.float32
-    assert float((got - expected).abs().max()) < 1e-5
