@@ -18,7 +18,6 @@ def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 300.0,
     """Run ``scenario`` on ``world_size`` spawned ranks (gloo); raise on failure or timeout."""
     from posttrain.testing.spawn import run_ranks
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     run_ranks(f"ds_workers:scenario_{scenario}", world_size, out_dir, timeout=timeout, **kwargs)
 
 
@@ -136,6 +135,10 @@ def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras:
             got[name] = (str(tensor.device), tensor.dtype, tensor.clone())
     torch.save(got, os.path.join(out_dir, f"export_in_process_rank{rank}.pt"))
     rt.export_hf(os.path.join(out_dir, "hf"))
+    # What release_memory would hand to engine.offload_states on a GPU: DeepSpeed's own names.
+    from posttrain_deepspeed.engine import _offload_kinds
+
+    save([k.value for k in _offload_kinds(["weights", "grads", "optimizer"])], "offload.pt")
 
     # Dynamic micro-batches: a token budget that gives the ranks different micro-batch counts.
     dyn = make_runtime(

@@ -92,3 +92,14 @@ def test_export_weights_both_modes(runs, stage):
     model = AutoModelForCausalLM.from_pretrained(str(runs["w2"] / "hf"))
     for name, tensor in model.state_dict().items():
         assert torch.equal(tensor, host[name]), name
+
+
+def test_release_tags_map_to_deepspeed_offload_states(runs):
+    kinds = load(runs["w2"], "offload.pt")
+    assert kinds == [
+        "contiguous_grad_buffer",
+        "hp_params",
+        "lp_grads",
+        "lp_params",
+        "optim_states",
+    ]

@@ -88,8 +88,8 @@ def _deepspeed(worker):
 def _skip_shm_comm_op() -> None:
     """Keep DeepSpeed from JIT-compiling its shared-memory comm op on CPU.
 
-    Its comm layer builds that C++ op when it starts on the CPU accelerator (about 80 s on 2
-    cores, and it needs a compiler), yet only its inference all-reduce uses it: training runs
+    Its comm layer builds that C++ op when it starts on the CPU accelerator (a first run on 2
+    cores took ~80 s, and it needs a compiler), yet only its inference all-reduce uses it: training runs
     through torch.distributed over gloo. DeepSpeed builds the op only where its cached table of
     compatible ops says so, and that table is a module-level dict meant to be edited.
     """
@@ -722,9 +722,10 @@ def load_checkpoint(worker, path: str) -> bool:
 # Memory lifecycle and shutdown
 # --------------------------------------------------------------------------------------------
 
+# The core's release tags -> DeepSpeed's ZeRO buffers (OffloadStateTypeEnum values).
 _OFFLOAD_TAGS = {
     "weights": ("lp_params",),
-    "grads": ("lp_grads", "hp_grads", "contiguous_grad_buffer"),
+    "grads": ("lp_grads", "contiguous_grad_buffer"),
     "optimizer": ("optim_states", "hp_params"),
 }
 
@@ -736,30 +737,44 @@ def _offload_kinds(tags) -> list:
     return [OffloadStateTypeEnum(n) for n in sorted(names)]
 
 
+def _move_module(module, device) -> None:
+    """Move a model with no ZeRO optimizer (deepspeed_infer): at ZeRO-3 each parameter's own
+    partition (``ds_tensor``) moves, the (empty) gathered placeholder with it."""
+    for param in module.parameters():
+        if _is_partitioned(param):
+            param.ds_tensor.data = param.ds_tensor.data.to(device)
+        param.data = param.data.to(device)
+    for buf in module.buffers():
+        buf.data = buf.data.to(device)
+
+
 def release_memory(worker, tags: list[str]) -> bool:
     if not _is_cuda(worker):
         _log_once("deepspeed: release_memory on a CPU device: nothing to free")
         return True
     engine = worker.model
-    kinds = _offload_kinds(tags)
-    if kinds and worker.config.zero_stage == 3 and engine.optimizer is not None:
-        engine.offload_states(include=kinds, device="cpu", non_blocking=True)
-    else:  # ZeRO-1/2 or no optimizer: move the module (the optimizer partitions stay)
-        engine.module.to("cpu")
+    if engine.optimizer is not None and hasattr(engine.optimizer, "offload_states"):
+        # A ZeRO optimizer (any stage) owns the flat buffers the parameters are views of:
+        # moving the module itself would break those views, so DeepSpeed moves its buffers.
+        engine.offload_states(include=_offload_kinds(tags), non_blocking=True)
+        worker.state["released"] = "states"
+    else:
+        _move_module(engine.module, "cpu")
+        worker.state["released"] = "module"
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
-    worker.state["released"] = True
     return True
 
 
 def resume_memory(worker, tags: list[str]) -> bool:
-    if not _is_cuda(worker) or not worker.state.pop("released", False):
+    released = worker.state.pop("released", None)
+    if not _is_cuda(worker) or released is None:
         return True
     engine = worker.model
-    if worker.config.zero_stage == 3 and engine.optimizer is not None:
+    if released == "states":
         engine.reload_states(non_blocking=True)
     else:
-        engine.module.to(_device(worker))
+        _move_module(engine.module, _device(worker))
     torch.cuda.synchronize()
     return True
 
