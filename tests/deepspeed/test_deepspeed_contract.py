@@ -29,3 +29,34 @@ class TestDeepSpeedZero3Contract(StrategyContract):
 class TestDeepSpeedInferContract(StrategyContract):
     strategy = "deepspeed_infer"
     world_size = 2
+
+
+class TestDeepSpeedBesideDeepSpeed:
+    """Hybrid engine with two DeepSpeed engines in each rank process: deepspeed_train (ZeRO-2)
+    and a deepspeed_infer reference (ZeRO-3), started by the kit's fixture."""
+
+    strategy = "deepspeed_train"
+    strategy_config = {"zero_stage": 2}
+    world_size = 2
+    group_timeout_s = StrategyContract.group_timeout_s
+    device = "cpu"
+    spec_and_config = StrategyContract.spec_and_config
+    start = StrategyContract.start
+
+    def test_train_beside_a_deepspeed_infer_reference(self, start, tiny_model_path):
+        from posttrain.protocol import concat_tensor_rows
+        from posttrain.testing.contract import reference_logprobs, synthetic_train_batch
+
+        trainer, reference = start(beside=("deepspeed_infer", "reference"))
+        assert trainer.shares_processes_with(reference)
+        batch = synthetic_train_batch(dp_size=trainer.dp_size)
+        before = concat_tensor_rows(trainer.call_dp("compute_logprobs", batch.split(2)))
+        trainer.call_dp("train_step", batch.split(trainer.dp_size))
+        after = concat_tensor_rows(trainer.call_dp("compute_logprobs", batch.split(2)))
+        ref = concat_tensor_rows(reference.call_dp("compute_logprobs", batch.split(2)))
+        expected = reference_logprobs(tiny_model_path, None, batch)
+        mask = batch.attention_mask
+        # The reference keeps the initial weights while the trainer beside it moves on.
+        assert float(((ref - expected) * mask).abs().max()) <= 1e-5
+        assert float(((before - expected) * mask).abs().max()) <= 1e-5
+        assert float(((after - before) * mask).abs().max()) > 1e-3
