@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import yaml
 
+from posttrain.testing import StrategyContract
+
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart_deepspeed.yaml"
 
@@ -108,3 +110,28 @@ def test_fp16_on_cpu_is_refused_with_a_clear_message():
     )
     with pytest.raises(UserError, match=r"fp16 needs a GPU.*use bf16 or fp32 on CPU"):
         engine._refuse_on_cpu(worker)
+
+
+class TestDeepSpeedRefusesAtStart:
+    """A ds_config value only DeepSpeed can judge (validation checks keys, not values) fails the
+    role's start with DeepSpeed's own complaint, the role and the config it was given."""
+
+    strategy = "deepspeed_train"
+    strategy_config = {"ds_config": {"zero_optimization": {"reduce_scatter": "sometimes"}}}
+    world_size = 1
+    group_timeout_s = 120.0
+    device = "cpu"
+    spec_and_config = StrategyContract.spec_and_config
+    start = StrategyContract.start
+
+    @pytest.mark.slow
+    @pytest.mark.timeout(180)
+    def test_bad_ds_config_value_is_a_clear_error(self, start):
+        from posttrain.errors import WorkerError
+
+        with pytest.raises(WorkerError) as caught:
+            start()
+        message = str(caught.value)
+        assert "UserError: role actor_train: DeepSpeed refused the config" in message, message
+        assert "Input should be a valid boolean" in message, message
+        assert "reduce_scatter" in message and '"stage": 2' in message, message
