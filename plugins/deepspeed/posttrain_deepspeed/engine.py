@@ -89,9 +89,10 @@ def _skip_shm_comm_op() -> None:
     """Keep DeepSpeed from JIT-compiling its shared-memory comm op on CPU.
 
     Its comm layer builds that C++ op when it starts on the CPU accelerator (a first run on 2
-    cores took ~80 s, and it needs a compiler), yet only its inference all-reduce uses it: training runs
-    through torch.distributed over gloo. DeepSpeed builds the op only where its cached table of
-    compatible ops says so, and that table is a module-level dict meant to be edited.
+    cores took ~80 s, and it needs a compiler), yet only its inference all-reduce uses it:
+    training runs through torch.distributed over gloo. DeepSpeed builds the op only where its
+    cached table of compatible ops says so, and that table is a module-level dict meant to be
+    edited.
     """
     import deepspeed.ops
     from deepspeed.accelerator import get_accelerator
