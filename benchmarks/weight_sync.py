@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 
-from fsdp_train_throughput import SHAPES
+from train_throughput import SHAPES
 
 from posttrain.config.converter import CONVERTER
 from posttrain.config.sections import (

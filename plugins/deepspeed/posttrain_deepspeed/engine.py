@@ -304,12 +304,15 @@ def _load_partitioned(worker, deepspeed, ds_config: dict) -> torch.nn.Module:
             with safe_open(file, framework="pt") as f:
                 index.update(dict.fromkeys(f.keys(), file))
     tied = {n for n, _ in _tied_names(module)}
+    # Which names the files hold, known on rank 0: one collective for all (the object
+    # broadcast goes through the group's device, NCCL included).
+    names = [sorted(index)]
+    if dist.is_initialized():
+        dist.broadcast_object_list(names, 0)
+    present = set(names[0])
     missing = []
     for name, param in module.named_parameters():
-        present = torch.tensor([int(name in index)])
-        if dist.is_initialized():
-            dist.broadcast(present, 0)
-        if not present.item():
+        if name not in present:
             if name not in tied:
                 missing.append(name)
             continue
@@ -317,12 +320,16 @@ def _load_partitioned(worker, deepspeed, ds_config: dict) -> torch.nn.Module:
             if rank0:
                 with safe_open(index[name], framework="pt") as f:
                     param.data.copy_(f.get_tensor(name).to(param.dtype))
+    device = _device(worker)
     for name, buf in module.named_buffers():
         if rank0 and name in index:
             with safe_open(index[name], framework="pt") as f:
                 buf.data.copy_(f.get_tensor(name))
         if dist.is_initialized():
-            dist.broadcast(buf.data, 0)
+            # Sent from the group's device (a host buffer cannot go over NCCL).
+            sent = buf.data.to(device)
+            dist.broadcast(sent, 0)
+            buf.data.copy_(sent)
     if missing:
         raise UserError(
             f"role {worker.role}: {path}: weights missing from the checkpoint: {missing}"

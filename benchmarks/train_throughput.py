@@ -1,0 +1,221 @@
+"""Training throughput of trainer strategies through posttrain, side by side in one run: tokens/s,
+TFLOP/s and peak memory per rank for a Qwen2-shaped model built locally (random init), on CPU or
+CUDA, with each row's ratio to the first strategy's tokens/s.
+
+    python benchmarks/train_throughput.py --device cuda --ranks 2 --shape qwen2-1.5b \
+        --batch 4 --seq 2048 --dtype bf16 --strategies fsdp2_train+deepspeed_train:zero_stage=3
+
+Mixed precision (``--dtype bf16``): float32 master weights and bf16 compute for every strategy
+(fsdp2_train's ``param_dtype``; deepspeed_train's bf16 mode through ``model_args.dtype``).
+TFLOP/s counts 6 x params + causal attention per token (as shared/BACKENDS.md does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+}
+
+
+def peak_memory(runtime) -> float:
+    """Rank-side: peak GiB allocated on this rank's GPU (0 on CPU)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return 0.0
+    return torch.cuda.max_memory_allocated() / 2**30
+
+
+def build_model(shape: str, out_dir: str) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from posttrain.presets import build_tokenizer
+
+    config = Qwen2Config(
+        **SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=shape != "qwen2-1.5b"
+    )
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(config)
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+# How each strategy is asked for bf16 compute over float32 master weights:
+# (strategy_config entries, model_args.dtype).
+MIXED_PRECISION = {
+    "fsdp2_train": lambda dtype: ({"param_dtype": dtype}, "fp32"),
+    "deepspeed_train": lambda dtype: ({}, dtype),
+}
+
+
+def parse_strategy(text: str) -> tuple[str, dict]:
+    """``name`` or ``name:key=value,key=value`` (integers where they parse)."""
+    name, _, rest = text.partition(":")
+    config = {}
+    for item in filter(None, rest.split(",")):
+        key, _, value = item.partition("=")
+        config[key] = int(value) if value.lstrip("-").isdigit() else value
+    return name, config
+
+
+def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
+    """Seconds per step (the first left out) and peak GiB per rank of one strategy."""
+    import torch
+
+    from posttrain.config.converter import CONVERTER
+    from posttrain.config.sections import (
+        AlgorithmConfig,
+        ModelArgs,
+        RoleConfig,
+        StrategyArgs,
+        TrainingArgs,
+    )
+    from posttrain.launcher.base import GroupSpec
+    from posttrain.launcher.local import LocalLauncher
+    from posttrain.plugin_host import create_plugin_host
+    from posttrain.protocol import build_sequence_batch
+
+    spec = create_plugin_host().strategies()[strategy]
+    raw, model_dtype = {"micro_batch_size": args.batch, **extra}, "fp32"
+    if args.dtype != "fp32":
+        precision, model_dtype = MIXED_PRECISION[strategy](args.dtype)
+        raw.update(precision)
+    role = RoleConfig(
+        strategy_args=StrategyArgs(
+            strategy_name=strategy, strategy_config=CONVERTER.structure(raw, spec.config_class)
+        ),
+        device_mapping=tuple(range(args.ranks)),
+        model_args=ModelArgs(
+            model_name_or_path=model_dir,
+            dtype=model_dtype,
+            disable_gradient_checkpointing=not args.checkpointing,
+        ),
+        training_args=TrainingArgs(learning_rate=1e-5),
+    )
+    launcher = LocalLauncher()
+    try:
+        group = launcher.start_group(
+            GroupSpec(
+                role="actor_train",
+                config=role,
+                algorithm=AlgorithmConfig(),
+                seed=0,
+                run_dir=model_dir,
+                base_dir=model_dir,
+                device=args.device,
+                threads=None if args.device == "cuda" else 1,
+            )
+        )
+        gen = torch.Generator().manual_seed(0)
+        rows = args.batch * args.ranks
+        prompts = [torch.randint(10, 1000, (16,), generator=gen).tolist()] * rows
+        responses = [
+            torch.randint(10, 1000, (args.seq - 16,), generator=gen).tolist() for _ in range(rows)
+        ]
+        batch = build_sequence_batch(prompts, responses, 0)
+        batch = batch.with_tensors(
+            old_logprobs=torch.full_like(batch.response_mask, -7.0),
+            advantages=torch.randn(rows, generator=gen)[:, None] * batch.response_mask,
+        )
+        batch.meta.update(
+            global_tokens=float(batch.response_mask.sum()),
+            global_seqs=float(rows),
+            dp_size=group.dp_size,
+        )
+        times = []
+        for _ in range(args.steps):
+            start = time.perf_counter()
+            group.call_dp("train_step", batch.split(group.dp_size))
+            times.append(time.perf_counter() - start)
+        peaks = group.call("run_function", "train_throughput:peak_memory")
+    finally:
+        launcher.shutdown()
+    return {"step": sum(times[1:]) / max(1, len(times) - 1), "peak": max(peaks)}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
+    parser.add_argument("--batch", type=int, default=4, help="sequences per rank per step")
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--checkpointing", action="store_true")
+    parser.add_argument(
+        "--strategies",
+        default="fsdp2_train",
+        help="strategies separated by '+', each name or name:key=value,...; the first is the "
+        "baseline (e.g. fsdp2_train+deepspeed_train:zero_stage=3)",
+    )
+    args = parser.parse_args()
+    sys.path.insert(0, os.path.dirname(__file__))
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]
+    )
+    strategies = [parse_strategy(text) for text in args.strategies.split("+")]
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        params = build_model(args.shape, tmp)
+        for strategy, extra in strategies:
+            results.append(measure(args, tmp, strategy, extra))
+    cfg = SHAPES[args.shape]
+    tokens = args.batch * args.ranks * args.seq
+    attn = 6 * cfg["num_hidden_layers"] * cfg["hidden_size"] * args.seq  # causal: half of 12
+    flops = tokens * (6 * params + attn)
+    print(
+        f"train throughput: {args.shape} ({params / 1e6:.0f}M params), {args.device} x "
+        f"{args.ranks}, {args.dtype} compute, {tokens} tokens/step, checkpointing "
+        f"{args.checkpointing}"
+    )
+    print(
+        f"| {'strategy':<32} | {'s/step':>7} | {'tokens/s':>9} | {'TFLOP/s/GPU':>11} | "
+        f"{'peak GiB/rank':>13} | {'vs first':>8} |"
+    )
+    print(f"| {'-' * 32} | {'-' * 7} | {'-' * 9} | {'-' * 11} | {'-' * 13} | {'-' * 8} |")
+    base = tokens / results[0]["step"]
+    for (strategy, extra), r in zip(strategies, results):
+        name = strategy + "".join(f" {k}={v}" for k, v in extra.items())
+        rate = tokens / r["step"]
+        print(
+            f"| {name:<32} | {r['step']:>7.3f} | {rate:>9.0f} | "
+            f"{flops / r['step'] / 1e12 / args.ranks:>11.1f} | {r['peak']:>13.1f} | "
+            f"{rate / base:>7.2f}x |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
