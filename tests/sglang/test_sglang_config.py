@@ -24,7 +24,8 @@ def test_defaults_and_capabilities():
     assert cfg.tp_size == 1 and cfg.engine_kwargs == {}
     assert spec.capabilities.parallel_dims == ("tp_size",)
     assert spec.capabilities.kind == "rollout"
-    assert set(spec.capabilities.import_transports) == {"shared_memory", "broadcast"}
+    assert set(spec.capabilities.import_transports) == {"in_process", "shared_memory", "broadcast"}
+    assert spec.capabilities.shares_process
     assert spec.capabilities.stop_strings  # validation lets stop strings through
 
 
