@@ -25,15 +25,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain import rank_batches
 from posttrain.distributed import (
-    agree_max,
     backend_for,
     destroy_default_process_group,
     init_default_process_group,
 )
 from posttrain.errors import CheckpointError, UserError
 from posttrain.lr_schedule import lr_lambda
-from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
 from posttrain.modeling import shifted_entropy, shifted_token_logprobs
 from posttrain.models import load_causal_lm, load_tokenizer, resolve_model_path, torch_dtype
 from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
@@ -159,7 +158,9 @@ def build_ds_config(worker) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     dtype = worker.model_args.dtype
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": _micro_batch_size(worker, for_logprobs=False),
+        "train_micro_batch_size_per_gpu": rank_batches.micro_batch_size(
+            worker, worker.strategy_name == TRAIN, False
+        ),
         "gradient_accumulation_steps": 1,
         "managed_gradient_accumulation": False,
         "zero_optimization": zero,
@@ -383,59 +384,12 @@ def _enable_checkpointing(model) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def _micro_batch_size(worker, for_logprobs: bool) -> int:
-    cfg = worker.config
-    if worker.strategy_name != TRAIN:
-        return cfg.micro_batch_size or worker.state.get("infer_batch_size") or 8
-    if for_logprobs and cfg.logprob_micro_batch_size:
-        return cfg.logprob_micro_batch_size
-    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
-
-
 def plan_micro_batches(
     worker, batch: SequenceBatch, for_logprobs: bool = False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run."""
-    args = worker.training_args
-    dynamic = worker.strategy_name == TRAIN and args is not None and args.use_dynamic_batch_size
-    if dynamic:
-        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
-    else:
-        groups = fixed_micro_batches(len(batch), _micro_batch_size(worker, for_logprobs))
-    count = agree_max(len(groups), _device(worker))
-    if dynamic and len(groups) < count <= len(batch):
-        # Spread this rank's rows over as many micro-batches as the busiest rank runs.
-        spread = token_budget_micro_batches(
-            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
-        )
-        if len(spread) == count:
-            groups = spread
-    return groups, count
-
-
-def _filler(batch: SequenceBatch) -> SequenceBatch:
-    """A one-row micro-batch that scores nothing (response_mask 0): keeps collectives in step."""
-    if len(batch):
-        mb = batch.select([0])
-        tensors = dict(mb.tensors)
-        tensors["attention_mask"] = torch.zeros_like(tensors["attention_mask"])
-        tensors["attention_mask"][:, :2] = 1
-        tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
-        return SequenceBatch(tensors, dict(batch.meta)).trimmed()
-    tensors = {
-        k: torch.zeros((1, 2), dtype=v.dtype)
-        if v.dim() == 2
-        else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
-        for k, v in batch.tensors.items()
-    }
-    tensors["attention_mask"] = torch.ones((1, 2), dtype=torch.long)
-    return SequenceBatch(tensors, dict(batch.meta))
-
-
-def _to_device(batch: SequenceBatch, device: torch.device) -> SequenceBatch:
-    return SequenceBatch(
-        {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}, dict(batch.meta)
-    )
+    train = worker.strategy_name == TRAIN
+    return rank_batches.plan_micro_batches(worker, batch, _device(worker), train, for_logprobs)
 
 
 def _forward_logits(engine, mb: SequenceBatch) -> torch.Tensor:
@@ -459,8 +413,8 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     metrics: dict[str, float] = {}
     for i in range(count):
         real = i < len(groups)
-        mb = batch.select(groups[i]).trimmed() if real else _filler(batch)
-        mb = _to_device(mb, device)
+        mb = batch.select(groups[i]).trimmed() if real else rank_batches.filler_micro_batch(batch)
+        mb = rank_batches.to_device(mb, device)
         logits = _forward_logits(engine, mb)
         logprobs = shifted_token_logprobs(logits, mb.input_ids)
         if entropy_grad:
@@ -503,8 +457,8 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
     for i in range(count):
         real = i < len(groups)
-        mb = batch.select(groups[i]).trimmed() if real else _filler(batch)
-        mb = _to_device(mb, device)
+        mb = batch.select(groups[i]).trimmed() if real else rank_batches.filler_micro_batch(batch)
+        mb = rank_batches.to_device(mb, device)
         logits = _forward_logits(engine, mb)
         if real:
             lp = shifted_token_logprobs(logits, mb.input_ids) * mb.attention_mask

@@ -1,0 +1,74 @@
+"""One rank's micro-batches for a train or scoring pass, as many on every data-parallel rank.
+
+Collectives inside a forward or backward pass (FSDP's all-gathers, ZeRO's reductions) need every
+rank to run as many passes as the busiest one: the count is agreed with an all-reduce, and a rank
+with fewer rows runs filler micro-batches that score nothing. Trainer plugins that micro-batch an
+HF model share these.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from posttrain.distributed import agree_max
+from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
+from posttrain.protocol import SequenceBatch
+
+
+def micro_batch_size(worker, train: bool, for_logprobs: bool) -> int:
+    """Rows per micro-batch: the strategy config's ``micro_batch_size`` (in a trainer scoring,
+    ``logprob_micro_batch_size`` first), else ``per_device_train_batch_size`` in a trainer and
+    the role's ``infer_batch_size`` (or 8) in a scorer."""
+    cfg = worker.config
+    if not train:
+        return cfg.micro_batch_size or worker.state.get("infer_batch_size") or 8
+    if for_logprobs and cfg.logprob_micro_batch_size:
+        return cfg.logprob_micro_batch_size
+    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+
+
+def plan_micro_batches(
+    worker, batch: SequenceBatch, device, train: bool, for_logprobs: bool = False
+) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches (row indices) and the number every rank will run (agreed over
+    the default group on ``device``); dynamic batching (a token budget) in trainers only."""
+    args = worker.training_args
+    dynamic = train and args is not None and args.use_dynamic_batch_size
+    if dynamic:
+        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
+    else:
+        groups = fixed_micro_batches(len(batch), micro_batch_size(worker, train, for_logprobs))
+    count = agree_max(len(groups), device)
+    if dynamic and len(groups) < count <= len(batch):
+        # Spread this rank's rows over as many micro-batches as the busiest rank runs.
+        spread = token_budget_micro_batches(
+            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
+        )
+        if len(spread) == count:
+            groups = spread
+    return groups, count
+
+
+def filler_micro_batch(batch: SequenceBatch) -> SequenceBatch:
+    """A one-row micro-batch that scores nothing (response_mask 0): keeps collectives in step."""
+    if len(batch):
+        mb = batch.select([0])
+        tensors = dict(mb.tensors)
+        tensors["attention_mask"] = torch.zeros_like(tensors["attention_mask"])
+        tensors["attention_mask"][:, :2] = 1
+        tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
+        return SequenceBatch(tensors, dict(batch.meta)).trimmed()
+    tensors = {
+        k: torch.zeros((1, 2), dtype=v.dtype)
+        if v.dim() == 2
+        else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
+        for k, v in batch.tensors.items()
+    }
+    tensors["attention_mask"] = torch.ones((1, 2), dtype=torch.long)
+    return SequenceBatch(tensors, dict(batch.meta))
+
+
+def to_device(batch: SequenceBatch, device) -> SequenceBatch:
+    return SequenceBatch(
+        {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}, dict(batch.meta)
+    )
