@@ -154,8 +154,25 @@ def test_megatron_tp2_sync_then_logprobs_match_trainer(groups, tiny_model_path, 
         launcher.shutdown()
 
 
-def test_in_process_sync_beside_the_trainer_then_logprobs_match(tiny_model_path, tmp_path):
-    """Hybrid engine: sglang in fsdp2_train's own 2 rank processes (one engine per rank, its
+@pytest.mark.parametrize(
+    "trainer_strategy, trainer_config",
+    [
+        pytest.param("fsdp2_train", {}, id="fsdp2"),
+        pytest.param(
+            "megatron_train",
+            {"tensor_model_parallel_size": 2},
+            id="megatron_tp2",
+            marks=pytest.mark.skipif(
+                importlib.util.find_spec("posttrain_megatron") is None,
+                reason="posttrain-megatron not installed",
+            ),
+        ),
+    ],
+)
+def test_in_process_sync_beside_the_trainer_then_logprobs_match(
+    trainer_strategy, trainer_config, tiny_model_path, tmp_path
+):
+    """Hybrid engine: sglang in the trainer's own 2 rank processes (one engine per rank, its
     schedulers child processes); the in-process hand-over (one call per rank) loads the
     trainer's tensors with update_weights_from_tensor."""
     from posttrain.weight_sync.transport import InProcessTransport
@@ -165,14 +182,17 @@ def test_in_process_sync_beside_the_trainer_then_logprobs_match(tiny_model_path,
     try:
         groups = launcher.start_processes(
             [
-                group_spec("fsdp2_train", {}, 2, "actor_train", tiny_model_path, tmp_path),
+                group_spec(
+                    trainer_strategy, trainer_config, 2, "actor_train", tiny_model_path, tmp_path
+                ),
                 group_spec("sglang", {}, 2, "actor_infer", tiny_model_path, tmp_path),
             ]
         )
         trainer, rollout = groups["actor_train"], groups["actor_infer"]
         assert trainer.shares_processes_with(rollout) and rollout.dp_size == 2
         calls = launcher.driver_calls()
-        _train_sync_check(trainer, rollout, InProcessTransport(bucket_bytes=BUCKET_BYTES), 5)
+        transport = InProcessTransport(bucket_bytes=BUCKET_BYTES)
+        _train_sync_check(trainer, rollout, transport, 5, name=trainer_strategy)
         # train step, stale rollout and its log-probs, the sync, rollout, log-probs, scoring:
         # the sync itself is one call per rank.
         assert launcher.driver_calls() - calls == 7 * 2

@@ -142,10 +142,24 @@ def test_two_data_parallel_engines(tiny_model_path, tmp_path):
         launcher.shutdown()
 
 
+BESIDE = [
+    pytest.param("fsdp2_train", {}, id="fsdp2"),
+    pytest.param(
+        "megatron_train",
+        {"tensor_model_parallel_size": 2},
+        id="megatron_tp2",
+        marks=pytest.mark.skipif(not _have_megatron(), reason="posttrain-megatron not installed"),
+    ),
+]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-def test_in_process_sync_beside_the_trainer(tiny_model_path, tmp_path):
-    """Hybrid engine: vllm in fsdp2_train's own 2 rank processes (vLLM's external launcher
+@pytest.mark.parametrize("trainer_strategy, trainer_config", BESIDE)
+def test_in_process_sync_beside_the_trainer(
+    trainer_strategy, trainer_config, tiny_model_path, tmp_path
+):
+    """Hybrid engine: vllm in the trainer's own 2 rank processes (vLLM's external launcher
     over the trainer's world, one engine per rank); after a step, the in-process hand-over (one
     call per rank, no host copy) gives both engines the trainer's weights: their sampled
     log-probs equal the trainer's."""
@@ -156,7 +170,9 @@ def test_in_process_sync_beside_the_trainer(tiny_model_path, tmp_path):
     try:
         groups = launcher.start_processes(
             [
-                _spec("fsdp2_train", {}, 2, "actor_train", tiny_model_path, tmp_path),
+                _spec(
+                    trainer_strategy, trainer_config, 2, "actor_train", tiny_model_path, tmp_path
+                ),
                 _spec("vllm", {}, 2, "actor_infer", tiny_model_path, tmp_path),
             ]
         )
@@ -176,9 +192,10 @@ def test_in_process_sync_beside_the_trainer(tiny_model_path, tmp_path):
         out = RolloutSamples.concat(rollout.call_dp("generate", shares))
         assert len(out) == 8
         sample_batch = samples_batch(out)
-        got = concat_tensor_rows(trainer.call_dp("compute_logprobs", sample_batch.split(2)))
+        shares = sample_batch.split(trainer.dp_size)
+        got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
         diff = max_sample_logprob_diff(out, got)
-        print(f"\nvllm beside fsdp2_train: max |logprob diff| = {diff:.2e}")
+        print(f"\nvllm beside {trainer_strategy}: max |logprob diff| = {diff:.2e}")
         assert diff <= TOLERANCE
     finally:
         launcher.shutdown()
