@@ -37,11 +37,17 @@ class WorkerGroup(abc.ABC):
     """The ranks of one role. Several roles' groups may share one set of rank processes (the
     hybrid engine): ``processes`` is that set, the same object for every group in it."""
 
-    role: str
-    world_size: int
-    devices: tuple[int, ...]
-    parallel: list[dict[str, int]]
-    processes: Any
+    def __init__(self, processes: Any, spec: GroupSpec):
+        self.role = spec.role
+        self.spec = spec
+        self.processes = processes
+        self.devices: tuple[int, ...] = spec.config.device_mapping
+        self.world_size: int = processes.world_size
+        self.parallel: list[dict[str, int]] = []
+
+    @property
+    def log_paths(self) -> list[str]:
+        return self.processes.log_paths
 
     def shares_processes_with(self, other: WorkerGroup) -> bool:
         return self.processes is other.processes

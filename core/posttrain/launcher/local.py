@@ -190,18 +190,6 @@ class LocalProcesses:
 class LocalWorkerGroup(WorkerGroup):
     """One role's view of a :class:`LocalProcesses`."""
 
-    def __init__(self, processes: LocalProcesses, spec: GroupSpec):
-        self.role = spec.role
-        self.spec = spec
-        self.processes = processes
-        self.devices = spec.config.device_mapping
-        self.world_size = processes.world_size
-        self.parallel: list[dict[str, int]] = []
-
-    @property
-    def log_paths(self) -> list[str]:
-        return self.processes.log_paths
-
     @property
     def procs(self) -> list:
         return self.processes.procs

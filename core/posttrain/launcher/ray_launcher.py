@@ -303,21 +303,9 @@ class RayProcesses:
 class RayWorkerGroup(WorkerGroup):
     """One role's view of a :class:`RayProcesses`."""
 
-    def __init__(self, processes: RayProcesses, spec: GroupSpec):
-        self.role = spec.role
-        self.spec = spec
-        self.processes = processes
-        self.devices = spec.config.device_mapping
-        self.world_size = processes.world_size
-        self.parallel: list[dict[str, int]] = []
-
     @property
     def nodes(self) -> list[str]:
         return self.processes.nodes
-
-    @property
-    def log_paths(self) -> list[str]:
-        return self.processes.log_paths
 
     @property
     def actors(self) -> list:
