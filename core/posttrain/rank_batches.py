@@ -8,10 +8,13 @@ HF model share these.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+
 import torch
 
 from posttrain.distributed import agree_max
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
+from posttrain.modeling import shifted_entropy, shifted_token_logprobs
 from posttrain.protocol import SequenceBatch
 
 
@@ -72,3 +75,54 @@ def to_device(batch: SequenceBatch, device) -> SequenceBatch:
     return SequenceBatch(
         {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}, dict(batch.meta)
     )
+
+
+def micro_batches(
+    batch: SequenceBatch, groups: list[list[int]], count: int, device
+) -> Iterator[tuple[list[int] | None, SequenceBatch]]:
+    """``count`` micro-batches on ``device``: ``(row indices, rows)`` for this rank's real ones,
+    then ``(None, filler)`` until every rank has run as many."""
+    for i in range(count):
+        real = i < len(groups)
+        mb = batch.select(groups[i]).trimmed() if real else filler_micro_batch(batch)
+        yield (groups[i] if real else None), to_device(mb, device)
+
+
+def accumulate_gradients(
+    worker, batch: SequenceBatch, groups, count, device, forward, backward, loss_fn
+) -> dict[str, float]:
+    """Forward ``forward(mb) -> logits``, the core's loss and ``backward(loss)`` over every
+    micro-batch (fillers with zero weight); returns the real ones' summed loss metrics."""
+    entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
+    metrics: dict[str, float] = {}
+    for rows, mb in micro_batches(batch, groups, count, device):
+        logits = forward(mb)
+        logprobs = shifted_token_logprobs(logits, mb.input_ids)
+        if entropy_grad:
+            entropy = shifted_entropy(logits)
+        else:
+            with torch.no_grad():
+                entropy = shifted_entropy(logits.detach())
+        loss, mb_metrics = loss_fn(logprobs, entropy, mb)
+        if rows is None:
+            loss = loss * 0.0
+        backward(loss)
+        del logits, logprobs, entropy, loss
+        if rows is not None:
+            for key, value in mb_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+    return metrics
+
+
+@torch.no_grad()
+def score_logprobs(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+    """Per-token log-probs of this rank's rows (float32, on the host, laid out as ``batch``)."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    for rows, mb in micro_batches(batch, groups, count, device):
+        logits = forward(mb)
+        if rows is not None:
+            lp = shifted_token_logprobs(logits, mb.input_ids) * mb.attention_mask
+            index = torch.as_tensor(rows, dtype=torch.long)
+            out[index, : lp.shape[1]] = lp.float().cpu()
+        del logits
+    return out

@@ -33,7 +33,6 @@ from posttrain.distributed import (
 )
 from posttrain.errors import CheckpointError, UserError
 from posttrain.lr_schedule import lr_lambda
-from posttrain.modeling import shifted_entropy, shifted_token_logprobs
 from posttrain.models import load_causal_lm, load_tokenizer, resolve_model_path, torch_dtype
 from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
 
@@ -405,32 +404,19 @@ def _forward_logits(engine, mb: SequenceBatch) -> torch.Tensor:
 def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     engine = worker.model
     scheduler = worker.state["scheduler"]
-    device = _device(worker)
-    entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
     engine.train()
-
     groups, count = plan_micro_batches(worker, batch)
-    metrics: dict[str, float] = {}
-    for i in range(count):
-        real = i < len(groups)
-        mb = batch.select(groups[i]).trimmed() if real else rank_batches.filler_micro_batch(batch)
-        mb = rank_batches.to_device(mb, device)
-        logits = _forward_logits(engine, mb)
-        logprobs = shifted_token_logprobs(logits, mb.input_ids)
-        if entropy_grad:
-            entropy = shifted_entropy(logits)
-        else:
-            with torch.no_grad():
-                entropy = shifted_entropy(logits.detach())
-        loss, mb_metrics = loss_fn(logprobs, entropy, mb)
-        if not real:
-            loss = loss * 0.0
+    metrics = rank_batches.accumulate_gradients(
+        worker,
+        batch,
+        groups,
+        count,
+        _device(worker),
+        forward=lambda mb: _forward_logits(engine, mb),
         # The core's loss is already normalised over the whole step: no 1/accumulation scaling.
-        engine.backward(loss, scale_wrt_gas=False)
-        del logits, logprobs, entropy, loss
-        if real:
-            for key, value in mb_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value)
+        backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
+        loss_fn=loss_fn,
+    )
 
     lr = float(scheduler.get_last_lr()[0]) if scheduler is not None else float("nan")
     engine.step()  # reduce (ZeRO-1) / finalize (ZeRO-2/3), clip, update, scheduler step
@@ -450,21 +436,12 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
 @torch.no_grad()
 def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     engine = worker.model
-    device = _device(worker)
     was_training = engine.training
     engine.eval()
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
-    for i in range(count):
-        real = i < len(groups)
-        mb = batch.select(groups[i]).trimmed() if real else rank_batches.filler_micro_batch(batch)
-        mb = rank_batches.to_device(mb, device)
-        logits = _forward_logits(engine, mb)
-        if real:
-            lp = shifted_token_logprobs(logits, mb.input_ids) * mb.attention_mask
-            index = torch.as_tensor(groups[i], dtype=torch.long)
-            out[index, : lp.shape[1]] = lp.float().cpu()
-        del logits
+    out = rank_batches.score_logprobs(
+        batch, groups, count, _device(worker), lambda mb: _forward_logits(engine, mb)
+    )
     engine.train(was_training)
     return out
 

@@ -30,7 +30,6 @@ from posttrain.distributed import (
     init_default_process_group,
 )
 from posttrain.lr_schedule import lr_lambda
-from posttrain.modeling import shifted_entropy, shifted_token_logprobs
 from posttrain.models import load_causal_lm, load_tokenizer, torch_dtype
 from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
 from posttrain.tensors import unshare_storage
@@ -190,31 +189,18 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     model = worker.model
     optimizer = worker.state["optimizer"]
     scheduler = worker.state["scheduler"]
-    device = _device(worker)
-    entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
     model.train()
-
     groups, count = plan_micro_batches(worker, batch)
-    metrics: dict[str, float] = {}
-    for i in range(count):
-        real = i < len(groups)
-        mb = batch.select(groups[i]).trimmed() if real else rank_batches.filler_micro_batch(batch)
-        mb = rank_batches.to_device(mb, device)
-        logits = _forward_logits(model, mb)
-        logprobs = shifted_token_logprobs(logits, mb.input_ids)
-        if entropy_grad:
-            entropy = shifted_entropy(logits)
-        else:
-            with torch.no_grad():
-                entropy = shifted_entropy(logits.detach())
-        loss, mb_metrics = loss_fn(logprobs, entropy, mb)
-        if not real:
-            loss = loss * 0.0
-        loss.backward()
-        del logits, logprobs, entropy, loss
-        if real:
-            for key, value in mb_metrics.items():
-                metrics[key] = metrics.get(key, 0.0) + float(value)
+    metrics = rank_batches.accumulate_gradients(
+        worker,
+        batch,
+        groups,
+        count,
+        _device(worker),
+        forward=lambda mb: _forward_logits(model, mb),
+        backward=lambda loss: loss.backward(),
+        loss_fn=loss_fn,
+    )
 
     grad_norm = _clip_grad_norm(model, worker.training_args.max_grad_norm)
     lr = float(scheduler.get_last_lr()[0])
@@ -248,21 +234,12 @@ def _clip_grad_norm(model, max_norm: float | None) -> float:
 @torch.no_grad()
 def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     model = worker.model
-    device = _device(worker)
     was_training = model.training
     model.eval()
-    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
-    for i in range(count):
-        real = i < len(groups)
-        mb = batch.select(groups[i]).trimmed() if real else rank_batches.filler_micro_batch(batch)
-        mb = rank_batches.to_device(mb, device)
-        logits = _forward_logits(model, mb)
-        if real:
-            lp = shifted_token_logprobs(logits, mb.input_ids) * mb.attention_mask
-            index = torch.as_tensor(groups[i], dtype=torch.long)
-            out[index, : lp.shape[1]] = lp.float().cpu()
-        del logits
+    out = rank_batches.score_logprobs(
+        batch, groups, count, _device(worker), lambda mb: _forward_logits(model, mb)
+    )
     model.train(was_training)
     return out
 
