@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -60,6 +62,32 @@ def run_quickstart(
     if check:
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc
+
+
+def kill_after_checkpoint(
+    workflow: Path, run_dir: Path, *overrides: str, step: int = 3, last_step: int = 10
+) -> None:
+    """Start ``posttrain run workflow`` into ``run_dir`` and SIGKILL it once ``checkpoint-<step>``
+    exists and a step after it has been logged (so the kill lands between checkpoints)."""
+    proc = subprocess.Popen(
+        posttrain_cmd("run", str(workflow), *overrides, "--set", f"trainer.output_dir={run_dir}"),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=run_env(),
+    )
+    deadline = time.monotonic() + 240
+    metrics = run_dir / "metrics.jsonl"
+    while time.monotonic() < deadline:
+        if (
+            (run_dir / f"checkpoint-{step}").exists()
+            and metrics.exists()
+            and len(metrics.read_text().splitlines()) > step
+        ):
+            break
+        time.sleep(0.02)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert not (run_dir / f"checkpoint-{last_step}").exists(), "killed too late to test anything"
 
 
 def read_metrics(run_dir: Path) -> list[dict]:

@@ -5,12 +5,19 @@ from __future__ import annotations
 
 import signal
 import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import QUICKSTART, posttrain_cmd, read_metrics, run_env, run_quickstart, small_run
+from conftest import (
+    QUICKSTART,
+    kill_after_checkpoint,
+    posttrain_cmd,
+    read_metrics,
+    run_env,
+    run_quickstart,
+    small_run,
+)
 from safetensors.torch import load_file
 
 SMALL = small_run(max_steps=10, save_steps=3)
@@ -57,25 +64,7 @@ def assert_same_run(resumed: Path, uninterrupted) -> None:
 @pytest.mark.timeout(900)
 def test_sigkill_between_checkpoints_then_resume(tmp_path, uninterrupted):
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        posttrain_cmd("run", str(QUICKSTART), *SMALL, "--set", f"trainer.output_dir={run_dir}"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=run_env(),
-    )
-    deadline = time.monotonic() + 240
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if (
-            (run_dir / "checkpoint-3").exists()
-            and metrics.exists()
-            and len(metrics.read_text().splitlines()) >= 4
-        ):
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert not (run_dir / "checkpoint-10").exists(), "killed too late to test anything"
+    kill_after_checkpoint(QUICKSTART, run_dir, *SMALL)
     run(run_dir)
     assert_same_run(run_dir, uninterrupted)
 

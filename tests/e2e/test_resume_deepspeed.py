@@ -5,14 +5,17 @@ Adam moments, scheduler) and every step's reward."""
 
 from __future__ import annotations
 
-import signal
-import subprocess
-import time
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import REPO, posttrain_cmd, read_metrics, run_env, run_quickstart, small_run
+from conftest import (
+    REPO,
+    kill_after_checkpoint,
+    read_metrics,
+    run_quickstart,
+    small_run,
+)
 
 pytest.importorskip("posttrain_deepspeed")
 
@@ -57,25 +60,7 @@ def test_sigkill_between_checkpoints_then_resume(tmp_path, e2e_cache):
     run_quickstart(reference, *SMALL, workflow=WORKFLOW)
 
     run_dir = tmp_path / "killed"
-    proc = subprocess.Popen(
-        posttrain_cmd("run", str(WORKFLOW), *SMALL, "--set", f"trainer.output_dir={run_dir}"),
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env=run_env(),
-    )
-    deadline = time.monotonic() + 240
-    metrics = run_dir / "metrics.jsonl"
-    while time.monotonic() < deadline:
-        if (
-            (run_dir / "checkpoint-3").exists()
-            and metrics.exists()
-            and len(metrics.read_text().splitlines()) >= 4
-        ):
-            break
-        time.sleep(0.02)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=30)
-    assert not (run_dir / "checkpoint-10").exists(), "killed too late to test anything"
+    kill_after_checkpoint(WORKFLOW, run_dir, *SMALL)
     run_quickstart(run_dir, *SMALL, workflow=WORKFLOW)
 
     assert rewards_by_step(run_dir) == rewards_by_step(reference)
