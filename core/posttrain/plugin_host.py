@@ -23,6 +23,7 @@ ENTRY_POINT_GROUP = "posttrain"
 BUILTIN_PLUGINS = (
     "posttrain.builtin.hf_infer_plugin:plugin",
     "posttrain.builtin.rewards",
+    "posttrain.builtin.algorithms",
     "posttrain.builtin.transports",
     "posttrain.builtin.plotting",
     "posttrain.builtin.checks",

@@ -9,7 +9,7 @@ import attrs
 import pytest
 import torch
 
-from posttrain.algorithms.grpo import group_advantages
+from posttrain.algorithms.advantages import group_advantages
 from posttrain.algorithms.kl import kl_penalty
 from posttrain.algorithms.policy_loss import PolicyLoss
 from posttrain.config.sections import AlgorithmConfig
