@@ -53,6 +53,14 @@ class EngineHooks:
         return self._call("compute_logprobs", worker, batch)
 
     @hookimpl(trylast=True)
+    def posttrain_compute_values(self, worker, batch):
+        return self._call("compute_values", worker, batch)
+
+    @hookimpl(trylast=True)
+    def posttrain_compute_scores(self, worker, batch):
+        return self._call("compute_scores", worker, batch)
+
+    @hookimpl(trylast=True)
     def posttrain_train_step(self, worker, batch, loss_fn):
         return self._call("train_step", worker, batch, loss_fn)
 

@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     import argparse
     from collections.abc import Iterable, Iterator
 
+    from posttrain.algorithms.registry import AdvantageEstimator, AlgorithmPreset, PolicyLossTerm
     from posttrain.checkpoint.manifest import Manifest
     from posttrain.config.report import ErrorReport
     from posttrain.config.workflow import Workflow
@@ -68,6 +69,45 @@ def posttrain_add_weight_transports() -> dict[str, type[WeightTransport]]:
 
     Called on the driver before the first weight sync. The core provides ``shared_memory`` and
     ``broadcast``; a plugin may add e.g. a compressed or a disk transport. Not firstresult.
+    """
+
+
+@hookspec
+def posttrain_add_advantage_estimators() -> dict[str, AdvantageEstimator]:
+    """Declare advantage estimators: ``{name: AdvantageEstimator}``.
+
+    Called on the driver when a workflow is validated and before a run's first step. An
+    :class:`posttrain.algorithms.registry.AdvantageEstimator` turns a step's rewards (and the
+    critic's values, when it says it needs them) into per-token advantages and, for a critic,
+    returns. ``algorithm.advantage_estimator`` names one; the core's ``trylast`` implementation
+    provides ``grpo``, ``rloo``, ``reinforce_plus_plus`` and ``gae``. Not firstresult: the host
+    merges every plugin's dict (a name declared twice is an error naming both).
+    """
+
+
+@hookspec
+def posttrain_add_policy_losses() -> dict[str, PolicyLossTerm]:
+    """Declare policy losses: ``{name: PolicyLossTerm}``.
+
+    Called on the driver when a workflow is validated and on every rank of ``actor_train``
+    when it builds the loss of a train step. A
+    :class:`posttrain.algorithms.registry.PolicyLossTerm` maps log-probs, old log-probs and
+    advantages to a per-token loss; the core adds the KL and entropy terms, the rollout
+    correction weights and the aggregation. ``algorithm.policy_loss`` names one; the core's
+    ``trylast`` implementation provides ``ppo`` (clipped, with dual-clip) and ``gspo``
+    (sequence-level ratio). Not firstresult: the host merges every plugin's dict.
+    """
+
+
+@hookspec
+def posttrain_add_algorithms() -> dict[str, AlgorithmPreset]:
+    """Declare algorithm presets: ``{name: AlgorithmPreset}``.
+
+    Called on the driver when a workflow is validated. ``algorithm.name`` picks a preset: the
+    advantage estimator and policy loss it uses unless ``algorithm.advantage_estimator`` /
+    ``algorithm.policy_loss`` name others, and whether it trains a critic. The core's
+    ``trylast`` implementation provides ``grpo``, ``ppo``, ``reinforce_plus_plus``, ``rloo``,
+    and ``gspo``. Not firstresult.
     """
 
 
@@ -178,12 +218,39 @@ def posttrain_compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> A
 
 
 @hookspec(firstresult=True)
+def posttrain_compute_values(worker: WorkerContext, batch: SequenceBatch) -> Any | None:
+    """Return a value model's estimates: a float32 tensor shaped like ``batch.input_ids``.
+
+    ``out[b, t] = V(input_ids[b, :t])``: the value head applied to the last hidden state at
+    position ``t - 1`` (the state in which token ``t`` was chosen), for ``t >= 1``; position 0
+    and positions outside ``attention_mask`` are 0. This aligns values with log-probs, so the
+    response mask selects both. Called on every rank of the ``critic`` role (its
+    ``worker.head`` is ``"value"``) with its data-parallel share. The value head is a bias-free
+    ``Linear(hidden, 1)`` named ``score`` in HF terms (as ``*ForTokenClassification`` with one
+    label), zero when the weights do not hold one. firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_compute_scores(worker: WorkerContext, batch: SequenceBatch) -> Any | None:
+    """Return a reward model's score of every sequence: a float32 tensor of shape ``[rows]``.
+
+    The score head (HF ``*ForSequenceClassification`` with one label) applied to the last hidden
+    state of each row's last attended position. Called on every rank of the ``reward`` role
+    (``worker.head`` is ``"score"``) with its data-parallel share. firstresult.
+    """
+
+
+@hookspec(firstresult=True)
 def posttrain_train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn: Any) -> dict | None:
     """Run one optimizer step on this rank's share of the batch; return scalar metrics.
 
-    Called on every rank of ``actor_train`` (and ``critic``). ``loss_fn(logprobs, entropy,
+    Called on every rank of ``actor_train`` and ``critic``. ``loss_fn(outputs, entropy,
     micro_batch) -> (loss, metrics)`` is the algorithm's loss from core; the backend splits the
-    batch into micro-batches, accumulates gradients, clips and steps. firstresult.
+    batch into micro-batches, accumulates gradients, clips and steps. ``outputs`` are per-token
+    log-probs (aligned as ``posttrain_compute_logprobs``) for a language-model head, and values
+    (aligned as ``posttrain_compute_values``, ``entropy`` None) when ``worker.head`` is
+    ``"value"``. Metric names carry the role's prefix (``actor/``, ``critic/``). firstresult.
     """
 
 

@@ -68,6 +68,54 @@ def load_causal_lm(model_args: ModelArgs, base_dir: str = ".", device: str = "cp
     return model.to(device)
 
 
+# The value head's HF name (``*ForTokenClassification`` / ``*ForSequenceClassification``).
+HEAD_WEIGHT = "score.weight"
+
+
+def load_model_with_head(model_args: ModelArgs, head: str, base_dir: str = ".", device="cpu"):
+    """The model a role runs: a causal LM (``head="lm"``), a value model (``"value"``: a
+    critic, one bias-free linear output per token, no dropout) or a reward model (``"score"``:
+    a sequence classifier with one label). A value head the weights lack starts at zero, so
+    every backend starts a critic alike (and at V = 0)."""
+    if head == "lm":
+        return load_causal_lm(model_args, base_dir, device)
+    from transformers import (
+        AutoConfig,
+        AutoModelForSequenceClassification,
+        AutoModelForTokenClassification,
+    )
+
+    path = resolve_model_path(model_args.model_name_or_path, base_dir)
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    config.num_labels = 1
+    kwargs = {
+        "config": config,
+        "dtype": torch_dtype(model_args.dtype),
+        "trust_remote_code": model_args.trust_remote_code,
+    }
+    if model_args.attn_implementation:
+        kwargs["attn_implementation"] = model_args.attn_implementation
+    if head == "score":
+        if config.pad_token_id is None:
+            # transformers refuses batches without one; its pooling by pad id is not used
+            # (posttrain.modeling.sequence_scores pools by the attention mask).
+            config.pad_token_id = 0
+        return AutoModelForSequenceClassification.from_pretrained(path, **kwargs).to(device)
+    if head != "value":
+        raise ValueError(f"unknown model head {head!r}")
+    config.classifier_dropout = 0.0
+    config.token_classification_bias = False
+    model, info = AutoModelForTokenClassification.from_pretrained(
+        path, output_loading_info=True, **kwargs
+    )
+    if HEAD_WEIGHT in info["missing_keys"]:
+        import torch
+
+        with torch.no_grad():
+            model.score.weight.zero_()
+    return model.to(device)
+
+
 def _saved_tokenizer_class(path: str) -> str | None:
     import json
 

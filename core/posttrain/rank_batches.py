@@ -14,7 +14,7 @@ import torch
 
 from posttrain.distributed import agree_max
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
-from posttrain.modeling import shifted_entropy, shifted_token_logprobs
+from posttrain.modeling import shifted_entropy, shifted_token_logprobs, shifted_values
 from posttrain.protocol import SequenceBatch
 
 
@@ -88,26 +88,34 @@ def micro_batches(
         yield (groups[i] if real else None), to_device(mb, device)
 
 
+def _loss_inputs(worker, logits: torch.Tensor, mb: SequenceBatch, entropy_grad: bool):
+    """What the loss takes from the model's output: values for a value head, else log-probs
+    and entropy."""
+    if worker.head == "value":
+        return shifted_values(logits), None
+    logprobs = shifted_token_logprobs(logits, mb.input_ids)
+    if entropy_grad:
+        return logprobs, shifted_entropy(logits)
+    with torch.no_grad():
+        return logprobs, shifted_entropy(logits.detach())
+
+
 def accumulate_gradients(
     worker, batch: SequenceBatch, groups, count, device, forward, backward, loss_fn
 ) -> dict[str, float]:
-    """Forward ``forward(mb) -> logits``, the core's loss and ``backward(loss)`` over every
-    micro-batch (fillers with zero weight); returns the real ones' summed loss metrics."""
+    """Forward ``forward(mb) -> logits`` (a value head's ``[B, T, 1]`` for a critic), the core's
+    loss and ``backward(loss)`` over every micro-batch (fillers with zero weight); returns the
+    real ones' summed loss metrics."""
     entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
     metrics: dict[str, float] = {}
     for rows, mb in micro_batches(batch, groups, count, device):
         logits = forward(mb)
-        logprobs = shifted_token_logprobs(logits, mb.input_ids)
-        if entropy_grad:
-            entropy = shifted_entropy(logits)
-        else:
-            with torch.no_grad():
-                entropy = shifted_entropy(logits.detach())
-        loss, mb_metrics = loss_fn(logprobs, entropy, mb)
+        outputs, entropy = _loss_inputs(worker, logits, mb, entropy_grad)
+        loss, mb_metrics = loss_fn(outputs, entropy, mb)
         if rows is None:
             loss = loss * 0.0
         backward(loss)
-        del logits, logprobs, entropy, loss
+        del logits, outputs, entropy, loss
         if rows is not None:
             for key, value in mb_metrics.items():
                 metrics[key] = metrics.get(key, 0.0) + float(value)
@@ -115,14 +123,44 @@ def accumulate_gradients(
 
 
 @torch.no_grad()
-def score_logprobs(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
-    """Per-token log-probs of this rank's rows (float32, on the host, laid out as ``batch``)."""
+def score_tokens(batch: SequenceBatch, groups, count, device, forward, per_token) -> torch.Tensor:
+    """``per_token(forward(mb), mb)`` of this rank's rows, masked by attention (float32, on the
+    host, laid out as ``batch``)."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     for rows, mb in micro_batches(batch, groups, count, device):
-        logits = forward(mb)
+        model_out = forward(mb)
         if rows is not None:
-            lp = shifted_token_logprobs(logits, mb.input_ids) * mb.attention_mask
+            values = per_token(model_out, mb) * mb.attention_mask
             index = torch.as_tensor(rows, dtype=torch.long)
-            out[index, : lp.shape[1]] = lp.float().cpu()
-        del logits
+            out[index, : values.shape[1]] = values.float().cpu()
+        del model_out
+    return out
+
+
+def score_logprobs(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+    """Per-token log-probs of this rank's rows; ``forward(mb)`` returns logits."""
+    return score_tokens(
+        batch,
+        groups,
+        count,
+        device,
+        forward,
+        lambda out, mb: shifted_token_logprobs(out, mb.input_ids),
+    )
+
+
+def score_values(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+    """A critic's values of this rank's rows; ``forward(mb)`` returns the ``[B, T, 1]`` head."""
+    return score_tokens(batch, groups, count, device, forward, lambda out, mb: shifted_values(out))
+
+
+@torch.no_grad()
+def score_sequences(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+    """One score per row of this rank's share (float32, host); ``forward(mb)`` returns them."""
+    out = torch.zeros(len(batch), dtype=torch.float32)
+    for rows, mb in micro_batches(batch, groups, count, device):
+        scores = forward(mb)
+        if rows is not None:
+            out[torch.as_tensor(rows, dtype=torch.long)] = scores.float().cpu()
+        del scores
     return out

@@ -25,6 +25,10 @@ class Capabilities:
     import_transports: tuple[str, ...] = ()  # for rollout: transports it can import through
     exports_hf_weights: bool = False  # for trainers: can feed weight sync
     computes_logprobs: bool = True
+    # Model heads it can load (``WorkerContext.head``): "lm" (causal LM), "value" (a critic's
+    # per-token value head; a trainer with it trains critics), "score" (a reward model's
+    # sequence score head).
+    heads: tuple[str, ...] = ("lm",)
     # For rollout: honours SamplingParams.stop (generating_args.stop_strings). Strategies that do
     # not would silently ignore them, so validation refuses stop strings for them.
     stop_strings: bool = False

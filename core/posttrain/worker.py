@@ -33,9 +33,18 @@ class WorkerContext:
     # Algorithm settings the backend needs for its loss (e.g. micro-batch normalisation).
     algorithm: Any = None
     hook: Any = None  # the plugin host's hook relay, to call other hooks
+    # The model head this role loads: "lm" (a causal LM: actor, reference, rollout), "value"
+    # (the critic: posttrain_compute_values) or "score" (a reward model:
+    # posttrain_compute_scores).
+    head: str = "lm"
     parallel: dict[str, int] = attrs.field(factory=dict)
     model: Any = None
     state: dict[str, Any] = attrs.field(factory=dict)
+
+    @property
+    def metric_prefix(self) -> str:
+        """Prefix of this role's training metrics: ``critic/...`` or ``actor/...``."""
+        return "critic" if self.head == "value" else "actor"
 
     @property
     def dp_rank(self) -> int:
@@ -87,12 +96,24 @@ class WorkerRuntime:
     def compute_logprobs(self, batch):
         return self._call("posttrain_compute_logprobs", batch=batch)
 
-    def train_step(self, batch):
-        from posttrain.algorithms.policy_loss import PolicyLoss
+    def compute_values(self, batch):
+        return self._call("posttrain_compute_values", batch=batch)
 
-        return self._call(
-            "posttrain_train_step", batch=batch, loss_fn=PolicyLoss(self.ctx.algorithm)
-        )
+    def compute_scores(self, batch):
+        return self._call("posttrain_compute_scores", batch=batch)
+
+    def train_step(self, batch):
+        if self.ctx.head == "value":
+            from posttrain.algorithms.value_loss import ValueLoss
+
+            loss_fn = ValueLoss(self.ctx.algorithm)
+        else:
+            from posttrain.algorithms.policy_loss import PolicyLoss
+            from posttrain.algorithms.registry import policy_loss_term
+
+            term = policy_loss_term(self.ctx.algorithm, self.ctx.hook)
+            loss_fn = PolicyLoss(self.ctx.algorithm, term)
+        return self._call("posttrain_train_step", batch=batch, loss_fn=loss_fn)
 
     def export_weights(self, bucket_bytes: int, in_process: bool):
         """The export hook's bucket iterator (see ``posttrain_export_weights``)."""

@@ -36,6 +36,7 @@ class ContractFakeTrainPlugin:
                     kind="train",
                     parallel_dims=("tensor_model_parallel_size",),
                     exports_hf_weights=True,
+                    heads=("lm", "value"),
                 ),
                 description="fake train strategy for core contract tests",
             )

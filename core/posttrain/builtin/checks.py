@@ -8,15 +8,13 @@ import os
 
 from posttrain import hookimpl
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
-from posttrain.config.sections import Workflow
+from posttrain.config.sections import ROLE_HEADS, Workflow
 from posttrain.doctor import EnvCheck
 from posttrain.launcher.base import partial_overlaps
 from posttrain.presets import PRESETS, is_preset
 
-REQUIRED_ROLES = {
-    "grpo": ("actor_train", "actor_infer"),
-    "ppo": ("actor_train", "actor_infer", "critic"),
-}
+# Roles every workflow has (the critic and reference depend on the algorithm's settings).
+REQUIRED_ROLES = ("actor_train", "actor_infer")
 
 
 @hookimpl(trylast=True)
@@ -34,7 +32,7 @@ def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorRep
     # A section that failed to structure was reported already; checks that read it would only
     # add misleading errors about its defaults (e.g. "needs an 'actor_train' role").
     failed = report.failed_sections
-    if not failed & {"algorithm", *REQUIRED_ROLES["ppo"], "reference"}:
+    if not failed & {"algorithm", *REQUIRED_ROLES, "reference"}:
         _check_roles(workflow, report)
     _check_strategy_kinds(workflow, strategies, report)
     _check_models(workflow, report)
@@ -54,6 +52,7 @@ ROLE_KINDS = {
     "actor_infer": ("rollout",),
     "reference": ("infer", "train", "rollout"),
     "critic": ("train",),
+    "reward": ("infer", "rollout"),
 }
 
 
@@ -76,10 +75,22 @@ def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None
                 join_path(name, "strategy_args", "strategy_name"),
                 f"'{spec.name}' does not compute log-probs, which reference needs",
             )
+        elif ROLE_HEADS.get(name, "lm") not in spec.capabilities.heads:
+            head = ROLE_HEADS[name]
+            able = sorted(
+                s
+                for s, sp in strategies.items()
+                if head in sp.capabilities.heads and sp.capabilities.kind in kinds
+            )
+            report.error(
+                join_path(name, "strategy_args", "strategy_name"),
+                f"'{spec.name}' cannot load a {head} head, which {name} needs",
+                f"strategies that can: {', '.join(able) or 'none installed'}",
+            )
 
 
 def _check_roles(wf: Workflow, report: ErrorReport) -> None:
-    for role in REQUIRED_ROLES.get(wf.algorithm.name, ()):
+    for role in REQUIRED_ROLES:
         if getattr(wf, role) is None:
             report.error(
                 role,
@@ -157,11 +168,6 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
     if algo.group_size < 1:
         report.error("algorithm.group_size", "must be at least 1")
         return
-    if algo.name == "grpo" and algo.group_size < 2:
-        report.error(
-            "algorithm.group_size",
-            "GRPO compares samples within a group: group_size must be at least 2",
-        )
     if algo.rollout_batch_size < 1:
         report.error("algorithm.rollout_batch_size", "must be at least 1")
         return
@@ -198,6 +204,14 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
                     "an empty string would stop every sample after its first token",
                     "remove it",
                 )
+        elif name == "reward":
+            if samples % dp:
+                report.error(
+                    "algorithm.rollout_batch_size",
+                    f"{samples} samples per step (rollout_batch_size x group_size) do not "
+                    f"split over the reward model's {dp} data-parallel ranks",
+                    f"make rollout_batch_size x group_size a multiple of {dp}",
+                )
         elif samples % (dp * algo.num_mini_batches):
             report.error(
                 "algorithm.rollout_batch_size",
@@ -212,7 +226,7 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
 
 def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> int | None:
     """Ranks / product of the strategy's declared parallel sizes, or None with an error."""
-    role = getattr(wf, role_name)
+    role = wf.roles()[role_name]
     config = role.strategy_args.strategy_config
     if isinstance(config, dict):  # strategy unknown or config invalid: already reported
         return None

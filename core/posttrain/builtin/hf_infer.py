@@ -10,8 +10,8 @@ import os
 
 import torch
 
-from posttrain.modeling import shifted_token_logprobs
-from posttrain.models import load_causal_lm, load_tokenizer
+from posttrain.modeling import sequence_scores, shifted_token_logprobs
+from posttrain.models import load_model_with_head, load_tokenizer
 from posttrain.protocol import (
     GenerationRequest,
     RolloutSamples,
@@ -28,7 +28,7 @@ def setup_parallel(worker) -> dict[str, int]:
 
 
 def load_model(worker):
-    model = load_causal_lm(worker.model_args, worker.base_dir, worker.device)
+    model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
     model.eval()
     worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
     return model
@@ -149,6 +149,17 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
         mask = batch.attention_mask[start : start + step].to(worker.device)
         logits = worker.model(input_ids=ids, attention_mask=mask).logits
         parts.append((shifted_token_logprobs(logits, ids) * mask).cpu())
+    return torch.cat(parts, dim=0)
+
+
+@torch.no_grad()
+def compute_scores(worker, batch: SequenceBatch) -> torch.Tensor:
+    parts = []
+    step = _batch_size(worker)
+    for start in range(0, len(batch), step):
+        ids = batch.input_ids[start : start + step].to(worker.device)
+        mask = batch.attention_mask[start : start + step].to(worker.device)
+        parts.append(sequence_scores(worker.model, ids, mask).cpu())
     return torch.cat(parts, dim=0)
 
 

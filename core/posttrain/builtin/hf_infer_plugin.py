@@ -40,8 +40,10 @@ class HFInferPlugin(EngineHooks):
                     import_transports=("in_process", "shared_memory", "broadcast"),
                     stop_strings=True,
                     shares_process=True,
+                    heads=("lm", "score"),
                 ),
-                description="generation and log-probs with plain transformers (reference backend)",
+                description="generation, log-probs and reward-model scores with plain "
+                "transformers (the reference backend)",
             )
         ]
 

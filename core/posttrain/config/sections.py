@@ -111,15 +111,24 @@ class DataConfig:
 
 @attrs.frozen(kw_only=True)
 class AlgorithmConfig:
-    """The RL algorithm: GRPO (PPO needs a critic role)."""
+    """The RL algorithm: a preset and its pieces (advantage estimator, policy loss)."""
 
-    name: Literal["grpo", "ppo"] = "grpo"
+    # Preset: grpo, ppo (GAE with a critic role), reinforce_plus_plus, rloo, gspo, or one a
+    # plugin declares (posttrain_add_algorithms).
+    name: str = "grpo"
+    # Advantage estimator (grpo, rloo, reinforce_plus_plus, gae, or a plugin's); null: the
+    # preset's.
+    advantage_estimator: str | None = None
+    # Per-token policy loss (ppo, gspo, or a plugin's); null: the preset's.
+    policy_loss: str | None = None
     group_size: int = 8
     rollout_batch_size: int = 16  # prompts per step
     norm_adv_by_std: bool = True
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None  # DAPO clip-higher: separate low/high bounds
     clip_ratio_high: float | None = None
+    # Dual-clip: a negative advantage's loss is capped at -advantage * clip_ratio_c; null: off.
+    clip_ratio_c: float | None = 3.0
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
     kl_coef: float = 0.0
     kl_estimator: Literal["k1", "k3"] = "k3"
@@ -131,23 +140,68 @@ class AlgorithmConfig:
     # log-probs of the sampled tokens (no extra forward pass); "recompute": a trainer forward
     # pass before the update. "auto" is "rollout" when the update is on-policy (one PPO epoch,
     # one mini-batch: the policy that sampled is the policy being updated), else "recompute".
+    # (With tis_cap set, "auto" recomputes: the correction compares both.)
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
+    # Discount and GAE lambda of token-level estimators (gae, reinforce_plus_plus).
+    gamma: float = 1.0
+    lam: float = 1.0
+    # Whiten GAE advantages over the batch (REINFORCE++ always whitens).
+    whiten_advantages: bool = True
+    # Critic: how far a new value may move from the old one in the value loss; null: no clip.
+    cliprange_value: float | None = 0.5
+    # Steps at the start during which only the critic learns (the policy and rollout stay).
+    critic_warmup: int = 0
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (no signal) and sample
+    # more prompts until rollout_batch_size groups are kept, at most max_sampling_rounds
+    # rollouts per step (then the batch is filled with dropped groups, and that is logged).
+    dynamic_sampling: bool = False
+    max_sampling_rounds: int = 4
+    # Rollout correction: truncated importance sampling. Each token's loss is weighted by
+    # min(p_trainer / p_rollout, tis_cap) of the sampled token, for rollouts from another
+    # engine or dtype than the trainer's; null: off.
+    tis_cap: float | None = None
 
     def old_logprobs_source(self) -> str:
         if self.old_logprobs != "auto":
             return self.old_logprobs
         on_policy = self.ppo_epochs == 1 and self.num_mini_batches == 1
-        return "rollout" if on_policy else "recompute"
+        return "rollout" if on_policy and self.tis_cap is None else "recompute"
 
 
 @attrs.frozen(kw_only=True)
 class RewardConfig:
-    """Rule-based reward: ``exact_match``, ``numeric_match`` or ``module:function``."""
+    """Rewards: a rule-based function, a reward model, or both combined by weight."""
 
-    function: str = "exact_match"
+    # Rule-based function: exact_match, numeric_match, a name a plugin declares, or
+    # "module:function" (called as fn(response, answer, prompt, **kwargs)); null: none.
+    function: str | None = "exact_match"
     kwargs: dict[str, Any] = attrs.field(factory=dict)
+    # The reward is function_weight * function + model_weight * model score.
+    function_weight: float = 1.0
+    model_weight: float = 1.0
+    # Run the function in this many worker processes, each call with timeout_s (slow
+    # verifiers); 0: in the driver, no timeout. A call that raises or times out scores 0.
+    num_workers: int = 0
+    timeout_s: float = 10.0
+    # A reward model (a sequence-classification model with one label): its own backend,
+    # devices and model; scored as the "reward" role. Leave strategy_args out for none.
     strategy_args: StrategyArgs | None = None
-    device_mapping: tuple[int, ...] | None = None
+    device_mapping: tuple[int, ...] = (0,)
+    model_args: ModelArgs = attrs.field(factory=ModelArgs)
+    infer_batch_size: int | None = None
+    world_size: int | None = None
+
+    def role(self) -> RoleConfig | None:
+        """The reward model as a role, or None without one."""
+        if self.strategy_args is None:
+            return None
+        return RoleConfig(
+            strategy_args=self.strategy_args,
+            device_mapping=self.device_mapping,
+            model_args=self.model_args,
+            infer_batch_size=self.infer_batch_size,
+            world_size=self.world_size,
+        )
 
 
 @attrs.frozen(kw_only=True)
@@ -183,6 +237,10 @@ class ClusterConfig:
 
 
 ROLE_NAMES = ("actor_train", "actor_infer", "reference", "critic")
+# Roles that come from another section (the reward model is configured under ``reward``).
+SECTION_ROLES = ("reward",)
+# The model head each role loads (WorkerContext.head); others load a causal LM.
+ROLE_HEADS = {"critic": "value", "reward": "score"}
 
 
 @attrs.frozen(kw_only=True)
@@ -202,4 +260,8 @@ class Workflow:
     base_dir: str = "."
 
     def roles(self) -> dict[str, RoleConfig]:
-        return {name: getattr(self, name) for name in ROLE_NAMES if getattr(self, name)}
+        roles = {name: getattr(self, name) for name in ROLE_NAMES if getattr(self, name)}
+        reward_model = self.reward.role()
+        if reward_model is not None:
+            roles["reward"] = reward_model
+        return roles

@@ -10,7 +10,7 @@ import attrs
 
 from posttrain.config.converter import structure_into
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
-from posttrain.config.sections import ROLE_NAMES, ModelArgs, Workflow
+from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
 from posttrain.strategy import KNOWN_PROVIDERS
@@ -92,6 +92,10 @@ def build_workflow(
     except UserError:
         strategies = {}  # the conflict was reported by _structure_strategy_configs
     host.hook.posttrain_validate_workflow(workflow=workflow, strategies=strategies, report=report)
+    if "algorithm" not in report.failed_sections:
+        from posttrain.algorithms.checks import check_algorithm
+
+        check_algorithm(workflow, host.hook, report)
     return workflow, report
 
 
@@ -162,9 +166,9 @@ def _structure_strategy_configs(
         report.error("plugins", str(exc))
         return workflow
     updates = {}
-    for role_name in ROLE_NAMES:
+    for role_name in (*ROLE_NAMES, *SECTION_ROLES):
         role = getattr(workflow, role_name)
-        if role is not None:
+        if role is not None and role.strategy_args is not None:
             name, config = role.strategy_args.strategy_name, role.strategy_args.strategy_config
         else:
             # The role failed to structure (reported already); still check its strategy, so

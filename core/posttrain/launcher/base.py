@@ -25,6 +25,7 @@ class GroupSpec:
     plugins: tuple[str, ...] = ()  # workflow-named plugins to load on the rank too
     threads: int | None = None
     env: dict[str, str] = attrs.field(factory=dict)
+    head: str = "lm"  # the model head the role loads (WorkerContext.head)
 
 
 class PendingCall(abc.ABC):

@@ -56,6 +56,7 @@ class RankServer:
                 base_dir=spec.base_dir,
                 algorithm=spec.algorithm,
                 hook=host.hook,
+                head=spec.head,
             )
             if role.infer_batch_size:
                 ctx.state["infer_batch_size"] = role.infer_batch_size

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-PHASES = ("rollout", "reward", "logprobs", "train", "weight_sync", "checkpoint")
+PHASES = ("rollout", "reward", "logprobs", "values", "train", "weight_sync", "checkpoint")
 
 
 class PhaseTimer:

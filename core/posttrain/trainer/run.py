@@ -15,8 +15,9 @@ from typing import Any
 import attrs
 import yaml
 
+from posttrain.algorithms.registry import advantage_estimator
 from posttrain.checkpoint import manager as ckpt
-from posttrain.config.sections import RoleConfig, Workflow
+from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.data import PromptSampler, load_prompts
 from posttrain.errors import UserError
 from posttrain.launcher.base import GroupSpec, Launcher, WorkerGroup
@@ -28,9 +29,11 @@ from posttrain.protocol import (
     build_sequence_batch,
     stop_string_start,
 )
-from posttrain.rewards import resolve_reward_function
+from posttrain.reward_pool import RuleRewards
+from posttrain.rewards import resolve_reward_function, reward_function_names
 from posttrain.trainer.phases import PhaseTimer
 from posttrain.trainer.placement import TimeSharing, colocated
+from posttrain.trainer.sampling import ScoredGroups, collect_groups
 
 # Roles whose state a checkpoint must hold (rollout and reference are rebuilt from them).
 TRAINED_ROLES = ("actor_train", "critic")
@@ -108,6 +111,7 @@ def group_spec(
         plugins=tuple(workflow.plugins),
         threads=threads,
         env={str(k): str(v) for k, v in workflow.cluster.runtime_env.get("env_vars", {}).items()},
+        head=ROLE_HEADS.get(role_name, "lm"),
     )
 
 
@@ -143,6 +147,7 @@ class Trainer:
         self.launcher: Launcher | None = None
         self.state = DriverState()
         self.source = source
+        self.rule_rewards: RuleRewards | None = None
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -176,10 +181,6 @@ class Trainer:
 
     def _start_groups(self) -> None:
         roles = self.wf.roles()
-        if "critic" in roles:
-            raise UserError(
-                "critic: PPO with a value model is not implemented yet; use algorithm.name: grpo"
-            )
         plan = plan_processes(self.wf, self.host)
         self.launcher = make_launcher(self.wf, plan)
         processes = sum(roles[members[0]].num_ranks for members in plan)
@@ -209,7 +210,9 @@ class Trainer:
         infer_role = self.wf.actor_infer
         self.tokenizer = load_tokenizer(infer_role.model_args, self.wf.base_dir)
         self.prompts = load_prompts(self.wf.data, self.wf.base_dir, self.tokenizer)
-        self.reward_fn = resolve_reward_function(self.wf.reward.function, self.host.hook)
+        self.rule_rewards = make_rule_rewards(self.wf.reward, self.host.hook)
+        self.reward_tokenizer = reward_tokenizer(self.wf)
+        self.estimator = advantage_estimator(self.wf.algorithm, self.host.hook)
         sampler = PromptSampler(
             size=len(self.prompts), seed=self.wf.data.seed, shuffle=self.wf.data.shuffle
         )
@@ -222,6 +225,8 @@ class Trainer:
             self._register_loggers()
             self._loop(sampler)
         finally:
+            if self.rule_rewards is not None:
+                self.rule_rewards.close()
             if self.launcher is not None:
                 self.launcher.shutdown()
         self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.state.history)
@@ -286,11 +291,14 @@ class Trainer:
 
     def _step(self, sampler: PromptSampler, timer: PhaseTimer) -> dict[str, float]:
         algo = self.wf.algorithm
-        picked = [self.prompts[i] for i in sampler.next(algo.rollout_batch_size)]
-        with timer.phase("rollout"):
-            samples = self._rollout([p.ids for p in picked])
-        with timer.phase("reward"):
-            rewards = self._rewards(picked, samples)
+        scored, sampling_metrics = collect_groups(
+            lambda round_: self._roll_out_and_score(sampler, round_, timer),
+            algo.rollout_batch_size,
+            algo.group_size,
+            algo.dynamic_sampling,
+            algo.max_sampling_rounds,
+        )
+        samples, rewards = scored.samples, scored.rewards
         batch = build_sequence_batch(
             samples.prompt_ids,
             samples.response_ids,
@@ -299,11 +307,22 @@ class Trainer:
         )
         with timer.phase("logprobs"):
             batch, kl_metrics = self._logprobs(batch)
+        if "critic" in self.groups:
+            with timer.phase("values"):
+                batch = self._values(batch)
         batch, adv_metrics = self._advantages(batch, rewards)
+        # During the critic's warm-up the policy (and so the rollout's weights) stays as is.
+        policy_learns = self.state.step > algo.critic_warmup
+        train_metrics: dict[str, float] = {}
         with timer.phase("train"):
-            train_metrics = self._train(batch)
-        with timer.phase("weight_sync"):
-            sync = self._sync_weights()
+            if "critic" in self.groups:
+                train_metrics.update(self._train("critic", batch))
+            if policy_learns:
+                train_metrics.update(self._train("actor_train", batch))
+        sync: dict = {}
+        if policy_learns:
+            with timer.phase("weight_sync"):
+                sync = self._sync_weights()
         lengths = [len(r) for r in samples.response_ids]
         return {
             "reward/mean": float(rewards.mean()),
@@ -311,6 +330,8 @@ class Trainer:
             "response/length_mean": sum(lengths) / len(lengths),
             "weight_sync/mb": sync.get("bytes", 0) / 2**20,
             "_tokens": float(batch.attention_mask.sum()),
+            **scored.reward_metrics,
+            **sampling_metrics,
             **kl_metrics,
             **adv_metrics,
             **train_metrics,
@@ -318,7 +339,19 @@ class Trainer:
 
     # -- phases ----------------------------------------------------------------------------
 
-    def _rollout(self, prompt_ids: list[tuple[int, ...]]) -> RolloutSamples:
+    def _roll_out_and_score(
+        self, sampler: PromptSampler, round_: int, timer: PhaseTimer
+    ) -> ScoredGroups:
+        picked = [self.prompts[i] for i in sampler.next(self.wf.algorithm.rollout_batch_size)]
+        with timer.phase("rollout"):
+            samples = self._rollout([p.ids for p in picked], round_)
+        with timer.phase("reward"):
+            rewards, metrics = self._rewards(picked, samples)
+        return ScoredGroups(
+            prompts=picked, samples=samples, rewards=rewards, reward_metrics=metrics
+        )
+
+    def _rollout(self, prompt_ids: list[tuple[int, ...]], round_: int = 0) -> RolloutSamples:
         self.sharing.activate("actor_infer")
         infer = self.groups["actor_infer"]
         gen = self.wf.actor_infer.generating_args
@@ -333,46 +366,82 @@ class Trainer:
         )
         dp = infer.dp_size
         per = len(prompt_ids) // dp
+        seed = self.wf.trainer.seed * 1_000_003 + self.state.step * 1009 + round_ * 131
         requests = [
             GenerationRequest(
                 prompt_ids=[list(p) for p in prompt_ids[i * per : (i + 1) * per]],
                 sampling=sampling,
-                seed=self.wf.trainer.seed * 1_000_003 + self.state.step * 1009 + i,
+                seed=seed + i,
             )
             for i in range(dp)
         ]
         return RolloutSamples.concat(infer.call_dp("generate", requests))
 
     def _rewards(self, picked, samples: RolloutSamples):
+        """``function_weight`` x the rule-based function + ``model_weight`` x the reward
+        model's score, per sample."""
         import torch
 
-        n = self.wf.algorithm.group_size
+        cfg = self.wf.reward
+        metrics: dict[str, float] = {}
+        total = torch.zeros(len(samples), dtype=torch.float32)
+        if self.rule_rewards is not None:
+            n = self.wf.algorithm.group_size
+            items = [
+                (text, picked[i // n].answer, picked[i // n].text)
+                for i, text in enumerate(self._response_texts(samples))
+            ]
+            results = self.rule_rewards(items)
+            scores = torch.tensor(results.scores, dtype=torch.float32)
+            total += cfg.function_weight * scores
+            metrics["reward/errors"] = float(results.errors)
+            metrics["reward/timeouts"] = float(results.timeouts)
+            if "reward" in self.groups:
+                metrics["reward/function_mean"] = float(scores.mean())
+        if "reward" in self.groups:
+            self.sharing.activate("reward")
+            scores = self._model_scores(samples)
+            total += cfg.model_weight * scores
+            metrics["reward/model_mean"] = float(scores.mean())
+        return total, metrics
+
+    def _response_texts(self, samples: RolloutSamples) -> list[str]:
+        """Each response as the reward function sees it: decoded, cut at its stop token or
+        stop string."""
         gen = self.wf.actor_infer.generating_args
         stop = set(gen.stop_token_ids if gen else ()) | {self.tokenizer.eos_token_id}
         stop_strings = tuple(gen.stop_strings) if gen else ()
-        values = []
-        for i, response in enumerate(samples.response_ids):
-            prompt = picked[i // n]
+        texts = []
+        for response in samples.response_ids:
             ids = response[:-1] if response and response[-1] in stop else response
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
             cut = stop_string_start(text, stop_strings)
-            text = text if cut is None else text[:cut]
-            values.append(
-                float(self.reward_fn(text, prompt.answer, prompt.text, **self.wf.reward.kwargs))
-            )
-        return torch.tensor(values, dtype=torch.float32)
+            texts.append(text if cut is None else text[:cut])
+        return texts
+
+    def _model_scores(self, samples: RolloutSamples):
+        from posttrain.reward_model import reward_model_batch
+
+        group = self.groups["reward"]
+        batch = reward_model_batch(samples, self.tokenizer, self.reward_tokenizer)
+        shares = group.call_dp("compute_scores", batch.split(group.dp_size))
+        import torch
+
+        return torch.cat([s.float().reshape(-1) for s in shares])
 
     def _split_call(self, role: str, method: str, batch: SequenceBatch) -> list[Any]:
         group = self.groups[role]
         return group.call_dp(method, batch.split(group.dp_size))
 
     def _logprobs(self, batch: SequenceBatch) -> tuple[SequenceBatch, dict[str, float]]:
+        from posttrain.algorithms.correction import tis_weights
         from posttrain.algorithms.kl import kl_penalty
         from posttrain.protocol import concat_tensor_rows
 
+        algo = self.wf.algorithm
         mask = batch.response_mask
         metrics: dict[str, float] = {}
-        if self.wf.algorithm.old_logprobs_source() == "rollout":
+        if algo.old_logprobs_source() == "rollout":
             # On-policy: the policy that sampled is the one being updated, so the rollout's
             # log-probs are the old policy's (the mismatch is measured in the first update).
             old = batch["rollout_logprobs"] * mask
@@ -381,35 +450,47 @@ class Trainer:
             old = concat_tensor_rows(self._split_call("actor_train", "compute_logprobs", batch))
             old = old * mask
             metrics.update(rollout_mismatch(batch["rollout_logprobs"], old, mask))
+            if algo.tis_cap is not None:
+                weights, tis_metrics = tis_weights(
+                    old, batch["rollout_logprobs"], mask.float(), algo.tis_cap
+                )
+                batch = batch.with_tensors(tis_weights=weights)
+                metrics.update(tis_metrics)
         batch = batch.with_tensors(old_logprobs=old)
         if "reference" in self.groups:
             self.sharing.activate("reference")
             ref = concat_tensor_rows(self._split_call("reference", "compute_logprobs", batch))
             batch = batch.with_tensors(ref_logprobs=ref * mask)
-            kl = kl_penalty(old, ref, self.wf.algorithm.kl_estimator) * mask
+            kl = kl_penalty(old, ref, algo.kl_estimator) * mask
             metrics["actor/kl"] = float(kl.sum() / mask.sum().clamp(min=1))
-            batch.meta["seq_kl"] = kl.sum(dim=1)
+            batch = batch.with_tensors(token_kl=kl)
         return batch, metrics
 
+    def _values(self, batch: SequenceBatch) -> SequenceBatch:
+        from posttrain.protocol import concat_tensor_rows
+
+        self.sharing.activate("critic")
+        values = concat_tensor_rows(self._split_call("critic", "compute_values", batch))
+        return batch.with_tensors(values=values * batch.response_mask)
+
     def _advantages(self, batch: SequenceBatch, rewards):
-        from posttrain.algorithms.grpo import group_advantages
+        result = self.estimator.estimate(batch, rewards, self.wf.algorithm)
+        tensors = {"advantages": result.advantages * batch.response_mask}
+        if result.returns is not None:
+            tensors["returns"] = result.returns
+        metrics = {"adv/abs_mean": _masked_mean(result.advantages.abs(), batch.response_mask)}
+        metrics.update(result.metrics)
+        return batch.with_tensors(**tensors), metrics
 
-        algo = self.wf.algorithm
-        scores = rewards
-        if algo.kl_coef and algo.kl_mode == "reward" and "seq_kl" in batch.meta:
-            scores = rewards - algo.kl_coef * batch.meta.pop("seq_kl")
-        batch.meta.pop("seq_kl", None)
-        adv = group_advantages(scores, algo.group_size, algo.norm_adv_by_std)
-        batch = batch.with_tensors(advantages=adv[:, None] * batch.response_mask)
-        return batch, {"adv/abs_mean": float(adv.abs().mean())}
-
-    def _train(self, batch: SequenceBatch) -> dict[str, float]:
+    def _train(self, role: str, batch: SequenceBatch) -> dict[str, float]:
+        """``ppo_epochs`` passes over ``num_mini_batches`` mini-batches, one optimizer step
+        each, on ``role`` (the actor or the critic)."""
         from posttrain.metrics import accumulate, combine, is_max
 
         algo = self.wf.algorithm
-        group = self.groups["actor_train"]
-        self.sharing.activate("actor_train")
-        measure = algo.old_logprobs_source() == "rollout"
+        group = self.groups[role]
+        self.sharing.activate(role)
+        measure = role == "actor_train" and algo.old_logprobs_source() == "rollout"
         totals: dict[str, float] = {}
         reported: dict[str, int] = {}
         for _ in range(algo.ppo_epochs):
@@ -467,6 +548,38 @@ class Trainer:
         )
         manifest = ckpt.verify(path)
         self.host.hook.posttrain_checkpoint_saved(checkpoint_dir=path, manifest=manifest)
+
+
+def _masked_mean(values, mask) -> float:
+    return float((values * mask).sum() / mask.sum().clamp(min=1))
+
+
+def reward_tokenizer(workflow: Workflow):
+    """The reward model's tokenizer when it is not the policy's (then responses are decoded and
+    encoded again for it), else None."""
+    from posttrain.models import load_tokenizer, resolve_model_path
+
+    reward = workflow.reward
+    if reward.role() is None:
+        return None
+
+    def tokenizer_path(args) -> str:
+        return resolve_model_path(
+            args.tokenizer_name_or_path or args.model_name_or_path, workflow.base_dir
+        )
+
+    if tokenizer_path(reward.model_args) == tokenizer_path(workflow.actor_infer.model_args):
+        return None
+    return load_tokenizer(reward.model_args, workflow.base_dir)
+
+
+def make_rule_rewards(reward, hook) -> RuleRewards | None:
+    """The rule-based reward function of ``reward``, or None when the workflow has none."""
+    if not reward.function:
+        return None
+    fn = resolve_reward_function(reward.function, hook)
+    target = reward_function_names(hook).get(reward.function, reward.function)
+    return RuleRewards(fn, target, reward.kwargs, reward.num_workers, reward.timeout_s)
 
 
 def _per_step(key: str) -> bool:

@@ -30,7 +30,8 @@ from posttrain.distributed import (
     init_default_process_group,
 )
 from posttrain.lr_schedule import lr_lambda
-from posttrain.models import load_causal_lm, load_tokenizer, torch_dtype
+from posttrain.modeling import sequence_scores
+from posttrain.models import load_model_with_head, load_tokenizer, torch_dtype
 from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
 from posttrain.tensors import unshare_storage
 
@@ -114,7 +115,7 @@ def load_model(worker):
     if train:  # float32 master weights; the forward runs in param_dtype
         model_args = attrs.evolve(model_args, dtype="fp32")
     # Loaded on the host; fully_shard moves each rank's shard to the mesh's device.
-    model = load_causal_lm(model_args, worker.base_dir, "cpu")
+    model = load_model_with_head(model_args, worker.head, worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
         _enable_checkpointing(model)
     param_dtype = cfg.param_dtype or worker.model_args.dtype
@@ -215,8 +216,8 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
     worker.state["step"] += 1
-    metrics["actor/grad_norm"] = grad_norm
-    metrics["actor/lr"] = lr
+    metrics[f"{worker.metric_prefix}/grad_norm"] = grad_norm
+    metrics[f"{worker.metric_prefix}/lr"] = lr
     return metrics
 
 
@@ -242,6 +243,32 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     )
     model.train(was_training)
     return out
+
+
+@torch.no_grad()
+def compute_values(worker, batch: SequenceBatch) -> torch.Tensor:
+    model = worker.model
+    was_training = model.training
+    model.eval()
+    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
+    out = rank_batches.score_values(
+        batch, groups, count, _device(worker), lambda mb: _forward_logits(model, mb)
+    )
+    model.train(was_training)
+    return out
+
+
+@torch.no_grad()
+def compute_scores(worker, batch: SequenceBatch) -> torch.Tensor:
+    model = worker.model
+    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
+    return rank_batches.score_sequences(
+        batch,
+        groups,
+        count,
+        _device(worker),
+        lambda mb: sequence_scores(model, mb.input_ids, mb.attention_mask),
+    )
 
 
 # --------------------------------------------------------------------------------------------
@@ -334,6 +361,8 @@ def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
     dtype = _export_dtype(worker)
     config = copy.deepcopy(model.config)
     config.dtype = dtype
+    # A critic's directory loads as the value model it is (as save_pretrained records it).
+    config.architectures = [type(model).__name__.removeprefix("FSDP")]
     if getattr(config, "tie_word_embeddings", False):
         # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
         for name in _tied_head_names(model):

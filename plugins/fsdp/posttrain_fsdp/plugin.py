@@ -78,16 +78,20 @@ class FSDPPlugin(EngineHooks):
                     exports_hf_weights=True,
                     computes_logprobs=True,
                     shares_process=True,
+                    heads=("lm", "value"),
                 ),
-                description="training with PyTorch FSDP2 and torch DCP checkpoints",
+                description="training (actor or critic) with PyTorch FSDP2 and DCP checkpoints",
             ),
             StrategySpec(
                 name=INFER,
                 config_class=FSDP2InferConfig,
                 capabilities=Capabilities(
-                    kind="infer", computes_logprobs=True, shares_process=True
+                    kind="infer",
+                    computes_logprobs=True,
+                    shares_process=True,
+                    heads=("lm", "score"),
                 ),
-                description="log-probs (reference / old policy) with an FSDP2-sharded model",
+                description="log-probs (reference) or reward-model scores, FSDP2-sharded",
             ),
         ]
 
