@@ -121,7 +121,7 @@ def cmd_run(args, host) -> int:
 def cmd_export_hf(args, host) -> int:
     from posttrain.trainer.export import export_checkpoint_to_hf
 
-    export_checkpoint_to_hf(args.checkpoint, args.output, host, console=_console())
+    export_checkpoint_to_hf(args.checkpoint, args.output, host, console=_console(), role=args.role)
     return EXIT_OK
 
 
@@ -159,6 +159,12 @@ def build_parser(host) -> argparse.ArgumentParser:
     p = sub.add_parser("export-hf", help="write a checkpoint as an HF model directory")
     p.add_argument("checkpoint", help="RUN_DIR/checkpoint-N")
     p.add_argument("output", help="output directory")
+    p.add_argument(
+        "--role",
+        default="actor_train",
+        choices=("actor_train", "critic"),
+        help="the trained role to export (default: the policy)",
+    )
     p.set_defaults(handler=cmd_export_hf)
     host.hook.posttrain_add_cli_commands(subparsers=sub)
     return parser

@@ -125,7 +125,7 @@ class RuleRewards:
         ]
         # Calls queue behind each other; the backstop allows every round of calls its timeout.
         rounds = math.ceil(len(items) / self.num_workers) + 1
-        backstop = self.timeout_s * rounds + 5.0
+        backstop = self.timeout_s * rounds + 2.0
         results = RewardResults(scores=[])
         broken = False
         for index, future in enumerate(pending):

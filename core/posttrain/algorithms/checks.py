@@ -44,7 +44,9 @@ def check_algorithm(wf: Workflow, hook, report: ErrorReport) -> None:
     if loss not in losses:
         _unknown(report, "algorithm.policy_loss", "policy loss", loss, losses)
     estimator = estimators[name]
-    if estimator.needs_values and wf.critic is None:
+    # A critic block that failed to structure was reported already; wf.critic is None then.
+    critic_failed = "critic" in report.failed_sections
+    if estimator.needs_values and wf.critic is None and not critic_failed:
         report.error(
             "critic",
             f"the advantage estimator '{name}' (algorithm '{algo.name}') needs values from a "
@@ -78,7 +80,7 @@ def check_algorithm(wf: Workflow, hook, report: ErrorReport) -> None:
             "old_logprobs: rollout uses the rollout's as the trainer's",
             "set old_logprobs: auto (or recompute)",
         )
-    if wf.critic is None and algo.critic_warmup:
+    if wf.critic is None and algo.critic_warmup and not critic_failed:
         report.error(
             "algorithm.critic_warmup",
             f"{algo.critic_warmup} warm-up steps, but there is no critic role",

@@ -38,8 +38,10 @@ def group_spec(
     base_dir=None,
     generating: GeneratingArgs | None = None,
     env: dict[str, str] | None = None,
+    head: str = "lm",
 ) -> GroupSpec:
-    """``role`` on CPU ranks ``0 .. ranks-1`` running ``strategy`` with config ``raw``."""
+    """``role`` on CPU ranks ``0 .. ranks-1`` running ``strategy`` with config ``raw``, loading
+    the model with ``head`` (``WorkerContext.head``)."""
     config = CONVERTER.structure(raw, create_plugin_host().strategies()[strategy].config_class)
     return GroupSpec(
         role=role,
@@ -57,6 +59,7 @@ def group_spec(
         device="cpu",
         threads=1,
         env=env or {},
+        head=head,
     )
 
 

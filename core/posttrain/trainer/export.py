@@ -1,4 +1,5 @@
-"""``posttrain export-hf RUN_DIR/checkpoint-N OUT``: a checkpoint as a loadable HF directory.
+"""``posttrain export-hf RUN_DIR/checkpoint-N OUT [--role critic]``: a checkpoint's policy (or
+critic, a value model) as a loadable HF directory.
 
 The trainer's strategy wrote the checkpoint in its own format (DCP, dist_checkpointing), so the
 export starts that strategy's worker group with the run's saved workflow, loads the checkpoint
@@ -18,16 +19,18 @@ from posttrain.config.workflow import build_workflow
 from posttrain.errors import CheckpointError, UserError
 from posttrain.trainer.run import WORKFLOW_COPY, group_spec, make_launcher, resolve_device
 
-EXPORTED_ROLE = "actor_train"
 
-
-def export_checkpoint_to_hf(checkpoint_dir: str, output: str, host, console) -> str:
+def export_checkpoint_to_hf(
+    checkpoint_dir: str, output: str, host, console, role: str = "actor_train"
+) -> str:
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
         raise UserError(f"checkpoint directory not found: {checkpoint_dir}")
     manifest = verify(checkpoint_dir)
-    if EXPORTED_ROLE not in manifest.roles:
-        raise CheckpointError(f"{checkpoint_dir} holds no {EXPORTED_ROLE} state")
+    if role not in manifest.roles:
+        raise CheckpointError(
+            f"{checkpoint_dir} holds no {role} state (it holds {', '.join(manifest.roles)})"
+        )
     run_dir = os.path.dirname(checkpoint_dir)
     copy = os.path.join(run_dir, WORKFLOW_COPY)
     try:
@@ -42,8 +45,8 @@ def export_checkpoint_to_hf(checkpoint_dir: str, output: str, host, console) -> 
     report = ErrorReport()
     workflow, report = build_workflow(raw, host, report, base_dir=saved["run"]["base_dir"])
     report.raise_if_errors(copy)
-    role = getattr(workflow, EXPORTED_ROLE)
-    layout = manifest.roles[EXPORTED_ROLE]
+    role_name, role = role, getattr(workflow, role)
+    layout = manifest.roles[role_name]
     if role.num_ranks != layout["world_size"]:
         raise CheckpointError(
             f"{copy} maps {role.num_ranks} ranks but the checkpoint was "
@@ -52,17 +55,17 @@ def export_checkpoint_to_hf(checkpoint_dir: str, output: str, host, console) -> 
     output = os.path.abspath(output)
     staging = output + ".tmp-export"
     shutil.rmtree(staging, ignore_errors=True)
-    launcher = make_launcher(workflow, [(EXPORTED_ROLE,)])
+    launcher = make_launcher(workflow, [(role_name,)])
     try:
         group = launcher.start_group(
-            group_spec(workflow, EXPORTED_ROLE, role, run_dir, resolve_device(workflow))
+            group_spec(workflow, role_name, role, run_dir, resolve_device(workflow))
         )
-        group.call("load_checkpoint", os.path.join(checkpoint_dir, EXPORTED_ROLE))
+        group.call("load_checkpoint", os.path.join(checkpoint_dir, role_name))
         group.call("export_hf", staging)
     finally:
         launcher.shutdown()
     if os.path.exists(output):
         shutil.rmtree(output)
     os.rename(staging, output)
-    console.print(f"exported {checkpoint_dir} (step {manifest.step}) to {output}")
+    console.print(f"exported {role_name} of {checkpoint_dir} (step {manifest.step}) to {output}")
     return output
