@@ -154,17 +154,11 @@ def _check_data(wf: Workflow, report: ErrorReport) -> None:
 
 def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
     algo = wf.algorithm
-    if algo.group_size < 1:
-        report.error("algorithm.group_size", "must be at least 1")
-        return
     if algo.name == "grpo" and algo.group_size < 2:
         report.error(
             "algorithm.group_size",
             "GRPO compares samples within a group: group_size must be at least 2",
         )
-    if algo.rollout_batch_size < 1:
-        report.error("algorithm.rollout_batch_size", "must be at least 1")
-        return
     samples = algo.rollout_batch_size * algo.group_size
     for name, role in wf.roles().items():
         dp = _dp_size(wf, name, strategies, report)
@@ -206,8 +200,6 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
                 f"{dp} data-parallel ranks",
                 f"make rollout_batch_size x group_size a multiple of {dp * algo.num_mini_batches}",
             )
-        if role.infer_batch_size is not None and role.infer_batch_size < 1:
-            report.error(join_path(name, "infer_batch_size"), "must be at least 1")
 
 
 def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> int | None:
@@ -234,10 +226,6 @@ def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> i
 
 def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
     t = wf.trainer
-    if t.max_steps < 1:
-        report.error("trainer.max_steps", "must be at least 1")
-    if t.save_steps < 0:
-        report.error("trainer.save_steps", "must be 0 (off) or positive")
     if t.resume not in ("never", "auto"):
         path = t.resume if os.path.isabs(t.resume) else os.path.join(wf.base_dir, t.resume)
         if not os.path.isdir(path):

@@ -20,6 +20,7 @@ import attrs
 
 from posttrain.builtin.hf_infer_plugin import HFInferConfig
 from posttrain.config import sections
+from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
 
 HEADER = """\
@@ -107,6 +108,11 @@ def _type_text(tp: Any) -> str:
     return str(tp)
 
 
+def _range_text(field: attrs.Attribute) -> str:
+    allowed = range_of(field)
+    return f", {allowed.describe()}" if allowed else ""
+
+
 def _value_text(value: Any) -> str:
     if value is None:
         return "`null`"
@@ -156,7 +162,7 @@ def _class_table(cls: type) -> list[str]:
                 _cell(c)
                 for c in (
                     f"`{field.name}`",
-                    _type_text(hints[field.name]),
+                    _type_text(hints[field.name]) + _range_text(field),
                     _default_text(field),
                     help_text,
                 )
