@@ -84,13 +84,22 @@ def test_invalid_yaml_is_one_clean_error(fake_train_host, write_workflow):
     assert "Traceback" not in message
 
 
-@pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "list"), ("just text\n", "str")])
-def test_top_level_must_be_a_mapping(fake_train_host, write_workflow, text, kind):
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("", "the file is empty or holds only comments"),
+        ("# model_args: {}\n\n", "the file is empty or holds only comments"),
+        ("{}\n", "the file holds an empty mapping"),
+        ("- a\n- b\n", "the file holds a list, not a mapping of sections"),
+        ("just text\n", "the file holds the value 'just text', not a mapping of sections"),
+    ],
+)
+def test_a_file_with_no_workflow_says_so(fake_train_host, write_workflow, text, found):
     workflow, report = load_workflow(write_workflow(text), fake_train_host)
     assert workflow is None
-    assert [i.message for i in report.errors] == [
-        f"the workflow must be a mapping of sections, got {kind}"
-    ]
+    (issue,) = report.errors
+    assert issue.message == f"no workflow: {found}"
+    assert "examples/quickstart.yaml" in issue.hint
 
 
 def test_missing_workflow_file_is_a_user_error(fake_train_host, tmp_path):

@@ -55,13 +55,12 @@ def build_workflow(
     base_dir: str = ".",
     overrides: dict[str, Any] | None = None,
 ) -> tuple[Workflow | None, ErrorReport]:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
+    if not raw or not isinstance(raw, dict):
         report.error(
             "",
-            f"the workflow must be a mapping of sections, got {type(raw).__name__}",
-            "start with keys such as model_args:, actor_train:, trainer:",
+            f"no workflow: {_what_it_holds(raw)}",
+            "a workflow maps sections such as model_args:, actor_train:, actor_infer:, "
+            "trainer:; see examples/quickstart.yaml",
         )
         return None, report
     raw = _apply_overrides(raw, overrides or {}, report)
@@ -96,6 +95,15 @@ def build_workflow(
 
 
 _SECTION_TYPES = typing.get_type_hints(Workflow)
+
+
+def _what_it_holds(raw: Any) -> str:
+    if raw is None:
+        return "the file is empty or holds only comments"
+    if isinstance(raw, dict):
+        return "the file holds an empty mapping"
+    kind = "a list" if isinstance(raw, list) else f"the value {str(raw)[:40]!r}"
+    return f"the file holds {kind}, not a mapping of sections"
 
 
 def _merge_model_args(raw: dict) -> dict:
