@@ -148,19 +148,48 @@ def test_bad_set_syntax_is_a_user_error(tmp_path, capsys):
     assert "expected KEY=VALUE" in capsys.readouterr().err
 
 
-def test_plugins_lists_builtins_and_hf_infer(capsys, monkeypatch):
+def _plugin_blocks(out: str) -> dict[str, str]:
+    """``posttrain plugins`` output: plugin name -> its block (header and indented lines)."""
+    blocks = [block for block in out.split("\n\n") if block.strip()]
+    return {block.split(" (", 1)[0]: block for block in blocks}
+
+
+def test_plugins_fits_80_columns_and_names_every_hook_in_full(capsys, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("COLUMNS", "1000")
+    monkeypatch.setenv("COLUMNS", "80")  # what a pipe gets, and a narrow terminal
     assert main(["plugins"]) == EXIT_OK
     out = capsys.readouterr().out
-    from posttrain.plugin_host import BUILTIN_PLUGINS
+    from posttrain.plugin_host import BUILTIN_PLUGINS, create_plugin_host
 
-    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 5}
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert "…" not in out
+    blocks = _plugin_blocks(out)
+    host = create_plugin_host()
     for name in (entry.partition(":")[0] for entry in BUILTIN_PLUGINS):
-        assert name in rows, out
-        assert "builtin" in rows[name]
-    assert "hf_infer" in rows["posttrain.builtin.hf_infer_plugin"]
-    assert "add_strategies" in rows["posttrain.builtin.hf_infer_plugin"]
+        assert f"{name} (builtin; posttrain " in blocks[name], out
+        # The hook list may wrap, never between the letters of a name.
+        listed = blocks[name].split("hooks:", 1)[1].replace(",", " ").split()
+        assert listed == [h.removeprefix("posttrain_") for h in host.hooks_of(name)]
+    assert "strategies: hf_infer" in blocks["posttrain.builtin.hf_infer_plugin"]
+
+
+def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
+    import json
+
+    from posttrain import __version__
+
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert main(["plugins", "--json"]) == EXIT_OK
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    hf = plugins["posttrain.builtin.hf_infer_plugin"]
+    assert [hf["source"], hf["distribution"], hf["version"]] == [
+        "builtin",
+        "posttrain",
+        __version__,
+    ]
+    assert hf["strategies"] == ["hf_infer"]
+    assert "posttrain_generate" in hf["hooks"] and hf["error"] is None
+    assert plugins["posttrain.builtin.rewards"]["strategies"] == []
 
 
 def test_plugins_with_installed_entry_points_imports_no_torch():
