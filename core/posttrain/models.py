@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.presets import is_preset, preset_path
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ def load_causal_lm(model_args: ModelArgs, base_dir: str = ".", device: str = "cp
     }
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    with no_hf_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to(device)
 
 

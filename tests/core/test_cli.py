@@ -216,3 +216,22 @@ def test_doctor_lists_torch_ok(capsys, monkeypatch):
     plugin, package, installed, _tested, status = cells
     assert (plugin, package, status) == ("posttrain", "torch", "ok")
     assert installed == importlib.metadata.version("torch")  # read from metadata, not imported
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_preset_build_and_model_load_draw_no_progress_bars(tmp_path, monkeypatch, capfd):
+    """transformers' "Writing model shards" / "Loading weights" bars printed at a run's start
+    (the driver builds the preset) and filled the rank logs."""
+    from transformers.utils import logging as hf_logging
+
+    from posttrain.config.sections import ModelArgs
+    from posttrain.models import load_causal_lm
+    from posttrain.presets import preset_path
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    load_causal_lm(ModelArgs(model_name_or_path=preset_path("preset:tiny-qwen2")))
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err, err
+    assert hf_logging.is_progress_bar_enabled() == bars_were_on  # restored for other callers
