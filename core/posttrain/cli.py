@@ -12,6 +12,7 @@ import textwrap
 import traceback
 
 from posttrain.errors import UserError, WorkerError
+from posttrain.paths import display_path
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 
@@ -46,11 +47,11 @@ def cmd_validate(args, host) -> int:
     console = _console()
     for note in report.notes:
         console.print(f"[dim]note: {note.render()}[/dim]")
-    report.raise_if_errors(args.workflow)
+    report.raise_if_errors(display_path(args.workflow))
     roles = ", ".join(
         f"{n}={r.strategy_args.strategy_name}[{r.num_ranks}]" for n, r in workflow.roles().items()
     )
-    console.print(f"[green]ok[/green]: {args.workflow} ({roles})")
+    console.print(f"[green]ok[/green]: {display_path(args.workflow)} ({roles})")
     return EXIT_OK
 
 
@@ -144,7 +145,7 @@ def cmd_run(args, host) -> int:
     from posttrain.trainer.run import run_workflow
 
     workflow, report = _load(args, host)
-    report.raise_if_errors(args.workflow)
+    report.raise_if_errors(display_path(args.workflow))
     run_workflow(workflow, host, source=args.workflow, console=_console())
     return EXIT_OK
 

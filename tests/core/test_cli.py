@@ -235,3 +235,21 @@ def test_preset_build_and_model_load_draw_no_progress_bars(tmp_path, monkeypatch
     err = capfd.readouterr().err
     assert "Writing model shards" not in err and "Loading weights" not in err, err
     assert hf_logging.is_progress_bar_enabled() == bars_were_on  # restored for other callers
+
+
+def test_paths_print_resolved(tmp_path, monkeypatch, capsys):
+    from posttrain.paths import display_path
+
+    monkeypatch.chdir(tmp_path)
+    assert display_path(tmp_path / "examples" / ".." / "runs" / "quickstart") == "runs/quickstart"
+    assert display_path("runs//a/./b") == "runs/a/b"
+    assert display_path(tmp_path) == "."
+    assert display_path("../elsewhere") == str(tmp_path.parent / "elsewhere")  # not under cwd
+    # Through validate: the workflow's own relative paths resolve against its directory.
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "w.yaml").write_text("data: {path: ../data/missing.jsonl}\n")
+    assert main(["validate", "examples/../examples/w.yaml"]) == EXIT_USER
+    err = capsys.readouterr().err
+    assert "examples/w.yaml: " in err and "/../" not in err, err
+    assert "data.path: file not found: data/missing.jsonl" in err, err

@@ -11,6 +11,7 @@ from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import Workflow
 from posttrain.doctor import EnvCheck
 from posttrain.launcher.base import partial_overlaps
+from posttrain.paths import display_path
 from posttrain.presets import PRESETS, is_preset
 
 REQUIRED_ROLES = {
@@ -120,11 +121,11 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
             if not os.path.exists(os.path.join(local, "config.json")):
                 report.error(
                     where,
-                    f"{local} has no config.json",
+                    f"{display_path(local)} has no config.json",
                     "point to an HF model directory (the one holding config.json)",
                 )
         elif looks_local:
-            report.error(where, f"local model path {local} does not exist")
+            report.error(where, f"local model path {display_path(local)} does not exist")
         else:
             report.note(
                 where,
@@ -147,7 +148,7 @@ def _check_data(wf: Workflow, report: ErrorReport) -> None:
     elif data.path:
         local = data.path if os.path.isabs(data.path) else os.path.join(wf.base_dir, data.path)
         if not os.path.exists(local):
-            report.error("data.path", f"file not found: {local}")
+            report.error("data.path", f"file not found: {display_path(local)}")
         elif not local.endswith((".jsonl", ".json", ".parquet")):
             report.error("data.path", "unsupported file type", "use .jsonl or .parquet")
 
@@ -231,7 +232,7 @@ def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
         if not os.path.isdir(path):
             report.error(
                 "trainer.resume",
-                f"checkpoint directory not found: {path}",
+                f"checkpoint directory not found: {display_path(path)}",
                 "use 'auto', 'never' or an existing checkpoint-N directory",
             )
     if wf.reward.function and ":" in wf.reward.function:

@@ -13,6 +13,7 @@ from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_NAMES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
+from posttrain.paths import display_path
 from posttrain.strategy import KNOWN_PROVIDERS
 
 if TYPE_CHECKING:
@@ -24,11 +25,12 @@ def read_workflow_file(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
-        raise UserError(f"workflow file not found: {path}") from None
+        raise UserError(f"workflow file not found: {display_path(path)}") from None
     except IsADirectoryError:
-        raise UserError(f"{path} is a directory; give the workflow's YAML file") from None
+        shown = display_path(path)
+        raise UserError(f"{shown} is a directory; give the workflow's YAML file") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read workflow {path}: {exc}") from None
+        raise UserError(f"cannot read workflow {display_path(path)}: {exc}") from None
 
 
 def load_workflow(
