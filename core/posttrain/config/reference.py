@@ -30,7 +30,8 @@ HEADER = """\
      core/posttrain/config/sections.py. Do not edit by hand: a test checks it matches. -->
 
 A workflow is one YAML file. Its top-level keys are the sections below; unknown keys anywhere are
-errors (with a did-you-mean hint). `posttrain validate WORKFLOW.yaml` checks a file.
+errors (with a did-you-mean hint). A number's allowed range follows its type (`integer, >= 1`);
+a value outside it is an error. `posttrain validate WORKFLOW.yaml` checks a file.
 
 Top-level `model_args` are defaults for every role; a role's own `model_args` override them.
 `<role>` is one of: {roles}.
