@@ -6,10 +6,13 @@ User errors print a message and no traceback; internal errors print the tracebac
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import textwrap
 import traceback
 
 from posttrain.errors import UserError, WorkerError
+from posttrain.paths import display_path
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 
@@ -44,39 +47,68 @@ def cmd_validate(args, host) -> int:
     console = _console()
     for note in report.notes:
         console.print(f"[dim]note: {note.render()}[/dim]")
-    report.raise_if_errors(args.workflow)
+    report.raise_if_errors(display_path(args.workflow))
     roles = ", ".join(
         f"{n}={r.strategy_args.strategy_name}[{r.num_ranks}]" for n, r in workflow.roles().items()
     )
-    console.print(f"[green]ok[/green]: {args.workflow} ({roles})")
+    console.print(f"[green]ok[/green]: {display_path(args.workflow)} ({roles})")
     return EXIT_OK
 
 
 def cmd_plugins(args, host) -> int:
-    from rich.table import Table
-
-    console = _console()
-    strategies = host.strategies()
-    table = Table(title="posttrain plugins")
-    for column in ("plugin", "source", "version", "strategies", "hooks"):
-        table.add_column(column)
-    for info in host.plugins:
-        owned = ", ".join(sorted(s.name for s in strategies.values() if s.plugin == info.name))
-        if info.error:
-            table.add_row(
-                info.name,
-                info.source,
-                info.version,
-                "[red]failed to load[/red]",
-                f"[red]{info.error}[/red]",
-            )
-            continue
-        hooks = ", ".join(h.removeprefix("posttrain_") for h in host.hooks_of(info.name))
-        table.add_row(
-            info.name, info.source, f"{info.distribution} {info.version}".strip(), owned, hooks
-        )
-    console.print(table)
+    listing = _plugin_listing(host)
+    if args.json:
+        sys.stdout.write(json.dumps({"plugins": listing}, indent=2) + "\n")
+    else:
+        _print_plugin_blocks(_console(), listing)
     return EXIT_OK if not host.failures else EXIT_USER
+
+
+def _plugin_listing(host) -> list[dict]:
+    """Every plugin with its distribution, version, strategies and hooks (full hook names)."""
+    strategies = host.strategies()
+    return [
+        {
+            "name": info.name,
+            "source": info.source,
+            "distribution": info.distribution or None,
+            "version": info.version or None,
+            "strategies": sorted(s.name for s in strategies.values() if s.plugin == info.name),
+            "hooks": [] if info.error else host.hooks_of(info.name),
+            "error": info.error or None,
+        }
+        for info in host.plugins
+    ]
+
+
+def _print_plugin_blocks(console, listing: list[dict]) -> None:
+    """One block per plugin, its lists wrapped between names: a table would cut hook names in
+    an 80-column terminal or a pipe."""
+
+    def wrapped(label: str, items: list[str]) -> str:
+        return textwrap.fill(
+            ", ".join(items),
+            width=console.width,
+            initial_indent=f"  {label}: ",
+            subsequent_indent=" " * (len(label) + 4),
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+
+    for number, plugin in enumerate(listing):
+        if number:
+            console.print()
+        origin = " ".join(filter(None, (plugin["distribution"], plugin["version"])))
+        where = f"{plugin['source']}; {origin}" if origin else plugin["source"]
+        console.print(f"{plugin['name']} ({where})", style="bold", markup=False)
+        if plugin["error"]:
+            # Unwrapped: the error is one message, searched for as a whole.
+            console.print(f"  failed to load: {plugin['error']}", style="red", markup=False)
+            continue
+        if plugin["strategies"]:
+            console.print(wrapped("strategies", plugin["strategies"]), markup=False)
+        hooks = [h.removeprefix("posttrain_") for h in plugin["hooks"]]
+        console.print(wrapped("hooks", hooks), markup=False)
 
 
 def cmd_doctor(args, host) -> int:
@@ -113,7 +145,7 @@ def cmd_run(args, host) -> int:
     from posttrain.trainer.run import run_workflow
 
     workflow, report = _load(args, host)
-    report.raise_if_errors(args.workflow)
+    report.raise_if_errors(display_path(args.workflow))
     run_workflow(workflow, host, source=args.workflow, console=_console())
     return EXIT_OK
 
@@ -150,9 +182,9 @@ def build_parser(host) -> argparse.ArgumentParser:
 
     workflow_command("validate", cmd_validate, "check a workflow; every error at once")
     workflow_command("run", cmd_run, "run a workflow")
-    sub.add_parser("plugins", help="installed plugins and their strategies").set_defaults(
-        handler=cmd_plugins
-    )
+    p = sub.add_parser("plugins", help="installed plugins, their strategies and hooks")
+    p.add_argument("--json", action="store_true", help="print JSON, for scripts")
+    p.set_defaults(handler=cmd_plugins)
     sub.add_parser("doctor", help="engine versions against tested ranges").set_defaults(
         handler=cmd_doctor
     )

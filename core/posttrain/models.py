@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING
 
+from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.presets import is_preset, preset_path
 
 if TYPE_CHECKING:
@@ -64,7 +65,8 @@ def load_causal_lm(model_args: ModelArgs, base_dir: str = ".", device: str = "cp
     }
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
-    model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    with no_hf_progress_bars():
+        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
     return model.to(device)
 
 
@@ -100,14 +102,17 @@ def load_model_with_head(model_args: ModelArgs, head: str, base_dir: str = ".", 
             # transformers refuses batches without one; its pooling by pad id is not used
             # (posttrain.modeling.sequence_scores pools by the attention mask).
             config.pad_token_id = 0
-        return AutoModelForSequenceClassification.from_pretrained(path, **kwargs).to(device)
+        with no_hf_progress_bars():
+            model = AutoModelForSequenceClassification.from_pretrained(path, **kwargs)
+        return model.to(device)
     if head != "value":
         raise ValueError(f"unknown model head {head!r}")
     config.classifier_dropout = 0.0
     config.token_classification_bias = False
-    model, info = AutoModelForTokenClassification.from_pretrained(
-        path, output_loading_info=True, **kwargs
-    )
+    with no_hf_progress_bars():
+        model, info = AutoModelForTokenClassification.from_pretrained(
+            path, output_loading_info=True, **kwargs
+        )
     if HEAD_WEIGHT in info["missing_keys"]:
         import torch
 

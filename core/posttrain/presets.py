@@ -14,6 +14,7 @@ import tempfile
 import attrs
 
 from posttrain.errors import UserError
+from posttrain.hf_progress import no_hf_progress_bars
 
 PRESET_PREFIX = "preset:"
 # Small alphabet: digits, arithmetic signs and a space; chance of one right digit is about 1/16.
@@ -136,7 +137,8 @@ def build_preset(preset: Preset, out_dir: str) -> None:
         model = Qwen2ForCausalLM(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(state)
-    model.save_pretrained(out_dir, safe_serialization=True)
+    with no_hf_progress_bars():
+        model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
     # transformers 5 would otherwise load it as Qwen2Tokenizer from the model config.
     import json

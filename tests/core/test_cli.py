@@ -148,19 +148,48 @@ def test_bad_set_syntax_is_a_user_error(tmp_path, capsys):
     assert "expected KEY=VALUE" in capsys.readouterr().err
 
 
-def test_plugins_lists_builtins_and_hf_infer(capsys, monkeypatch):
+def _plugin_blocks(out: str) -> dict[str, str]:
+    """``posttrain plugins`` output: plugin name -> its block (header and indented lines)."""
+    blocks = [block for block in out.split("\n\n") if block.strip()]
+    return {block.split(" (", 1)[0]: block for block in blocks}
+
+
+def test_plugins_fits_80_columns_and_names_every_hook_in_full(capsys, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
-    monkeypatch.setenv("COLUMNS", "1000")
+    monkeypatch.setenv("COLUMNS", "80")  # what a pipe gets, and a narrow terminal
     assert main(["plugins"]) == EXIT_OK
     out = capsys.readouterr().out
-    from posttrain.plugin_host import BUILTIN_PLUGINS
+    from posttrain.plugin_host import BUILTIN_PLUGINS, create_plugin_host
 
-    rows = {line.split("│")[1].strip(): line for line in out.splitlines() if line.count("│") >= 5}
+    assert all(len(line) <= 80 for line in out.splitlines()), out
+    assert "…" not in out
+    blocks = _plugin_blocks(out)
+    host = create_plugin_host()
     for name in (entry.partition(":")[0] for entry in BUILTIN_PLUGINS):
-        assert name in rows, out
-        assert "builtin" in rows[name]
-    assert "hf_infer" in rows["posttrain.builtin.hf_infer_plugin"]
-    assert "add_strategies" in rows["posttrain.builtin.hf_infer_plugin"]
+        assert f"{name} (builtin; posttrain " in blocks[name], out
+        # The hook list may wrap, never between the letters of a name.
+        listed = blocks[name].split("hooks:", 1)[1].replace(",", " ").split()
+        assert listed == [h.removeprefix("posttrain_") for h in host.hooks_of(name)]
+    assert "strategies: hf_infer" in blocks["posttrain.builtin.hf_infer_plugin"]
+
+
+def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
+    import json
+
+    from posttrain import __version__
+
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert main(["plugins", "--json"]) == EXIT_OK
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    hf = plugins["posttrain.builtin.hf_infer_plugin"]
+    assert [hf["source"], hf["distribution"], hf["version"]] == [
+        "builtin",
+        "posttrain",
+        __version__,
+    ]
+    assert hf["strategies"] == ["hf_infer"]
+    assert "posttrain_generate" in hf["hooks"] and hf["error"] is None
+    assert plugins["posttrain.builtin.rewards"]["strategies"] == []
 
 
 def test_plugins_with_installed_entry_points_imports_no_torch():
@@ -187,3 +216,40 @@ def test_doctor_lists_torch_ok(capsys, monkeypatch):
     plugin, package, installed, _tested, status = cells
     assert (plugin, package, status) == ("posttrain", "torch", "ok")
     assert installed == importlib.metadata.version("torch")  # read from metadata, not imported
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
+def test_preset_build_and_model_load_draw_no_progress_bars(tmp_path, monkeypatch, capfd):
+    """transformers' "Writing model shards" / "Loading weights" bars printed at a run's start
+    (the driver builds the preset) and filled the rank logs."""
+    from transformers.utils import logging as hf_logging
+
+    from posttrain.config.sections import ModelArgs
+    from posttrain.models import load_causal_lm
+    from posttrain.presets import preset_path
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
+    bars_were_on = hf_logging.is_progress_bar_enabled()
+    capfd.readouterr()
+    load_causal_lm(ModelArgs(model_name_or_path=preset_path("preset:tiny-qwen2")))
+    err = capfd.readouterr().err
+    assert "Writing model shards" not in err and "Loading weights" not in err, err
+    assert hf_logging.is_progress_bar_enabled() == bars_were_on  # restored for other callers
+
+
+def test_paths_print_resolved(tmp_path, monkeypatch, capsys):
+    from posttrain.paths import display_path
+
+    monkeypatch.chdir(tmp_path)
+    assert display_path(tmp_path / "examples" / ".." / "runs" / "quickstart") == "runs/quickstart"
+    assert display_path("runs//a/./b") == "runs/a/b"
+    assert display_path(tmp_path) == "."
+    assert display_path("../elsewhere") == str(tmp_path.parent / "elsewhere")  # not under cwd
+    # Through validate: the workflow's own relative paths resolve against its directory.
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    (tmp_path / "examples").mkdir()
+    (tmp_path / "examples" / "w.yaml").write_text("data: {path: ../data/missing.jsonl}\n")
+    assert main(["validate", "examples/../examples/w.yaml"]) == EXIT_USER
+    err = capsys.readouterr().err
+    assert "examples/w.yaml: " in err and "/../" not in err, err
+    assert "data.path: file not found: data/missing.jsonl" in err, err

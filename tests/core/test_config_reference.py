@@ -62,5 +62,8 @@ def test_rows_carry_type_default_and_comment():
     assert "`list(range(a, b[, step]))`" in text  # device_mapping's accepted forms
     # Comments above a field and at the end of its line become its description.
     assert "HF directory, hub id, or a tiny preset" in text
-    assert "| `rollout_batch_size` | integer | `16` | prompts per step |" in text
+    assert "| `rollout_batch_size` | integer, >= 1 | `16` | prompts per step |" in text
+    # A field's range (posttrain.config.ranges) follows its type, with meaningful specials.
+    assert "| `top_p` | number, in (0, 1] | `1.0` |" in text
+    assert "| `save_steps` | integer, >= 1, or 0 (only at the end, when save_final" in text
     assert "YAML path: `model_args`, `<role>.model_args`" in text

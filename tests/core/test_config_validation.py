@@ -3,10 +3,16 @@ all reported at once with their YAML paths."""
 
 from __future__ import annotations
 
+import types
+import typing
+from typing import Literal
+
 import attrs
 import pytest
 
 from posttrain import hookimpl
+from posttrain.config.converter import structure_into
+from posttrain.config.ranges import OutOfRange, at_least, between, range_of
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import ModelArgs, TrainingArgs
 from posttrain.config.workflow import build_workflow, load_workflow
@@ -78,13 +84,22 @@ def test_invalid_yaml_is_one_clean_error(fake_train_host, write_workflow):
     assert "Traceback" not in message
 
 
-@pytest.mark.parametrize(("text", "kind"), [("- a\n- b\n", "list"), ("just text\n", "str")])
-def test_top_level_must_be_a_mapping(fake_train_host, write_workflow, text, kind):
+@pytest.mark.parametrize(
+    ("text", "found"),
+    [
+        ("", "the file is empty or holds only comments"),
+        ("# model_args: {}\n\n", "the file is empty or holds only comments"),
+        ("{}\n", "the file holds an empty mapping"),
+        ("- a\n- b\n", "the file holds a list, not a mapping of sections"),
+        ("just text\n", "the file holds the value 'just text', not a mapping of sections"),
+    ],
+)
+def test_a_file_with_no_workflow_says_so(fake_train_host, write_workflow, text, found):
     workflow, report = load_workflow(write_workflow(text), fake_train_host)
     assert workflow is None
-    assert [i.message for i in report.errors] == [
-        f"the workflow must be a mapping of sections, got {kind}"
-    ]
+    (issue,) = report.errors
+    assert issue.message == f"no workflow: {found}"
+    assert "examples/quickstart.yaml" in issue.hint
 
 
 def test_missing_workflow_file_is_a_user_error(fake_train_host, tmp_path):
@@ -450,3 +465,117 @@ def test_section_with_errors_gets_no_follow_up_errors(fake_train_host, model_dir
     assert _errors(report) == {
         "data.shufle": ["data.shufle: unknown key (did you mean 'shuffle'?)"]
     }
+
+
+# -- ranges of counts, sizes and rates ----------------------------------------------------------
+
+
+def test_out_of_range_values_are_all_reported_with_paths(fake_train_host, model_dir, tmp_path):
+    raw = _valid_raw(str(model_dir))
+    raw["algorithm"].update(group_size=0, rollout_batch_size=-8, clip_ratio=0)
+    raw["actor_train"]["training_args"].update(per_device_train_batch_size=0, learning_rate=-1e-6)
+    raw["actor_infer"].update(
+        infer_batch_size=0,
+        generating_args={"top_p": 1.5, "temperature": -0.5, "max_new_tokens": 0},
+        strategy_args={"strategy_name": "hf_infer", "strategy_config": {"batch_size": 0}},
+    )
+    raw["trainer"].update(max_steps=0, save_steps=-1, weight_sync_bucket_mb=0)
+    raw["cluster"] = {"call_timeout_s": 0}
+    _, report = _build(raw, fake_train_host, tmp_path)
+    errors = _errors(report)
+    assert sorted(errors) == [
+        "actor_infer.generating_args.max_new_tokens",
+        "actor_infer.generating_args.temperature",
+        "actor_infer.generating_args.top_p",
+        "actor_infer.infer_batch_size",
+        "actor_infer.strategy_args.strategy_config.batch_size",
+        "actor_train.training_args.learning_rate",
+        "actor_train.training_args.per_device_train_batch_size",
+        "algorithm.clip_ratio",
+        "algorithm.group_size",
+        "algorithm.rollout_batch_size",
+        "cluster.call_timeout_s",
+        "trainer.max_steps",
+        "trainer.save_steps",
+        "trainer.weight_sync_bucket_mb",
+    ]
+    # The value as written, what is allowed, and a value that surely is.
+    assert errors["algorithm.group_size"] == [
+        "algorithm.group_size: 0 is out of range; allowed: >= 1 (e.g. 8, the default)"
+    ]
+    assert errors["actor_infer.generating_args.top_p"] == [
+        "actor_infer.generating_args.top_p: 1.5 is out of range; allowed: in (0, 1] "
+        "(e.g. 1.0, the default)"
+    ]
+    assert errors["actor_infer.infer_batch_size"] == [
+        "actor_infer.infer_batch_size: 0 is out of range; allowed: >= 1 (or null, the default)"
+    ]
+    assert "or 0 (only at the end" in errors["trainer.save_steps"][0]
+
+
+def test_meaningful_zero_and_minus_one_stay_valid(fake_train_host, model_dir, tmp_path):
+    raw = _valid_raw(str(model_dir))
+    raw["actor_train"]["training_args"].update(max_steps=-1, max_grad_norm=0, warmup_steps=0)
+    raw["actor_infer"]["generating_args"] = {"top_k": -1, "temperature": 0}
+    raw["trainer"]["save_steps"] = 0
+    workflow, report = _build(raw, fake_train_host, tmp_path)
+    assert report.errors == []
+    assert workflow.trainer.save_steps == 0
+    raw["actor_infer"]["generating_args"] = {"top_k": 0}
+    assert _build(raw, fake_train_host, tmp_path)[1].errors == []
+
+
+@attrs.frozen(kw_only=True)
+class _RangedPluginConfig:
+    """A plugin's strategy_config using the core's range helpers."""
+
+    tp_size: int = attrs.field(default=1, validator=at_least(1))
+    fraction: float | None = attrs.field(default=None, validator=between(0, 1, low_open=True))
+    mode: Literal["eager", "graph"] | None = None
+    level: Literal[1, 2] = 1
+
+
+def test_plugin_configs_get_ranges_and_choices_from_the_same_helpers():
+    report = ErrorReport()
+    raw = {"tp_size": 0, "fraction": 0, "mode": "eagre", "level": True}
+    assert structure_into(raw, _RangedPluginConfig, "cfg", report) is None
+    assert [i.render() for i in report.errors] == [
+        "cfg.tp_size: 0 is out of range; allowed: >= 1 (e.g. 1, the default)",
+        "cfg.fraction: 0 is out of range; allowed: in (0, 1] (or null, the default)",
+        "cfg.mode: invalid value 'eagre'; expected one of: eager, graph, or null "
+        "(did you mean 'eager'?)",
+        "cfg.level: invalid value true; expected one of: 1, 2",  # true is not 1
+    ]
+    # Built in Python, the same range is the attrs validator.
+    with pytest.raises(OutOfRange, match=r"tp_size: -1 is out of range; allowed: >= 1"):
+        _RangedPluginConfig(tp_size=-1)
+
+
+def _numeric(tp) -> bool:
+    union = typing.get_origin(tp) in (typing.Union, types.UnionType)
+    options = typing.get_args(tp) if union else (tp,)
+    return bool({int, float} & set(options))
+
+
+def test_every_number_in_the_workflow_declares_its_range():
+    """A new count or size gets its range by one annotation; this keeps anyone from forgetting
+    it, in core sections and in the installed strategies' configs alike."""
+    from posttrain.builtin.hf_infer_plugin import HFInferConfig
+    from posttrain.config.reference import _walk
+    from posttrain.errors import PluginError
+    from posttrain.plugin_host import create_plugin_host
+
+    classes = {*_walk(), HFInferConfig}
+    try:
+        classes |= {spec.config_class for spec in create_plugin_host().strategies().values()}
+    except PluginError as exc:  # two installed plugins claim one strategy: not this test's case
+        pytest.skip(str(exc))
+    missing = [
+        f"{cls.__module__}.{cls.__name__}.{field.name}"
+        for cls in classes
+        for field in attrs.fields(cls)
+        if _numeric(typing.get_type_hints(cls)[field.name])
+        and range_of(field) is None
+        and not field.name.endswith("seed")  # any integer seeds a generator
+    ]
+    assert missing == [], "give these a validator from posttrain.config.ranges"

@@ -11,6 +11,7 @@ from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_HEADS, Workflow
 from posttrain.doctor import EnvCheck
 from posttrain.launcher.base import partial_overlaps
+from posttrain.paths import display_path
 from posttrain.presets import PRESETS, is_preset
 
 # Roles every workflow has (the critic and reference depend on the algorithm's settings).
@@ -131,11 +132,11 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
             if not os.path.exists(os.path.join(local, "config.json")):
                 report.error(
                     where,
-                    f"{local} has no config.json",
+                    f"{display_path(local)} has no config.json",
                     "point to an HF model directory (the one holding config.json)",
                 )
         elif looks_local:
-            report.error(where, f"local model path {local} does not exist")
+            report.error(where, f"local model path {display_path(local)} does not exist")
         else:
             report.note(
                 where,
@@ -158,19 +159,13 @@ def _check_data(wf: Workflow, report: ErrorReport) -> None:
     elif data.path:
         local = data.path if os.path.isabs(data.path) else os.path.join(wf.base_dir, data.path)
         if not os.path.exists(local):
-            report.error("data.path", f"file not found: {local}")
+            report.error("data.path", f"file not found: {display_path(local)}")
         elif not local.endswith((".jsonl", ".json", ".parquet")):
             report.error("data.path", "unsupported file type", "use .jsonl or .parquet")
 
 
 def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
     algo = wf.algorithm
-    if algo.group_size < 1:
-        report.error("algorithm.group_size", "must be at least 1")
-        return
-    if algo.rollout_batch_size < 1:
-        report.error("algorithm.rollout_batch_size", "must be at least 1")
-        return
     samples = algo.rollout_batch_size * algo.group_size
     for name, role in wf.roles().items():
         dp = _dp_size(wf, name, strategies, report)
@@ -220,8 +215,6 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
                 f"{dp} data-parallel ranks",
                 f"make rollout_batch_size x group_size a multiple of {dp * algo.num_mini_batches}",
             )
-        if role.infer_batch_size is not None and role.infer_batch_size < 1:
-            report.error(join_path(name, "infer_batch_size"), "must be at least 1")
 
 
 def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> int | None:
@@ -248,16 +241,12 @@ def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> i
 
 def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
     t = wf.trainer
-    if t.max_steps < 1:
-        report.error("trainer.max_steps", "must be at least 1")
-    if t.save_steps < 0:
-        report.error("trainer.save_steps", "must be 0 (off) or positive")
     if t.resume not in ("never", "auto"):
         path = t.resume if os.path.isabs(t.resume) else os.path.join(wf.base_dir, t.resume)
         if not os.path.isdir(path):
             report.error(
                 "trainer.resume",
-                f"checkpoint directory not found: {path}",
+                f"checkpoint directory not found: {display_path(path)}",
                 "use 'auto', 'never' or an existing checkpoint-N directory",
             )
     if wf.reward.function and ":" in wf.reward.function:

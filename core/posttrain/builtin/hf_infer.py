@@ -10,6 +10,7 @@ import os
 
 import torch
 
+from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.modeling import sequence_scores, shifted_token_logprobs
 from posttrain.models import load_model_with_head, load_tokenizer
 from posttrain.protocol import (
@@ -194,7 +195,8 @@ def load_checkpoint(worker, path: str) -> bool:
 
 def export_hf(worker, path: str) -> bool:
     if worker.rank == 0:
-        worker.model.save_pretrained(path, safe_serialization=True)
+        with no_hf_progress_bars():
+            worker.model.save_pretrained(path, safe_serialization=True)
         worker.state["tokenizer"].save_pretrained(path)
     return True
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import attrs
 
 from posttrain import hookimpl
+from posttrain.config.ranges import at_least
 from posttrain.engine_hooks import EngineHooks
 from posttrain.strategy import Capabilities, StrategySpec
 
@@ -21,7 +22,7 @@ class HFInferConfig:
     """``strategy_config`` of ``hf_infer``."""
 
     # Prompts per forward pass when generating or scoring (the role's infer_batch_size wins).
-    batch_size: int = 64
+    batch_size: int = attrs.field(default=64, validator=at_least(1))
     use_cache: bool = True
 
 

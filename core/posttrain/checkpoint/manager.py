@@ -11,6 +11,7 @@ from typing import Any
 
 from posttrain.checkpoint.manifest import Manifest, checksum_tree, verify
 from posttrain.errors import CheckpointError
+from posttrain.paths import display_path
 
 _NAME = re.compile(r"^checkpoint-(\d+)$")
 DRIVER_STATE = "driver_state.json"
@@ -91,4 +92,4 @@ def load_driver_state(checkpoint_dir: str) -> tuple[Manifest, dict[str, Any]]:
         with open(path, encoding="utf-8") as f:
             return manifest, json.load(f)
     except (OSError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{path} cannot be read ({exc})") from None
+        raise CheckpointError(f"{display_path(path)} cannot be read ({exc})") from None

@@ -10,6 +10,7 @@ from typing import Any
 import attrs
 
 from posttrain.errors import CheckpointError
+from posttrain.paths import display_path
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -39,10 +40,10 @@ class Manifest:
             return cls(**data)
         except FileNotFoundError:
             raise CheckpointError(
-                f"{directory} is not a complete checkpoint: {MANIFEST} is missing"
+                f"{display_path(directory)} is not a complete checkpoint: {MANIFEST} is missing"
             ) from None
         except (json.JSONDecodeError, TypeError) as exc:
-            raise CheckpointError(f"{path} is corrupted ({exc})") from None
+            raise CheckpointError(f"{display_path(path)} is corrupted ({exc})") from None
 
 
 def sha256_file(path: str) -> str:
@@ -70,10 +71,11 @@ def verify(directory: str) -> Manifest:
     for rel, expected in manifest.files.items():
         full = os.path.join(directory, rel)
         if not os.path.isfile(full):
-            raise CheckpointError(f"checkpoint {directory}: file {rel} is missing")
+            shown = display_path(directory)
+            raise CheckpointError(f"checkpoint {shown}: file {rel} is missing")
         if sha256_file(full) != expected:
             raise CheckpointError(
-                f"checkpoint {directory}: file {rel} is corrupted "
+                f"checkpoint {display_path(directory)}: file {rel} is corrupted "
                 "(sha256 does not match the manifest)"
             )
     return manifest

@@ -20,6 +20,7 @@ import attrs
 
 from posttrain.builtin.hf_infer_plugin import HFInferConfig
 from posttrain.config import sections
+from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
 
 HEADER = """\
@@ -29,7 +30,8 @@ HEADER = """\
      core/posttrain/config/sections.py. Do not edit by hand: a test checks it matches. -->
 
 A workflow is one YAML file. Its top-level keys are the sections below; unknown keys anywhere are
-errors (with a did-you-mean hint). `posttrain validate WORKFLOW.yaml` checks a file.
+errors (with a did-you-mean hint). A number's allowed range follows its type (`integer, >= 1`);
+a value outside it is an error. `posttrain validate WORKFLOW.yaml` checks a file.
 
 Top-level `model_args` are defaults for every role; a role's own `model_args` override them.
 `<role>` is one of: {roles}.
@@ -107,6 +109,11 @@ def _type_text(tp: Any) -> str:
     return str(tp)
 
 
+def _range_text(field: attrs.Attribute) -> str:
+    allowed = range_of(field)
+    return f", {allowed.describe()}" if allowed else ""
+
+
 def _value_text(value: Any) -> str:
     if value is None:
         return "`null`"
@@ -156,7 +163,7 @@ def _class_table(cls: type) -> list[str]:
                 _cell(c)
                 for c in (
                     f"`{field.name}`",
-                    _type_text(hints[field.name]),
+                    _type_text(hints[field.name]) + _range_text(field),
                     _default_text(field),
                     help_text,
                 )

@@ -9,6 +9,8 @@ from typing import Any, Literal
 
 import attrs
 
+from posttrain.config.ranges import at_least, between, greater_than
+
 Dtype = Literal["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"]
 
 
@@ -29,35 +31,40 @@ class ModelArgs:
 
 @attrs.frozen(kw_only=True)
 class TrainingArgs:
-    """Optimizer and batching settings of a training role (ROLL's ``training_args``)."""
+    """Optimizer and batching settings of a training role (ROLL's ``training_args``).
 
-    learning_rate: float = 1.0e-6
-    weight_decay: float = 0.0
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.999
-    adam_epsilon: float = 1.0e-8
-    max_grad_norm: float = 1.0
+    The optimizer settings' ranges are AdamW's own.
+    """
+
+    learning_rate: float = attrs.field(default=1.0e-6, validator=at_least(0))
+    weight_decay: float = attrs.field(default=0.0, validator=at_least(0))
+    adam_beta1: float = attrs.field(default=0.9, validator=between(0, 1, high_open=True))
+    adam_beta2: float = attrs.field(default=0.999, validator=between(0, 1, high_open=True))
+    adam_epsilon: float = attrs.field(default=1.0e-8, validator=at_least(0))
+    max_grad_norm: float = attrs.field(default=1.0, validator=at_least(0))  # 0: no clipping
     lr_scheduler_type: Literal["constant", "linear", "cosine"] = "constant"
-    warmup_steps: int = 0
-    warmup_ratio: float = 0.0
-    per_device_train_batch_size: int = 1
-    gradient_accumulation_steps: int = 1
-    num_train_epochs: int = 1
-    max_steps: int = -1
+    warmup_steps: int = attrs.field(default=0, validator=at_least(0))
+    warmup_ratio: float = attrs.field(default=0.0, validator=between(0, 1))
+    per_device_train_batch_size: int = attrs.field(default=1, validator=at_least(1))
+    gradient_accumulation_steps: int = attrs.field(default=1, validator=at_least(1))
+    num_train_epochs: int = attrs.field(default=1, validator=at_least(1))
+    # Length of the LR schedule (decay ends here); trainer.max_steps sets the run's length.
+    max_steps: int = attrs.field(default=-1, validator=at_least(1, also={-1: "unset: no decay"}))
     # Dynamic micro-batches: pack sequences under a token budget instead of a fixed count.
     use_dynamic_batch_size: bool = False
-    max_tokens_per_micro_batch: int = 4096
+    max_tokens_per_micro_batch: int = attrs.field(default=4096, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
 class GeneratingArgs:
     """Sampling settings of the rollout role (ROLL's ``generating_args``)."""
 
-    max_new_tokens: int = 32
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    num_return_sequences: int | None = None  # defaults to algorithm.group_size
+    max_new_tokens: int = attrs.field(default=32, validator=at_least(1))
+    temperature: float = attrs.field(default=1.0, validator=at_least(0))  # 0: greedy
+    top_p: float = attrs.field(default=1.0, validator=between(0, 1, low_open=True))
+    top_k: int = attrs.field(default=-1, validator=at_least(1, also={-1: "off", 0: "off"}))
+    # defaults to algorithm.group_size
+    num_return_sequences: int | None = attrs.field(default=None, validator=at_least(1))
     stop_token_ids: list[int] = attrs.field(factory=list)
     # A sample also ends with the token that completes one of these strings; the reward sees the
     # text before the string (vLLM's `stop`).
@@ -80,8 +87,9 @@ class RoleConfig:
     model_args: ModelArgs = attrs.field(factory=ModelArgs)
     training_args: TrainingArgs | None = None
     generating_args: GeneratingArgs | None = None
-    infer_batch_size: int | None = None
-    world_size: int | None = None  # defaults to len(device_mapping)
+    infer_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    # defaults to len(device_mapping)
+    world_size: int | None = attrs.field(default=None, validator=at_least(1))
 
     @property
     def num_ranks(self) -> int:
@@ -91,8 +99,9 @@ class RoleConfig:
 @attrs.frozen(kw_only=True)
 class SyntheticData:
     task: Literal["single_digit_addition"] = "single_digit_addition"
-    max_sum: int = 9
-    num_prompts: int | None = None  # default: every problem of the task once per epoch
+    max_sum: int = attrs.field(default=9, validator=at_least(0))
+    # default: every problem of the task once per epoch
+    num_prompts: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -106,7 +115,7 @@ class DataConfig:
     apply_chat_template: Literal["auto", "always", "never"] = "auto"
     shuffle: bool = True
     seed: int = 42
-    max_prompt_length: int = 512
+    max_prompt_length: int = attrs.field(default=512, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -121,21 +130,22 @@ class AlgorithmConfig:
     advantage_estimator: str | None = None
     # Per-token policy loss (ppo, gspo, or a plugin's); null: the preset's.
     policy_loss: str | None = None
-    group_size: int = 8
-    rollout_batch_size: int = 16  # prompts per step
+    group_size: int = attrs.field(default=8, validator=at_least(1))
+    rollout_batch_size: int = attrs.field(default=16, validator=at_least(1))  # prompts per step
     norm_adv_by_std: bool = True
-    clip_ratio: float = 0.2
-    clip_ratio_low: float | None = None  # DAPO clip-higher: separate low/high bounds
-    clip_ratio_high: float | None = None
+    clip_ratio: float = attrs.field(default=0.2, validator=greater_than(0))
+    # DAPO clip-higher: separate low/high bounds
+    clip_ratio_low: float | None = attrs.field(default=None, validator=greater_than(0))
+    clip_ratio_high: float | None = attrs.field(default=None, validator=greater_than(0))
     # Dual-clip: a negative advantage's loss is capped at -advantage * clip_ratio_c; null: off.
-    clip_ratio_c: float | None = 3.0
+    clip_ratio_c: float | None = attrs.field(default=3.0, validator=greater_than(1))
     loss_agg_mode: Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean"] = "token-mean"
-    kl_coef: float = 0.0
+    kl_coef: float = attrs.field(default=0.0, validator=at_least(0))
     kl_estimator: Literal["k1", "k3"] = "k3"
     kl_mode: Literal["loss", "reward"] = "loss"
-    entropy_coef: float = 0.0
-    ppo_epochs: int = 1
-    num_mini_batches: int = 1
+    entropy_coef: float = attrs.field(default=0.0, validator=at_least(0))
+    ppo_epochs: int = attrs.field(default=1, validator=at_least(1))
+    num_mini_batches: int = attrs.field(default=1, validator=at_least(1))
     # Where the old-policy log-probs of the ratio come from. "rollout": the rollout engine's
     # log-probs of the sampled tokens (no extra forward pass); "recompute": a trainer forward
     # pass before the update. "auto" is "rollout" when the update is on-policy (one PPO epoch,
@@ -143,23 +153,23 @@ class AlgorithmConfig:
     # (With tis_cap set, "auto" recomputes: the correction compares both.)
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
     # Discount and GAE lambda of token-level estimators (gae, reinforce_plus_plus).
-    gamma: float = 1.0
-    lam: float = 1.0
+    gamma: float = attrs.field(default=1.0, validator=between(0, 1))
+    lam: float = attrs.field(default=1.0, validator=between(0, 1))
     # Whiten GAE advantages over the batch (REINFORCE++ always whitens).
     whiten_advantages: bool = True
     # Critic: how far a new value may move from the old one in the value loss; null: no clip.
-    cliprange_value: float | None = 0.5
+    cliprange_value: float | None = attrs.field(default=0.5, validator=greater_than(0))
     # Steps at the start during which only the critic learns (the policy and rollout stay).
-    critic_warmup: int = 0
+    critic_warmup: int = attrs.field(default=0, validator=at_least(0))
     # DAPO dynamic sampling: drop groups whose rewards are all equal (no signal) and sample
     # more prompts until rollout_batch_size groups are kept, at most max_sampling_rounds
     # rollouts per step (then the batch is filled with dropped groups, and that is logged).
     dynamic_sampling: bool = False
-    max_sampling_rounds: int = 4
+    max_sampling_rounds: int = attrs.field(default=4, validator=at_least(1))
     # Rollout correction: truncated importance sampling. Each token's loss is weighted by
     # min(p_trainer / p_rollout, tis_cap) of the sampled token, for rollouts from another
     # engine or dtype than the trainer's; null: off.
-    tis_cap: float | None = None
+    tis_cap: float | None = attrs.field(default=None, validator=greater_than(0))
 
     def old_logprobs_source(self) -> str:
         if self.old_logprobs != "auto":
@@ -177,19 +187,19 @@ class RewardConfig:
     function: str | None = "exact_match"
     kwargs: dict[str, Any] = attrs.field(factory=dict)
     # The reward is function_weight * function + model_weight * model score.
-    function_weight: float = 1.0
-    model_weight: float = 1.0
+    function_weight: float = attrs.field(default=1.0, validator=at_least(0))
+    model_weight: float = attrs.field(default=1.0, validator=at_least(0))
     # Run the function in this many worker processes, each call with timeout_s (slow
     # verifiers); 0: in the driver, no timeout. A call that raises or times out scores 0.
-    num_workers: int = 0
-    timeout_s: float = 10.0
+    num_workers: int = attrs.field(default=0, validator=at_least(0))
+    timeout_s: float = attrs.field(default=10.0, validator=greater_than(0))
     # A reward model (a sequence-classification model with one label): its own backend,
     # devices and model; scored as the "reward" role. Leave strategy_args out for none.
     strategy_args: StrategyArgs | None = None
     device_mapping: tuple[int, ...] = (0,)
     model_args: ModelArgs = attrs.field(factory=ModelArgs)
-    infer_batch_size: int | None = None
-    world_size: int | None = None
+    infer_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    world_size: int | None = attrs.field(default=None, validator=at_least(1))
 
     def role(self) -> RoleConfig | None:
         """The reward model as a role, or None without one."""
@@ -206,17 +216,20 @@ class RewardConfig:
 
 @attrs.frozen(kw_only=True)
 class TrainerConfig:
-    max_steps: int = 100
-    save_steps: int = 0  # 0: only at the end when save_final is set
+    max_steps: int = attrs.field(default=100, validator=at_least(1))
+    save_steps: int = attrs.field(
+        default=0, validator=at_least(1, also={0: "only at the end, when save_final is set"})
+    )
     save_final: bool = True
-    save_total_limit: int | None = None
+    # Checkpoints kept (the oldest go first); null keeps every one.
+    save_total_limit: int | None = attrs.field(default=None, validator=at_least(1))
     output_dir: str = "runs/default"
     logger: list[Literal["console", "jsonl", "tensorboard"]] = attrs.field(
         factory=lambda: ["console", "jsonl"]
     )
     resume: str = "never"  # "never", "auto", or a checkpoint directory
     seed: int = 42
-    weight_sync_bucket_mb: int = 256
+    weight_sync_bucket_mb: int = attrs.field(default=256, validator=at_least(1))
     progress: bool = True
 
 
@@ -228,12 +241,12 @@ class ClusterConfig:
     # when their strategies can live beside others; "separate": one set of processes per role.
     colocation: Literal["auto", "separate"] = "auto"
     address: str | None = None
-    num_cpus: int | None = None
-    object_store_memory: int | None = None
+    num_cpus: int | None = attrs.field(default=None, validator=at_least(1))
+    object_store_memory: int | None = attrs.field(default=None, validator=at_least(1))  # bytes
     runtime_env: dict[str, Any] = attrs.field(factory=dict)
-    start_timeout_s: float = 300.0
-    call_timeout_s: float = 1800.0
-    threads_per_worker: int | None = None
+    start_timeout_s: float = attrs.field(default=300.0, validator=greater_than(0))
+    call_timeout_s: float = attrs.field(default=1800.0, validator=greater_than(0))
+    threads_per_worker: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 ROLE_NAMES = ("actor_train", "actor_infer", "reference", "critic")

@@ -13,6 +13,7 @@ from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
+from posttrain.paths import display_path
 from posttrain.strategy import KNOWN_PROVIDERS
 
 if TYPE_CHECKING:
@@ -24,11 +25,12 @@ def read_workflow_file(path: str) -> str:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except FileNotFoundError:
-        raise UserError(f"workflow file not found: {path}") from None
+        raise UserError(f"workflow file not found: {display_path(path)}") from None
     except IsADirectoryError:
-        raise UserError(f"{path} is a directory; give the workflow's YAML file") from None
+        shown = display_path(path)
+        raise UserError(f"{shown} is a directory; give the workflow's YAML file") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise UserError(f"cannot read workflow {path}: {exc}") from None
+        raise UserError(f"cannot read workflow {display_path(path)}: {exc}") from None
 
 
 def load_workflow(
@@ -55,13 +57,12 @@ def build_workflow(
     base_dir: str = ".",
     overrides: dict[str, Any] | None = None,
 ) -> tuple[Workflow | None, ErrorReport]:
-    if raw is None:
-        raw = {}
-    if not isinstance(raw, dict):
+    if not raw or not isinstance(raw, dict):
         report.error(
             "",
-            f"the workflow must be a mapping of sections, got {type(raw).__name__}",
-            "start with keys such as model_args:, actor_train:, trainer:",
+            f"no workflow: {_what_it_holds(raw)}",
+            "a workflow maps sections such as model_args:, actor_train:, actor_infer:, "
+            "trainer:; see examples/quickstart.yaml",
         )
         return None, report
     raw = _apply_overrides(raw, overrides or {}, report)
@@ -100,6 +101,15 @@ def build_workflow(
 
 
 _SECTION_TYPES = typing.get_type_hints(Workflow)
+
+
+def _what_it_holds(raw: Any) -> str:
+    if raw is None:
+        return "the file is empty or holds only comments"
+    if isinstance(raw, dict):
+        return "the file holds an empty mapping"
+    kind = "a list" if isinstance(raw, list) else f"the value {str(raw)[:40]!r}"
+    return f"the file holds {kind}, not a mapping of sections"
 
 
 def _merge_model_args(raw: dict) -> dict:

@@ -41,6 +41,7 @@ from posttrain.launcher.base import (
     rank_log_path,
     tail,
 )
+from posttrain.paths import display_path
 
 # How long ranks still answering get once one rank failed (they may block in a collective).
 PEER_GRACE_S = 10.0
@@ -279,9 +280,9 @@ class RayProcesses:
         lines = tail(log)
         detail = trace.rstrip()
         if lines:
-            detail += f"\nlast lines of {log}:\n{lines.rstrip()}"
+            detail += f"\nlast lines of {display_path(log)}:\n{lines.rstrip()}"
         else:
-            detail += f"\n(log: {log})"
+            detail += f"\n(log: {display_path(log)})"
         return WorkerError(
             role, rank, f"{message} (node {self.nodes[rank]})", detail.strip(), self.roles
         )

@@ -17,6 +17,7 @@ from posttrain.checkpoint.manifest import verify
 from posttrain.config.report import ErrorReport
 from posttrain.config.workflow import build_workflow
 from posttrain.errors import CheckpointError, UserError
+from posttrain.paths import display_path
 from posttrain.trainer.run import WORKFLOW_COPY, group_spec, make_launcher, resolve_device
 
 
@@ -25,11 +26,12 @@ def export_checkpoint_to_hf(
 ) -> str:
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
-        raise UserError(f"checkpoint directory not found: {checkpoint_dir}")
+        raise UserError(f"checkpoint directory not found: {display_path(checkpoint_dir)}")
     manifest = verify(checkpoint_dir)
     if role not in manifest.roles:
         raise CheckpointError(
-            f"{checkpoint_dir} holds no {role} state (it holds {', '.join(manifest.roles)})"
+            f"{display_path(checkpoint_dir)} holds no {role} state "
+            f"(it holds {', '.join(manifest.roles)})"
         )
     run_dir = os.path.dirname(checkpoint_dir)
     copy = os.path.join(run_dir, WORKFLOW_COPY)
@@ -38,18 +40,18 @@ def export_checkpoint_to_hf(
             saved = yaml.safe_load(f)
     except OSError as exc:
         raise CheckpointError(
-            f"{copy} is needed to rebuild the trainer and cannot be read ({exc})"
+            f"{display_path(copy)} is needed to rebuild the trainer and cannot be read ({exc})"
         ) from None
     raw = dict(saved["workflow"])
     raw.pop("base_dir", None)
     report = ErrorReport()
     workflow, report = build_workflow(raw, host, report, base_dir=saved["run"]["base_dir"])
-    report.raise_if_errors(copy)
+    report.raise_if_errors(display_path(copy))
     role_name, role = role, getattr(workflow, role)
     layout = manifest.roles[role_name]
     if role.num_ranks != layout["world_size"]:
         raise CheckpointError(
-            f"{copy} maps {role.num_ranks} ranks but the checkpoint was "
+            f"{display_path(copy)} maps {role.num_ranks} ranks but the checkpoint was "
             f"saved by {layout['world_size']}"
         )
     output = os.path.abspath(output)
@@ -67,5 +69,8 @@ def export_checkpoint_to_hf(
     if os.path.exists(output):
         shutil.rmtree(output)
     os.rename(staging, output)
-    console.print(f"exported {role_name} of {checkpoint_dir} (step {manifest.step}) to {output}")
+    console.print(
+        f"exported {role_name} of {display_path(checkpoint_dir)} (step {manifest.step}) "
+        f"to {display_path(output)}"
+    )
     return output

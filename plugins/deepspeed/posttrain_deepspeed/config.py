@@ -12,21 +12,7 @@ from typing import Any
 
 import attrs
 
-
-def _at_least(minimum: int):
-    def check(instance, attribute, value):
-        if value is not None and value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value!r}")
-
-    return check
-
-
-def _one_of(*choices: int):
-    def check(instance, attribute, value):
-        if value not in choices:
-            raise ValueError(f"{attribute.name} must be one of {list(choices)}, got {value!r}")
-
-    return check
+from posttrain.config.ranges import at_least, between
 
 
 @attrs.frozen(kw_only=True)
@@ -34,7 +20,7 @@ class DeepSpeedZeroConfig:
     """ZeRO knobs shared by both strategies."""
 
     # 1: optimizer state partitioned; 2: + gradients; 3: + parameters.
-    zero_stage: int = attrs.field(default=2, validator=_one_of(1, 2, 3))
+    zero_stage: int = attrs.field(default=2, validator=between(1, 3))
     # ZeRO-Offload of the parameters (ZeRO-3 only) to host memory; "nvme" is not offered.
     offload_param: bool = False
     # Build the model partitioned (deepspeed.zero.Init) at ZeRO-3, so no rank ever holds all of
@@ -43,14 +29,14 @@ class DeepSpeedZeroConfig:
     overlap_comm: bool = False
     contiguous_gradients: bool = True
     # Elements per gradient reduce bucket (ZeRO-1/2) / per reduce at ZeRO-3.
-    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=_at_least(1))
-    allgather_bucket_size: int = attrs.field(default=500_000_000, validator=_at_least(1))
+    reduce_bucket_size: int = attrs.field(default=500_000_000, validator=at_least(1))
+    allgather_bucket_size: int = attrs.field(default=500_000_000, validator=at_least(1))
     # ZeRO-3: parameters smaller than this (elements) stay gathered, and how many gathered
     # parameters may stay live; prefetch depth.
-    stage3_param_persistence_threshold: int = attrs.field(default=100_000, validator=_at_least(0))
-    stage3_max_live_parameters: int = attrs.field(default=1_000_000_000, validator=_at_least(0))
-    stage3_max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=_at_least(0))
-    stage3_prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=_at_least(0))
+    stage3_param_persistence_threshold: int = attrs.field(default=100_000, validator=at_least(0))
+    stage3_max_live_parameters: int = attrs.field(default=1_000_000_000, validator=at_least(0))
+    stage3_max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=at_least(0))
+    stage3_prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=at_least(0))
     # Any other DeepSpeed config keys, merged over what the plugin builds (nested dicts merge).
     ds_config: dict[str, Any] = attrs.field(factory=dict)
 
@@ -70,9 +56,9 @@ class DeepSpeedTrainConfig(DeepSpeedZeroConfig):
     # ZeRO-Offload of the optimizer state and step to host memory (DeepSpeedCPUAdam).
     offload_optimizer: bool = False
     # Rows per micro-batch; None: training_args.per_device_train_batch_size.
-    micro_batch_size: int | None = attrs.field(default=None, validator=_at_least(1))
+    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Rows per forward pass when computing log-probs; None: micro_batch_size.
-    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=_at_least(1))
+    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -83,6 +69,6 @@ class DeepSpeedInferConfig(DeepSpeedZeroConfig):
     partition optimizer state and gradients only) keep a full copy per rank.
     """
 
-    zero_stage: int = attrs.field(default=3, validator=_one_of(1, 2, 3))
+    zero_stage: int = attrs.field(default=3, validator=between(1, 3))
     # Rows per forward pass; None: the role's infer_batch_size, else 8.
-    micro_batch_size: int | None = attrs.field(default=None, validator=_at_least(1))
+    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))

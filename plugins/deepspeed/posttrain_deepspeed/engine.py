@@ -32,6 +32,7 @@ from posttrain.distributed import (
     init_default_process_group,
 )
 from posttrain.errors import CheckpointError, UserError
+from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.lr_schedule import lr_lambda
 from posttrain.models import load_causal_lm, load_tokenizer, resolve_model_path, torch_dtype
 from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
@@ -567,7 +568,8 @@ def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
     module = worker.model.module
     os.makedirs(path, exist_ok=True)
     # transformers writes the safetensors (sharded when large) and drops tied duplicates.
-    module.save_pretrained(path, state_dict=state, safe_serialization=True)
+    with no_hf_progress_bars():
+        module.save_pretrained(path, state_dict=state, safe_serialization=True)
     config = copy.deepcopy(module.config)
     config.dtype = _export_dtype(worker)
     config.save_pretrained(path)

@@ -12,6 +12,7 @@ from typing import Literal
 import attrs
 
 from posttrain import hookimpl
+from posttrain.config.ranges import at_least
 from posttrain.engine_hooks import EngineHooks
 from posttrain.strategy import Capabilities, StrategySpec
 
@@ -20,11 +21,6 @@ INFER = "fsdp2_infer"
 STRATEGIES = (TRAIN, INFER)
 
 DtypeName = Literal["fp32", "bf16", "fp16"]
-
-
-def _positive_or_none(instance, attribute, value):
-    if value is not None and value < 1:
-        raise ValueError(f"{attribute.name} must be >= 1 (or null), got {value}")
 
 
 @attrs.frozen(kw_only=True)
@@ -46,9 +42,9 @@ class FSDP2TrainConfig:
     # Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy).
     cpu_offload: bool = False
     # Rows per micro-batch; None: training_args.per_device_train_batch_size.
-    micro_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
+    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Rows per forward pass when computing log-probs; None: micro_batch_size.
-    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
+    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -56,7 +52,7 @@ class FSDP2InferConfig:
     """``strategy_config`` of ``fsdp2_infer`` (reference / old-policy log-probs)."""
 
     # Rows per forward pass; None: the role's infer_batch_size, else 8.
-    micro_batch_size: int | None = attrs.field(default=None, validator=_positive_or_none)
+    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Compute dtype of the all-gathered parameters; None: the role's model_args.dtype.
     param_dtype: DtypeName | None = None
     reshard_after_forward: bool = True

@@ -12,19 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-
-def _at_least(minimum: int):
-    def check(instance, attribute, value):
-        if value is not None and value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value!r}")
-
-    return check
-
-
-def _fraction(instance, attribute, value):
-    if not 0.0 <= value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in [0, 1], got {value!r}")
-
+from posttrain.config.ranges import at_least, between
 
 # "auto": TransformerEngine's spec when it is installed, else "sdpa".
 AttentionBackend = Literal["auto", "sdpa", "local", "transformer_engine"]
@@ -34,16 +22,16 @@ AttentionBackend = Literal["auto", "sdpa", "local", "transformer_engine"]
 class MegatronParallelConfig:
     """Model layout and loading, shared by both strategies."""
 
-    tensor_model_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
-    pipeline_model_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
+    tensor_model_parallel_size: int = attrs.field(default=1, validator=at_least(1))
+    pipeline_model_parallel_size: int = attrs.field(default=1, validator=at_least(1))
     # Model chunks per pipeline rank (interleaved 1F1B); None: no interleaving.
     virtual_pipeline_model_parallel_size: int | None = attrs.field(
-        default=None, validator=_at_least(1)
+        default=None, validator=at_least(1)
     )
-    expert_model_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
+    expert_model_parallel_size: int = attrs.field(default=1, validator=at_least(1))
     # TP size inside expert layers; None: same as tensor_model_parallel_size.
-    expert_tensor_parallel_size: int | None = attrs.field(default=None, validator=_at_least(1))
-    context_parallel_size: int = attrs.field(default=1, validator=_at_least(1))
+    expert_tensor_parallel_size: int | None = attrs.field(default=None, validator=at_least(1))
+    context_parallel_size: int = attrs.field(default=1, validator=at_least(1))
     sequence_parallel: bool = False
     # Pack each micro-batch's sequences into one row without padding (THD; verl's
     # use_remove_padding). SDPA attention only; not with context parallelism.
@@ -62,7 +50,7 @@ class MegatronParallelConfig:
     # Keep parameters in host memory between phases when colocated (release/resume).
     param_offload: bool = False
     # Rows per forward pass when scoring (log-probs); None: the role's infer_batch_size, else 8.
-    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=_at_least(1))
+    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -79,13 +67,13 @@ class MegatronTrainConfig(MegatronParallelConfig):
     moe_layer_recompute: bool = False
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
-    recompute_num_layers: int | None = attrs.field(default=None, validator=_at_least(1))
+    recompute_num_layers: int | None = attrs.field(default=None, validator=at_least(1))
     grad_offload: bool = False
     optimizer_offload: bool = False
     # Share of the optimizer state kept on the host when optimizer_offload is on.
-    optimizer_offload_fraction: float = attrs.field(default=1.0, validator=_fraction)
+    optimizer_offload_fraction: float = attrs.field(default=1.0, validator=between(0, 1))
     # Rows per micro-batch; None: training_args.per_device_train_batch_size.
-    micro_batch_size: int | None = attrs.field(default=None, validator=_at_least(1))
+    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)

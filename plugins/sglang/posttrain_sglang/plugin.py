@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 
 from posttrain import hookimpl
+from posttrain.config.ranges import at_least, between
 from posttrain.doctor import EnvCheck
 from posttrain.engine_hooks import EngineHooks
 from posttrain.strategy import Capabilities, StrategySpec
@@ -22,21 +23,6 @@ STRATEGY = "sglang"
 TESTED_SGLANG = ">=0.5.23,<0.5.24"
 
 DtypeName = Literal["auto", "fp32", "bf16", "fp16"]
-
-
-def _at_least(minimum: float, allow_none: bool = True):
-    def check(instance, attribute, value):
-        if value is None and allow_none:
-            return
-        if value is None or value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value!r}")
-
-    return check
-
-
-def _fraction(instance, attribute, value):
-    if value is not None and not 0.0 < value < 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1), got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -50,18 +36,20 @@ class SGLangConfig:
     """
 
     # GPUs per engine (SGLang tensor parallelism); data-parallel replicas = ranks / this.
-    tp_size: int = attrs.field(default=1, validator=_at_least(1, False))
+    tp_size: int = attrs.field(default=1, validator=at_least(1))
     # Share of each GPU's memory for weights + KV cache. GPU only.
-    mem_fraction_static: float | None = attrs.field(default=None, validator=_fraction)
+    mem_fraction_static: float | None = attrs.field(
+        default=None, validator=between(0, 1, low_open=True, high_open=True)
+    )
     # KV-cache size in tokens; None: 4096 on CPU (uncapped SGLang takes ~15 GB there), and
     # mem_fraction_static on GPU.
-    max_total_tokens: int | None = attrs.field(default=None, validator=_at_least(1))
+    max_total_tokens: int | None = attrs.field(default=None, validator=at_least(1))
     # None: "torch_native" on CPU, SGLang's choice on GPU.
     attention_backend: str | None = None
     # Weight dtype in the engine; None: the role's model_args.dtype.
     dtype: DtypeName | None = None
     # Longest prompt + response; None: the model's max_position_embeddings.
-    context_length: int | None = attrs.field(default=None, validator=_at_least(1))
+    context_length: int | None = attrs.field(default=None, validator=at_least(1))
     # Engine seed; None: the run's seed. (Requests carry a sampling seed too, which SGLang
     # honours only with engine_kwargs {enable_deterministic_inference: true}.)
     random_seed: int | None = None

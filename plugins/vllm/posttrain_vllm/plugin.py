@@ -13,6 +13,7 @@ from typing import Any, Literal
 import attrs
 
 from posttrain import hookimpl
+from posttrain.config.ranges import at_least, between
 from posttrain.doctor import EnvCheck, module_version
 from posttrain.engine_hooks import EngineHooks
 from posttrain.strategy import Capabilities, StrategySpec
@@ -22,21 +23,6 @@ STRATEGY = "vllm"
 TESTED_VLLM = ">=0.32.0,<0.33"
 
 DtypeName = Literal["auto", "fp32", "bf16", "fp16"]
-
-
-def _at_least(minimum: float, allow_none: bool = True):
-    def check(instance, attribute, value):
-        if value is None and allow_none:
-            return
-        if value is None or value < minimum:
-            raise ValueError(f"{attribute.name} must be >= {minimum}, got {value!r}")
-
-    return check
-
-
-def _fraction(instance, attribute, value):
-    if value is not None and not 0.0 < value <= 1.0:
-        raise ValueError(f"{attribute.name} must be in (0, 1], got {value!r}")
 
 
 @attrs.frozen(kw_only=True)
@@ -50,14 +36,16 @@ class VLLMConfig:
     """
 
     # GPUs per engine (vLLM tensor parallelism); data-parallel replicas = ranks / this.
-    tensor_parallel_size: int = attrs.field(default=1, validator=_at_least(1, False))
+    tensor_parallel_size: int = attrs.field(default=1, validator=at_least(1))
     # Share of each GPU's memory the engine may take (weights + KV cache). GPU only.
-    gpu_memory_utilization: float | None = attrs.field(default=None, validator=_fraction)
+    gpu_memory_utilization: float | None = attrs.field(
+        default=None, validator=between(0, 1, low_open=True)
+    )
     # KV-cache size in bytes; None: 64 MiB on CPU (uncapped vLLM takes ~21 GiB there), and
     # gpu_memory_utilization on GPU.
-    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=_at_least(1))
+    kv_cache_memory_bytes: int | None = attrs.field(default=None, validator=at_least(1))
     # Longest prompt + response; None: the model's max_position_embeddings.
-    max_model_len: int | None = attrs.field(default=None, validator=_at_least(1))
+    max_model_len: int | None = attrs.field(default=None, validator=at_least(1))
     # No CUDA graphs / torch.compile: fast start, what tests and CPU runs want.
     enforce_eager: bool = True
     enable_prefix_caching: bool | None = None
