@@ -89,6 +89,16 @@ class TinyTransport:
         return self.returned
 
 
+import torch
+from posttrain.algorithms.registry import advantage_estimators
+from posttrain.config.sections import AlgorithmConfig
+from posttrain.protocol import build_sequence_batch
+
+batch = build_sequence_batch([[1]] * 4, [[2, 3]] * 4, pad_token_id=0)
+sign = advantage_estimators(host.hook)["sign"].estimate(
+    batch, torch.tensor([1.0, 0.0, 0.5, 0.5]), AlgorithmConfig(group_size=2)
+)
+
 transport = TinyTransport()
 result = host.hook.posttrain_sync_weights(source="train", target="infer", transport=transport)
 print(json.dumps({
@@ -99,6 +109,7 @@ print(json.dumps({
     "result": result,
     "same_object": result is transport.returned,
     "transport_calls": TinyTransport.calls,
+    "sign_advantages": sign.advantages[:, 1].tolist(),
     "entry_module_torch_free": mod_torch_free,
 }))
 """
@@ -126,6 +137,7 @@ def test_example_plugin_through_entry_point(example_venv):
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert out["plugins"]["example"] == ["entry point", "posttrain-example-plugin", "0.1.0", ""]
     assert out["hooks"] == [
+        "posttrain_add_advantage_estimators",
         "posttrain_add_cli_commands",
         "posttrain_add_reward_functions",
         "posttrain_sync_weights",
@@ -138,6 +150,7 @@ def test_example_plugin_through_entry_point(example_venv):
     assert out["result"] == {"bytes": 10, "buckets": 1}
     assert out["same_object"] is True
     assert out["transport_calls"] == 1
+    assert out["sign_advantages"] == [1.0, -1.0, 0.0, 0.0]
     lines = (timings / "weight_sync_times.jsonl").read_text().splitlines()
     assert len(lines) == 1
     record = json.loads(lines[0])

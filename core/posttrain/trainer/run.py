@@ -21,6 +21,7 @@ from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.data import PromptSampler, load_prompts
 from posttrain.errors import UserError
 from posttrain.launcher.base import GroupSpec, Launcher, WorkerGroup
+from posttrain.paths import display_path
 from posttrain.protocol import (
     GenerationRequest,
     RolloutSamples,
@@ -141,7 +142,7 @@ class Trainer:
         self.host = host
         self.console = console
         out = workflow.trainer.output_dir
-        self.run_dir = out if os.path.isabs(out) else os.path.join(workflow.base_dir, out)
+        self.run_dir = os.path.normpath(os.path.join(workflow.base_dir, out))
         self.device = resolve_device(workflow)
         self.groups: dict[str, WorkerGroup] = {}
         self.launcher: Launcher | None = None
@@ -251,14 +252,16 @@ class Trainer:
         manifest, state = ckpt.load_driver_state(path)
         for role in manifest.roles:
             if role not in self.groups:
-                raise UserError(f"checkpoint {path} holds role '{role}' that this workflow lacks")
+                raise UserError(
+                    f"checkpoint {display_path(path)} holds role '{role}' that this workflow lacks"
+                )
             self.groups[role].call("load_checkpoint", os.path.join(path, role))
         self.state = DriverState(
             step=state["step"], sampler=state["sampler"], history=state["history"]
         )
         sampler.load_state(self.state.sampler)
         self._sync_weights()
-        self.console.print(f"resumed from {path} at step {self.state.step}")
+        self.console.print(f"resumed from {display_path(path)} at step {self.state.step}")
 
     def _loop(self, sampler: PromptSampler) -> None:
         t = self.wf.trainer
@@ -612,10 +615,10 @@ def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> li
 
     console = console or Console()
     trainer = Trainer(workflow, host, console, source=source)
-    console.print(f"run directory: {trainer.run_dir}")
+    console.print(f"run directory: {display_path(trainer.run_dir)}")
     history = trainer.run()
     console.print(
         f"done: {len(history)} steps this run; curves at "
-        f"{os.path.join(trainer.run_dir, 'curves.png')}"
+        f"{display_path(os.path.join(trainer.run_dir, 'curves.png'))}"
     )
     return history

@@ -1,8 +1,9 @@
 """The entry-point module of posttrain-example-plugin (cheap to import: no torch, no engine).
 
-It implements three hooks:
+It implements four hooks:
 
 * ``posttrain_add_reward_functions``: the named reward ``digit_match``;
+* ``posttrain_add_advantage_estimators``: the advantage estimator ``sign``;
 * ``posttrain_sync_weights`` as a hook wrapper: times every weight sync and appends one JSON line
   per sync to ``$POSTTRAIN_EXAMPLE_TIMINGS_DIR/weight_sync_times.jsonl`` (default: the current
   directory);
@@ -16,6 +17,8 @@ import os
 import time
 
 from posttrain import hookimpl
+from posttrain.algorithms.registry import AdvantageEstimator
+from posttrain_example_plugin.advantages import sign_advantages
 
 TIMINGS_ENV = "POSTTRAIN_EXAMPLE_TIMINGS_DIR"
 TIMINGS_FILE = "weight_sync_times.jsonl"
@@ -27,6 +30,11 @@ SYNC_TIMES: list[dict] = []
 @hookimpl
 def posttrain_add_reward_functions():
     return {"digit_match": "posttrain_example_plugin.rewards:digit_match"}
+
+
+@hookimpl
+def posttrain_add_advantage_estimators():
+    return {"sign": AdvantageEstimator(estimate=sign_advantages, min_group_size=2)}
 
 
 def timings_path() -> str:
