@@ -32,6 +32,8 @@ class Preset:
     max_position_embeddings: int = 128
     tie_word_embeddings: bool = True
     seed: int = 0
+    # "lm": a causal LM; "score": a sequence classifier with one label (a reward model).
+    head: str = "lm"
     description: str = ""
 
 
@@ -50,6 +52,15 @@ PRESETS: dict[str, Preset] = {
         num_key_value_heads=2,
         intermediate_size=256,
         description="Qwen2, hidden 128, 1 layer, 4 heads of 32, arithmetic alphabet",
+    ),
+    # A reward model with a random score head: scores differ between samples, which is what
+    # tests of the reward role need (it teaches nothing).
+    "tiny-qwen2-reward": Preset(
+        hidden_size=64,
+        num_hidden_layers=2,
+        seed=3,
+        head="score",
+        description="Qwen2 sequence classifier (one label), hidden 64, 2 layers, random head",
     ),
     "small-qwen2": Preset(
         hidden_size=256,
@@ -115,7 +126,7 @@ def build_tokenizer():
 
 def build_preset(preset: Preset, out_dir: str) -> None:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
 
     tokenizer = build_tokenizer()
     config = Qwen2Config(
@@ -134,7 +145,11 @@ def build_preset(preset: Preset, out_dir: str) -> None:
     state = torch.random.get_rng_state()
     torch.manual_seed(preset.seed)
     try:
-        model = Qwen2ForCausalLM(config).to(torch.float32)
+        if preset.head == "score":
+            config.num_labels = 1
+            model = Qwen2ForSequenceClassification(config).to(torch.float32)
+        else:
+            model = Qwen2ForCausalLM(config).to(torch.float32)
     finally:
         torch.random.set_rng_state(state)
     with no_hf_progress_bars():

@@ -230,3 +230,25 @@ def test_two_plugins_declaring_one_estimator_is_an_error(model_dir, tmp_path):
     host.pm.register(Clash(), name="clash")
     errors = _algorithm_errors({"name": "grpo"}, host, model_dir, tmp_path)
     assert errors[0].path == "plugins" and "'gae'" in errors[0].message
+
+
+def test_a_workflow_without_any_reward_is_refused(model_dir, tmp_path):
+    host = create_plugin_host()
+    raw = {
+        "model_args": {"model_name_or_path": str(model_dir)},
+        "data": {"synthetic": {"task": "single_digit_addition"}},
+        "actor_train": {"strategy_args": {"strategy_name": "hf_infer"}},
+        "actor_infer": {"strategy_args": {"strategy_name": "hf_infer"}},
+        "reward": {"function": None},
+    }
+    report = ErrorReport()
+    build_workflow(raw, host, report, base_dir=str(tmp_path))
+    assert [e.path for e in report.errors if e.path.startswith("reward")] == ["reward"]
+    raw["reward"] = {
+        "function": None,
+        "strategy_args": {"strategy_name": "hf_infer"},
+        "model_args": {"model_name_or_path": str(model_dir)},
+    }
+    report = ErrorReport()
+    build_workflow(raw, host, report, base_dir=str(tmp_path))
+    assert not [e for e in report.errors if e.path.startswith("reward")]

@@ -13,19 +13,9 @@ from posttrain.testing.groups import group_spec
 
 
 @pytest.fixture(scope="module")
-def reward_model_dir(tmp_path_factory, posttrain_cache):
-    """A tiny sequence classifier (one label), built and saved locally."""
-    from transformers import AutoConfig, AutoModelForSequenceClassification
-
-    config = AutoConfig.from_pretrained(preset_path("preset:tiny-qwen2"))
-    config.num_labels = 1
-    config.pad_token_id = build_tokenizer().pad_token_id
-    torch.manual_seed(3)
-    model = AutoModelForSequenceClassification.from_config(config)
-    out = tmp_path_factory.mktemp("reward_model")
-    model.save_pretrained(out)
-    build_tokenizer().save_pretrained(out)
-    return out
+def reward_model_dir(posttrain_cache):
+    """A tiny sequence classifier (one label), built locally."""
+    return preset_path("preset:tiny-qwen2-reward")
 
 
 @pytest.mark.timeout(120)

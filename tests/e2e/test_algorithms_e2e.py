@@ -94,5 +94,32 @@ def test_critic_free_estimators_learn(algorithm, tmp_path, e2e_cache):
     assert last_mean(run_dir, "reward/mean") >= THRESHOLD
 
 
-STEPS = 60
+STEPS = 80
 THRESHOLD = 0.3
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_reward_model_and_failing_rule_rewards_in_a_run(tmp_path, e2e_cache):
+    run_dir = tmp_path / "rewards"
+    overrides = {
+        "reward.function": "flaky_reward:flaky_exact_match",
+        "reward.num_workers": 1,
+        "reward.timeout_s": 5,
+        "reward.model_weight": 0.1,
+        "reward.strategy_args.strategy_name": "hf_infer",
+        "reward.model_args.model_name_or_path": "preset:tiny-qwen2-reward",
+        "trainer.save_final": "false",
+    }
+    run_quickstart(
+        run_dir,
+        *small_run(max_steps=3, save_steps=0),
+        *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}")),
+    )
+    metrics = read_metrics(run_dir)
+    assert len(metrics) == 3
+    assert sum(m["reward/errors"] for m in metrics) > 0  # counted, and the run went on
+    assert all(m["reward/model_mean"] != 0.0 for m in metrics)
+    for m in metrics:  # the total is the weighted sum of both parts
+        expected = m["reward/function_mean"] + 0.1 * m["reward/model_mean"]
+        assert m["reward/mean"] == pytest.approx(expected, abs=1e-5)

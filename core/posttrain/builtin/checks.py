@@ -249,6 +249,12 @@ def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
                 f"checkpoint directory not found: {display_path(path)}",
                 "use 'auto', 'never' or an existing checkpoint-N directory",
             )
+    if not wf.reward.function and wf.reward.strategy_args is None:
+        report.error(
+            "reward",
+            "no reward: reward.function is null and there is no reward model",
+            "set reward.function (e.g. exact_match), or reward.strategy_args and model_args",
+        )
     if wf.reward.function and ":" in wf.reward.function:
         module = wf.reward.function.split(":", 1)[0]
         if importlib.util.find_spec(module.split(".")[0]) is None and not os.path.exists(
