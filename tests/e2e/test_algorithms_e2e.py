@@ -11,6 +11,11 @@ import torch
 from conftest import REPO, kill_after_checkpoint, read_metrics, run_quickstart, small_run
 
 PPO = REPO / "examples" / "quickstart_ppo.yaml"
+# REINFORCE++ and RLOO on the GRPO quickstart: measured on this CPU, the mean reward of steps
+# 51-60 was 0.31 (REINFORCE++) and 0.33 (RLOO) from 0.05 at the start (chance is ~1/16), still
+# climbing (0.39 / 0.44 by step 80); 0.25 is five times chance with a margin for noise.
+STEPS = 60
+THRESHOLD = 0.25
 
 
 def last_mean(run_dir: Path, key: str, n: int = 10) -> float:
@@ -92,10 +97,6 @@ def test_critic_free_estimators_learn(algorithm, tmp_path, e2e_cache):
     }
     run_quickstart(run_dir, *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}")))
     assert last_mean(run_dir, "reward/mean") >= THRESHOLD
-
-
-STEPS = 80
-THRESHOLD = 0.3
 
 
 @pytest.mark.slow
