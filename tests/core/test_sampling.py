@@ -44,6 +44,7 @@ def test_groups_without_signal_are_dropped_and_more_are_drawn():
         "sampling/rounds": 2.0,
         "sampling/dropped_groups": 3.0,
         "sampling/filled_groups": 0.0,
+        "sampling/informative_frac": 1.0,
     }
     assert out.reward_metrics["reward/errors"] == 2.0  # counts add up over rounds
 
@@ -56,4 +57,5 @@ def test_a_step_still_short_after_max_rounds_is_filled_with_dropped_groups():
         "sampling/rounds": 1.0,
         "sampling/dropped_groups": 1.0,
         "sampling/filled_groups": 1.0,
+        "sampling/informative_frac": 0.5,
     }

@@ -101,7 +101,9 @@ def test_critic_free_estimators_learn(algorithm, tmp_path, e2e_cache):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_reward_model_and_failing_rule_rewards_in_a_run(tmp_path, e2e_cache):
+def test_reward_model_failing_rewards_and_tis_in_a_run(tmp_path, e2e_cache):
+    """A reward model plus a rule function that raises or returns garbage for some answers
+    (run in a worker process), with rollout correction on."""
     run_dir = tmp_path / "rewards"
     overrides = {
         "reward.function": "flaky_reward:flaky_exact_match",
@@ -111,6 +113,7 @@ def test_reward_model_and_failing_rule_rewards_in_a_run(tmp_path, e2e_cache):
         "reward.strategy_args.strategy_name": "hf_infer",
         "reward.model_args.model_name_or_path": "preset:tiny-qwen2-reward",
         "trainer.save_final": "false",
+        "algorithm.tis_cap": 2.0,
     }
     run_quickstart(
         run_dir,
@@ -124,3 +127,28 @@ def test_reward_model_and_failing_rule_rewards_in_a_run(tmp_path, e2e_cache):
     for m in metrics:  # the total is the weighted sum of both parts
         expected = m["reward/function_mean"] + 0.1 * m["reward/model_mean"]
         assert m["reward/mean"] == pytest.approx(expected, abs=1e-5)
+        # hf_infer samples from the trainer's own fp32 weights: the TIS weights are ~1.
+        assert m["rollout/tis_weight_mean"] == pytest.approx(1.0, abs=1e-4)
+        assert m["rollout/tis_capped_frac"] == 0.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_dynamic_sampling_trains_on_groups_with_a_signal(tmp_path, e2e_cache):
+    run_dir = tmp_path / "dynamic"
+    overrides = {
+        "algorithm.dynamic_sampling": "true",
+        "algorithm.max_sampling_rounds": 3,
+        "trainer.save_final": "false",
+    }
+    run_quickstart(
+        run_dir,
+        *small_run(max_steps=3, save_steps=0),
+        *(a for k, v in overrides.items() for a in ("--set", f"{k}={v}")),
+    )
+    metrics = read_metrics(run_dir)
+    # Near chance most groups score all zeros: they are dropped and more prompts drawn.
+    assert sum(m["sampling/dropped_groups"] for m in metrics) > 0
+    assert max(m["sampling/rounds"] for m in metrics) > 1
+    for m in metrics:  # every kept group has a signal; fillers only when rounds ran out
+        assert m["sampling/informative_frac"] == pytest.approx(1 - m["sampling/filled_groups"] / 8)

@@ -101,9 +101,12 @@ def collect_groups(
     if filled:
         spare = ScoredGroups.concat(dropped)
         kept.append(spare.select(list(range(filled)), group_size))
+    out = ScoredGroups.concat(kept)
+    useful = informative_groups(out.rewards, group_size)
     metrics = {
         "sampling/rounds": float(rounds),
         "sampling/dropped_groups": float(dropped_count),
         "sampling/filled_groups": float(filled),
+        "sampling/informative_frac": sum(useful) / len(useful),
     }
-    return ScoredGroups.concat(kept), metrics
+    return out, metrics
