@@ -23,7 +23,7 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 @attrs.frozen(kw_only=True)
 class Preset:
-    # HF model_type: qwen2, qwen3, llama or qwen3_moe (see _ARCHS).
+    # HF model_type: qwen2, qwen3 or llama (see _ARCHS).
     arch: str = "qwen2"
     hidden_size: int
     num_hidden_layers: int
@@ -32,9 +32,6 @@ class Preset:
     intermediate_size: int | None = None
     max_position_embeddings: int = 128
     tie_word_embeddings: bool = True
-    # Mixture of experts (qwen3_moe): experts per layer, each of moe_intermediate_size.
-    num_experts: int = 0
-    moe_intermediate_size: int | None = None
     seed: int = 0
     description: str = ""
 
@@ -60,29 +57,13 @@ PRESETS: dict[str, Preset] = {
         num_hidden_layers=4,
         description="Qwen2, hidden 256, 4 layers, arithmetic alphabet",
     ),
-    # The other model families the backends convert (megatron's dense converter, mbridge's MoE).
+    # Qwen3's q/k norms, untied output layer (the seed 000 shrunk workflow).
     "tiny-qwen3": Preset(
         arch="qwen3",
         hidden_size=64,
         num_hidden_layers=2,
         tie_word_embeddings=False,
         description="Qwen3 (q/k norms), hidden 64, 2 layers, arithmetic alphabet",
-    ),
-    "tiny-llama": Preset(
-        arch="llama",
-        hidden_size=64,
-        num_hidden_layers=2,
-        tie_word_embeddings=False,
-        description="Llama, hidden 64, 2 layers, arithmetic alphabet",
-    ),
-    "tiny-qwen3-moe": Preset(
-        arch="qwen3_moe",
-        hidden_size=64,
-        num_hidden_layers=2,
-        tie_word_embeddings=False,
-        num_experts=4,
-        moe_intermediate_size=32,
-        description="Qwen3-MoE, hidden 64, 2 layers of 4 experts (top 2), arithmetic alphabet",
     ),
 }
 _VERSION = "v1"  # bump when a preset's construction changes, so caches are rebuilt
@@ -146,26 +127,15 @@ _ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
-    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
 }
 
 
 def _arch_kwargs(preset: Preset) -> dict:
     """Config fields only some families have."""
-    kwargs: dict = {}
-    if preset.arch.startswith("qwen3"):
+    if preset.arch == "qwen3":
         # Qwen3's default head_dim is 128, not hidden / heads.
-        kwargs["head_dim"] = preset.hidden_size // preset.num_attention_heads
-    if preset.num_experts:
-        kwargs.update(
-            num_experts=preset.num_experts,
-            num_experts_per_tok=2,
-            moe_intermediate_size=preset.moe_intermediate_size,
-            norm_topk_prob=True,
-            decoder_sparse_step=1,
-            mlp_only_layers=[],
-        )
-    return kwargs
+        return {"head_dim": preset.hidden_size // preset.num_attention_heads}
+    return {}
 
 
 def build_preset(preset: Preset, out_dir: str) -> None:
