@@ -24,6 +24,8 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 @attrs.frozen(kw_only=True)
 class Preset:
+    # HF model_type: qwen2, qwen3 or llama (see _ARCHS).
+    arch: str = "qwen2"
     hidden_size: int
     num_hidden_layers: int
     num_attention_heads: int = 4
@@ -66,6 +68,14 @@ PRESETS: dict[str, Preset] = {
         hidden_size=256,
         num_hidden_layers=4,
         description="Qwen2, hidden 256, 4 layers, arithmetic alphabet",
+    ),
+    # Qwen3's q/k norms, untied output layer (the seed 000 shrunk workflow).
+    "tiny-qwen3": Preset(
+        arch="qwen3",
+        hidden_size=64,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+        description="Qwen3 (q/k norms), hidden 64, 2 layers, arithmetic alphabet",
     ),
 }
 _VERSION = "v1"  # bump when a preset's construction changes, so caches are rebuilt
@@ -124,12 +134,30 @@ def build_tokenizer():
     )
 
 
+# arch -> (config class, model class) in transformers.
+_ARCHS = {
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+}
+
+
+def _arch_kwargs(preset: Preset) -> dict:
+    """Config fields only some families have."""
+    if preset.arch == "qwen3":
+        # Qwen3's default head_dim is 128, not hidden / heads.
+        return {"head_dim": preset.hidden_size // preset.num_attention_heads}
+    return {}
+
+
 def build_preset(preset: Preset, out_dir: str) -> None:
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen2ForSequenceClassification
+    import transformers
 
+    config_name, model_name = _ARCHS[preset.arch]
     tokenizer = build_tokenizer()
-    config = Qwen2Config(
+    config = getattr(transformers, config_name)(
+        **_arch_kwargs(preset),
         vocab_size=len(tokenizer),
         hidden_size=preset.hidden_size,
         intermediate_size=preset.intermediate_size or 4 * preset.hidden_size,
@@ -147,9 +175,10 @@ def build_preset(preset: Preset, out_dir: str) -> None:
     try:
         if preset.head == "score":
             config.num_labels = 1
-            model = Qwen2ForSequenceClassification(config).to(torch.float32)
+            model = transformers.AutoModelForSequenceClassification.from_config(config)
         else:
-            model = Qwen2ForCausalLM(config).to(torch.float32)
+            model = getattr(transformers, model_name)(config)
+        model = model.to(torch.float32)
     finally:
         torch.random.set_rng_state(state)
     with no_hf_progress_bars():

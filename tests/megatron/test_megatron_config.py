@@ -69,9 +69,9 @@ def model_dir(tmp_path):
         ),
         (
             "list(range(0, 2))",
-            {"sequence_parallel": True},
-            "strategy_config.sequence_parallel",
-            "needs tensor_model_parallel_size > 1",
+            {"use_mbridge": False},
+            "strategy_config.use_mbridge",
+            "mixture-of-experts model: its weights load through mbridge or from a Megatron dist",
         ),
         (
             "list(range(0, 2))",
@@ -117,6 +117,21 @@ def test_validate_reports_layout_mistakes(tmp_path, model_dir, mapping, config, 
     assert "Traceback" not in proc.stderr
     out = proc.stdout + proc.stderr
     assert path in out and message in out, out
+
+
+def test_validate_takes_a_dense_model_without_mbridge_and_notes_sp_at_tp1(tmp_path):
+    """The plugin's own converter loads dense HF weights; SP at TP1 is turned off (as ROLL's
+    recipes expect), with a note."""
+    directory = tmp_path / "dense"
+    directory.mkdir()
+    config = {"model_type": "qwen2", "num_attention_heads": 4, "num_hidden_layers": 2}
+    (directory / "config.json").write_text(json.dumps(config))
+    proc = _validate(
+        tmp_path, directory, "list(range(0, 2))", use_mbridge=False, sequence_parallel=True
+    )
+    out = proc.stdout + proc.stderr
+    assert proc.returncode == 0, out
+    assert "off at tensor_model_parallel_size 1" in out, out
 
 
 def test_validate_reports_every_error_at_once_without_importing_torch(tmp_path, model_dir):

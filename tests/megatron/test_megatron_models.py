@@ -1,7 +1,11 @@
-"""mbridge loading into the plugin's layer spec: logits equal HF's, export is a bitwise round trip.
+"""Loading HF weights into the plugin's layer spec: logits equal HF's, export is a bitwise round
+trip.
 
-Qwen2 at TP1 and TP2 (odd vocabulary: padded over TP ranks), Qwen3 (q/k norms), Llama, and
-Qwen3-MoE with two expert-parallel ranks (allgather dispatcher on CPU).
+Through mbridge: Qwen2 at TP1 and TP2 (odd vocabulary: padded over TP ranks), Qwen3 (q/k norms),
+Llama, and Qwen3-MoE with two expert-parallel ranks (allgather dispatcher on CPU). Through the
+plugin's own dense converter (``use_mbridge: false``): Qwen2 at TP2 (q/k/v biases, tied
+embeddings), Qwen3 at TP2 (q/k norms, untied output layer) and Llama at TP1 (its pipeline-parallel
+loading runs in the megatron_infer PP2 contract, its PP2 export in test_megatron_convert).
 """
 
 from __future__ import annotations
@@ -16,6 +20,9 @@ CASES = {
     "qwen2_tp2": ("qwen2", {"tensor_model_parallel_size": 2}, 2),
     "qwen3_tp2": ("qwen3", {"tensor_model_parallel_size": 2}, 2),
     "llama_tp2": ("llama", {"tensor_model_parallel_size": 2}, 2),
+    "qwen2_dense_tp2": ("qwen2", {"tensor_model_parallel_size": 2, "use_mbridge": False}, 2),
+    "qwen3_dense_tp2": ("qwen3", {"tensor_model_parallel_size": 2, "use_mbridge": False}, 2),
+    "llama_dense_tp1": ("llama", {"use_mbridge": False}, 1),
     "qwen3_moe_ep2": (
         "qwen3_moe",
         {"expert_model_parallel_size": 2, "moe_token_dispatcher_type": "allgather"},

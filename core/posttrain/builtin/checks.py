@@ -172,12 +172,13 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
         if dp is None:
             continue
         if name == "actor_infer":
-            if algo.rollout_batch_size % dp:
+            if algo.rollout_batch_size < dp:
+                # Shares may differ by one prompt, but none may be empty.
                 report.error(
                     "algorithm.rollout_batch_size",
-                    f"{algo.rollout_batch_size} prompts do not split over actor_infer's "
-                    f"{dp} data-parallel ranks",
-                    f"use a multiple of {dp}",
+                    f"{algo.rollout_batch_size} prompts leave some of actor_infer's {dp} "
+                    "data-parallel ranks without a prompt",
+                    f"use at least {dp}",
                 )
             gen = role.generating_args
             if gen and gen.num_return_sequences not in (None, algo.group_size):

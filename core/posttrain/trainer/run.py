@@ -368,11 +368,14 @@ class Trainer:
             stop=tuple(gen.stop_strings) if gen else (),
         )
         dp = infer.dp_size
-        per = len(prompt_ids) // dp
+        # Contiguous shares, the first len % dp one prompt longer (ROLL's 64 prompts over 12
+        # engines); concatenated in order, sample i still belongs to prompt i // group_size.
+        per, extra = divmod(len(prompt_ids), dp)
+        bounds = [i * per + min(i, extra) for i in range(dp + 1)]
         seed = self.wf.trainer.seed * 1_000_003 + self.state.step * 1009 + round_ * 131
         requests = [
             GenerationRequest(
-                prompt_ids=[list(p) for p in prompt_ids[i * per : (i + 1) * per]],
+                prompt_ids=[list(p) for p in prompt_ids[bounds[i] : bounds[i + 1]]],
                 sampling=sampling,
                 seed=seed + i,
             )

@@ -1,8 +1,9 @@
 """``posttrain validate`` checks of megatron roles (driver side; no torch, no megatron import).
 
 Core already checks that the role's device count divides by TP x PP x CP (the data-parallel size
-is what remains). Here: layout against the model's shape, sequence parallelism, expert sizes and
-``override_transformer_config`` keys against megatron-core's TransformerConfig.
+is what remains). Here: layout against the model's shape, sequence parallelism, expert sizes,
+``override_transformer_config`` keys against megatron-core's TransformerConfig, and a way to load
+the weights (mbridge, a dist checkpoint, or the plugin's dense converter for a dense model).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.presets import PRESETS, is_preset
-from posttrain_megatron.config import MegatronParallelConfig
+from posttrain_megatron.config import MegatronInferConfig, MegatronParallelConfig
+from posttrain_megatron.dense_models import unsupported_reason
 from posttrain_megatron.transformer_fields import transformer_config_fields
 
 # Set by the plugin from the layout keys; overriding them would desynchronise the two.
@@ -37,6 +39,7 @@ def model_shape(model_path: str | None, base_dir: str) -> dict[str, Any] | None:
         if preset is None:
             return None
         return {
+            "model_type": preset.arch,
             "num_attention_heads": preset.num_attention_heads,
             "num_key_value_heads": preset.num_key_value_heads,
             "num_hidden_layers": preset.num_hidden_layers,
@@ -60,11 +63,11 @@ def check_role(
     ep = config.expert_model_parallel_size
 
     if config.sequence_parallel and tp == 1:
-        report.error(
+        # Megatron-LM turns it off the same way; ROLL's recipes set it with TP1 (seed 000).
+        report.note(
             f"{where}.sequence_parallel",
-            "sequence parallelism splits activations over tensor-parallel ranks: it needs "
-            "tensor_model_parallel_size > 1",
-            "set sequence_parallel: false or raise tensor_model_parallel_size",
+            "sequence parallelism splits activations over tensor-parallel ranks: off at "
+            "tensor_model_parallel_size 1",
         )
     if config.virtual_pipeline_model_parallel_size and pp == 1:
         report.error(
@@ -78,6 +81,13 @@ def check_role(
             "megatron-core's local (unfused) attention has no context parallelism",
             "use attention_backend: auto (SDPA or TransformerEngine) or context_parallel_size: 1",
         )
+    for key in ("grad_offload", "optimizer_offload"):
+        if isinstance(config, MegatronInferConfig) and getattr(config, key):
+            report.error(
+                f"{where}.{key}",
+                "megatron_infer keeps no gradients or optimizer state to offload",
+                f"set {key}: false (param_offload moves the weights)",
+            )
     if config.pack_sequences:
         _check_packing(report, where, config)
     if config.use_dist_checkpointing and not config.dist_checkpointing_path:
@@ -87,15 +97,21 @@ def check_role(
             "give its directory",
             "set dist_checkpointing_path (make one with `posttrain convert`)",
         )
-    if not config.use_mbridge and not config.use_dist_checkpointing:
-        report.error(
-            f"{where}.use_mbridge",
-            "no way to load weights: use_mbridge and use_dist_checkpointing are both off",
-            "set use_mbridge: true (HF weights) or use_dist_checkpointing: true",
-        )
     _check_overrides(where, config.override_transformer_config, report)
     if shape is None:
         return
+    if not config.use_mbridge and not config.use_dist_checkpointing:
+        # HF weights through the plugin's own converter, which covers dense models only. (For a
+        # hub id the shape is unknown here; loading reports the same.)
+        reason = unsupported_reason(shape)
+        if reason is not None:
+            report.error(
+                f"{where}.use_mbridge",
+                f"use_mbridge and use_dist_checkpointing are both off, and {reason}",
+                "set use_mbridge: true, or convert the model with `posttrain convert "
+                "hf-to-megatron HF_DIR OUT_DIR` and set use_dist_checkpointing: true, "
+                "dist_checkpointing_path: OUT_DIR",
+            )
     heads = shape.get("num_attention_heads")
     kv_heads = shape.get("num_key_value_heads") or heads
     layers = shape.get("num_hidden_layers")

@@ -80,3 +80,8 @@ class MegatronTrainConfig(MegatronParallelConfig):
 class MegatronInferConfig(MegatronParallelConfig):
     """``strategy_config`` of ``megatron_infer`` (reference / old-policy log-probs); its layout
     may differ from the trainer's."""
+
+    # Accepted so a trainer's block carries over (Trinity-RFT's ref sets both to false); an
+    # inference role has no gradients or optimizer state, so true is a validation error.
+    grad_offload: bool = False
+    optimizer_offload: bool = False

@@ -86,7 +86,8 @@ def transformer_overrides(worker, hf_config) -> dict[str, Any]:
     cfg = worker.config
     cpu = not is_cuda(worker)
     out: dict[str, Any] = {
-        "sequence_parallel": cfg.sequence_parallel,
+        # Nothing to split at TP1 (validation notes it; Megatron-LM does the same).
+        "sequence_parallel": cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1,
         "moe_grouped_gemm": cfg.moe_grouped_gemm,
         # Shapes travel with activations between pipeline stages (micro-batches vary in length).
         "variable_seq_lengths": cfg.pipeline_model_parallel_size > 1,
@@ -140,8 +141,6 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
     """Model chunks (one per virtual pipeline stage) with their weights, and the bridge."""
     from transformers import AutoConfig
 
-    from posttrain_megatron.bridge import make_bridge
-
     cfg = worker.config
     path = resolve_model_path(worker.model_args.model_name_or_path, worker.base_dir)
     hf_config = AutoConfig.from_pretrained(path)
@@ -153,7 +152,7 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
             f"megatron: pack_sequences runs on the SDPA attention spec, not {backend!r}; "
             "set attention_backend: sdpa"
         )
-    bridge = make_bridge(hf_config, dtype, backend, transformer_overrides(worker, hf_config))
+    bridge = _make_bridge(cfg, hf_config, dtype, backend, transformer_overrides(worker, hf_config))
     # Pad the vocabulary to split over TP ranks; the padding columns are left out (token_scores).
     bridge.make_vocab_size_divisible_by = cfg.tensor_model_parallel_size
     train = worker.strategy_name == TRAIN
@@ -189,6 +188,21 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
             for p in model.parameters():
                 p.requires_grad_(False)
     return models, bridge
+
+
+def _make_bridge(cfg, hf_config, dtype: torch.dtype, backend: str, overrides: dict[str, Any]):
+    """mbridge when the role asks for it; else the plugin's own dense converter. A model that
+    converter does not cover (MoE) still builds through mbridge when its weights come from a dist
+    checkpoint (``posttrain convert``); without one, DenseBridge says why it cannot load it."""
+    from posttrain_megatron.dense_models import unsupported_reason
+
+    if cfg.use_mbridge or (cfg.use_dist_checkpointing and unsupported_reason(hf_config)):
+        from posttrain_megatron.bridge import make_bridge
+
+        return make_bridge(hf_config, dtype, backend, overrides)
+    from posttrain_megatron.dense_bridge import DenseBridge
+
+    return DenseBridge(hf_config, dtype, backend, overrides)
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
