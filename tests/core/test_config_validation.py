@@ -358,15 +358,18 @@ def test_batch_and_parallel_sizes_must_divide(
         assert "tensor_model_parallel_size=4" in report.errors[0].message
 
 
-def test_rollout_batch_must_split_over_infer_ranks(fake_train_host, model_dir, tmp_path):
+def test_every_infer_rank_needs_a_prompt(fake_train_host, model_dir, tmp_path):
     raw = _valid_raw(str(model_dir))
-    raw["algorithm"].update(rollout_batch_size=6, group_size=4)
+    raw["algorithm"].update(rollout_batch_size=3, group_size=4)
     raw["actor_train"]["device_mapping"] = [0, 1]
     raw["actor_infer"]["device_mapping"] = [0, 1, 2, 3]
     _, report = _build(raw, fake_train_host, tmp_path)
     (issue,) = report.errors
     assert issue.path == "algorithm.rollout_batch_size"
-    assert "actor_infer's 4 data-parallel ranks" in issue.message
+    assert "actor_infer's 4 data-parallel ranks without a prompt" in issue.message
+    raw["algorithm"].update(rollout_batch_size=6)  # shares of 2, 2, 1, 1 prompts
+    _, report = _build(raw, fake_train_host, tmp_path)
+    assert report.errors == []
 
 
 def test_stop_strings_are_typed_and_never_empty(fake_train_host, model_dir, tmp_path):
