@@ -153,7 +153,22 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
             f"megatron: pack_sequences runs on the SDPA attention spec, not {backend!r}; "
             "set attention_backend: sdpa"
         )
-    bridge = make_bridge(hf_config, dtype, backend, transformer_overrides(worker, hf_config))
+    overrides = transformer_overrides(worker, hf_config)
+    value = worker.head == "value"
+    callbacks: list = []
+    if value:
+        from posttrain_megatron import value_head
+
+        bridge = make_bridge(
+            value_head.bridge_hf_config(hf_config),
+            dtype,
+            backend,
+            overrides,
+            mixins=(value_head.ValueHeadNames,),
+        )
+        callbacks = list(value_head.MODEL_CREATION_CALLBACKS)
+    else:
+        bridge = make_bridge(hf_config, dtype, backend, overrides)
     # Pad the vocabulary to split over TP ranks; the padding columns are left out (token_scores).
     bridge.make_vocab_size_divisible_by = cfg.tensor_model_parallel_size
     train = worker.strategy_name == TRAIN
@@ -174,6 +189,7 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
         use_cpu_initialization=not is_cuda(worker),
         data_parallel_random_init=False,
         ddp_config=ddp_config,
+        post_model_creation_callbacks=callbacks,
     )
     if cfg.use_dist_checkpointing:
         from posttrain_megatron.checkpointing import load_model_weights
@@ -182,8 +198,9 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
     else:
         bridge.load_weights([unwrap(m) for m in models], path)
     for model in models:
-        # Called with labels, the model scores next tokens instead of a language-model loss.
-        token_scores.install(unwrap(model), bridge.vocab_size)
+        if not value:
+            # Called with labels, the model scores next tokens instead of a language-model loss.
+            token_scores.install(unwrap(model), bridge.vocab_size)
         model.train(train)
         if not train:
             for p in model.parameters():
