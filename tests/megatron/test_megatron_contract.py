@@ -1,5 +1,6 @@
 """The conformance kit against megatron_train (TP2, CP2) and megatron_infer (PP2), on
-megatron-core."""
+megatron-core. The critic contract runs at TP2 and at PP2 (the value head on the last stage
+only); a critic at CP2 runs the log-probs' gather, which the policy tests cover."""
 
 import pytest
 
@@ -17,6 +18,7 @@ class TestMegatronTrainTP2Contract(StrategyContract):
 class TestMegatronTrainCP2Contract(StrategyContract):
     strategy = "megatron_train"
     strategy_config = {"context_parallel_size": 2}
+    critic_strategy_config = {"pipeline_model_parallel_size": 2}
     world_size = 2
 
 
