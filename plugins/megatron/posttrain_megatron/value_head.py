@@ -59,18 +59,6 @@ def export_config(hf_config):
 MODEL_CREATION_CALLBACKS = (make_value_model,)
 
 
-def head_modules(models) -> list[torch.nn.Module]:
-    """The value heads of this rank's model chunks (none off the last pipeline stage)."""
-    from posttrain_megatron.model_builder import unwrap
-
-    out = []
-    for model in models:
-        bare = unwrap(model)
-        if getattr(bare, "post_process", False):
-            out.append(bare.output_layer)
-    return out
-
-
 class ValueHeadNames:
     """Mixed into the critic's bridge (:func:`posttrain_megatron.bridge.make_bridge`)."""
 
