@@ -89,10 +89,13 @@ def hook_relay():
 
     import posttrain_megatron.plugin
     from posttrain import hookspecs
+    from posttrain.builtin import algorithms
 
     pm = pluggy.PluginManager("posttrain")
     pm.add_hookspecs(hookspecs)
     pm.register(posttrain_megatron.plugin.plugin, name="megatron")
+    # The policy losses and presets train_step looks up (core registers them as a plugin).
+    pm.register(algorithms, name="algorithms")
     return pm.hook
 
 

@@ -3,6 +3,8 @@ megatron-core.
 
 TP2 loads the HF weights through mbridge; CP2 and PP2 through the plugin's own dense converter
 (``use_mbridge: false``), so export, weight sync, checkpoints and log-prob parity run on both.
+The critic contract runs at TP2 (mbridge) and at PP2 (the dense converter; the value head on the
+last stage only); a critic at CP2 runs the log-probs' gather, which the policy tests cover.
 """
 
 import pytest
@@ -21,6 +23,7 @@ class TestMegatronTrainTP2Contract(StrategyContract):
 class TestMegatronTrainCP2Contract(StrategyContract):
     strategy = "megatron_train"
     strategy_config = {"context_parallel_size": 2, "use_mbridge": False}
+    critic_strategy_config = {"pipeline_model_parallel_size": 2, "use_mbridge": False}
     world_size = 2
 
 

@@ -20,23 +20,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 SEEDS = Path(__file__).resolve().parents[2] / "examples" / "seeds"
 
 
-def _megatron_critic_missing() -> bool:
-    from posttrain.plugin_host import create_plugin_host
-
-    spec = create_plugin_host().strategies()["megatron_train"]
-    return "value" not in spec.capabilities.heads
-
-
 @pytest.mark.parametrize(
     "name",
     [
         "seed000_tiny.yaml",
-        pytest.param(
-            "seed002_tiny.yaml",
-            marks=pytest.mark.xfail(
-                _megatron_critic_missing(), reason="needs the megatron critic", strict=False
-            ),
-        ),
+        "seed002_tiny.yaml",
     ],
 )
 def test_shrunk_seed_runs_three_steps(tmp_path, posttrain_cache, name):

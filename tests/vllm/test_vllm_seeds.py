@@ -13,23 +13,11 @@ import pytest
 SEEDS = Path(__file__).resolve().parents[2] / "examples" / "seeds"
 
 
-def _megatron_critic_missing() -> bool:
-    from posttrain.plugin_host import create_plugin_host
-
-    spec = create_plugin_host().strategies()["megatron_train"]
-    return "value" not in spec.capabilities.heads
-
-
 @pytest.mark.parametrize(
     "name",
     [
         "seed000_roll_qwen3_30b_a3b_rlvr_megatron.yaml",
-        pytest.param(
-            "seed002_trinity_megatron_ppo.yaml",
-            marks=pytest.mark.xfail(
-                _megatron_critic_missing(), reason="needs the megatron critic", strict=False
-            ),
-        ),
+        "seed002_trinity_megatron_ppo.yaml",
     ],
 )
 def test_shipped_seed_validates_unchanged(name):

@@ -2,17 +2,21 @@
 
 Which tests apply follows the strategy's declared capabilities: rollout engines generate and
 import weights; trainers train, export weights and checkpoint; every strategy that computes
-log-probs must agree with a plain transformers forward pass on the same weights.
+log-probs must agree with a plain transformers forward pass on the same weights; trainers that
+load a value head (``Capabilities.heads``) pass the critic contract too (values, checkpoints and
+value-loss training of a ``critic`` role).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
 from typing import Any, ClassVar
 
 import pytest
 
 from posttrain.config.sections import (
+    ROLE_HEADS,
     AlgorithmConfig,
     GeneratingArgs,
     ModelArgs,
@@ -113,6 +117,69 @@ def synthetic_train_batch(seed: int = 0, dp_size: int = 1) -> SequenceBatch:
     return batch
 
 
+def value_train_batch(group, seed: int = 0) -> SequenceBatch:
+    """:func:`synthetic_train_batch` as the loop hands it to a critic: the values the critic
+    ``group`` gives it now (``values``) and the returns to regress on, one per row, at most 0.4
+    from those (inside the default ``cliprange_value`` of 0.5: the clip does not hide a step's
+    progress)."""
+    import torch
+
+    batch = synthetic_train_batch(seed, group.dp_size)
+    values = group_values(group, batch)
+    gen = torch.Generator().manual_seed(100 + seed)
+    offset = (torch.rand(len(batch), 1, generator=gen) * 0.8 - 0.4) * batch.response_mask
+    return batch.with_tensors(values=values, returns=(values + offset) * batch.response_mask)
+
+
+def reference_values(hf_dir: str, batch: SequenceBatch):
+    """Values of ``batch`` from a plain transformers forward pass of an exported critic: the
+    value model it declares itself to be (``*ForTokenClassification``, one label, no bias)."""
+    import torch
+    from transformers import AutoModelForTokenClassification
+
+    from posttrain.modeling import shifted_values
+
+    model = AutoModelForTokenClassification.from_pretrained(hf_dir, dtype=torch.float32)
+    assert model.num_labels == 1
+    assert model.score.bias is None
+    model.eval()
+    with torch.no_grad():
+        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
+    return shifted_values(out) * batch.attention_mask
+
+
+def masked_value_loss(values, batch: SequenceBatch) -> float:
+    """The unclipped value loss of ``values`` on ``batch`` (mean over response tokens)."""
+    mask = batch.response_mask
+    return float((0.5 * (values - batch["returns"]) ** 2 * mask).sum() / mask.sum())
+
+
+def export_state(group) -> dict:
+    """Every HF-named tensor a trainer exports (weight-sync buckets, rank 0's copy)."""
+    group.call("export_begin", 64 << 10)
+    state: dict = {}
+    while True:
+        bucket = group.call("export_next")[0]
+        if bucket is None:
+            return state
+        names = [n for n, _ in bucket.tensors]
+        assert len(names) == len(set(names))
+        state.update(dict(bucket.tensors))
+
+
+def value_probe() -> SequenceBatch:
+    """The batch whose values the critic contract compares."""
+    return synthetic_train_batch(seed=2)
+
+
+def group_values(group, batch: SequenceBatch):
+    """A critic group's values of ``batch`` (each DP rank scores its share), masked."""
+    from posttrain.protocol import concat_tensor_rows
+
+    shares = group.call_dp("compute_values", batch.split(group.dp_size))
+    return concat_tensor_rows(shares) * batch.attention_mask
+
+
 class StrategyContract:
     """Subclass with ``strategy = "name"``; optionally ``strategy_config``, ``world_size``."""
 
@@ -123,6 +190,9 @@ class StrategyContract:
     supports_checkpoint: ClassVar[bool | None] = None  # None: trainers yes, others no
     group_timeout_s: ClassVar[float] = 240.0
     device: ClassVar[str] = "cpu"  # "cuda" runs the same contract on GPUs (NCCL)
+    # The strategy_config the critic contract runs (None: strategy_config): a suite with one
+    # class per layout can spend its critic runs on other layouts than its policy runs.
+    critic_strategy_config: ClassVar[dict[str, Any] | None] = None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -136,12 +206,12 @@ class StrategyContract:
         """``start(strategy=None, config=None, world_size=None)`` -> a started worker group;
         ``start(..., beside=("hf_infer", "actor_infer"))`` -> the group and a group of that
         strategy and role hosted by the same rank processes (the hybrid engine)."""
-        from posttrain.launcher.base import GroupSpec
         from posttrain.launcher.local import LocalLauncher
 
         launcher = LocalLauncher(
             call_timeout_s=self.group_timeout_s, start_timeout_s=self.group_timeout_s
         )
+        model, tmp = tiny_model_path, str(tmp_path)
 
         def start(
             strategy: str | None = None,
@@ -163,27 +233,77 @@ class StrategyContract:
             elif config is None:
                 config = _structure_config(strategy, {})[1]
             ranks = world_size or self.world_size
-            role_config = RoleConfig(
-                strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
-                device_mapping=tuple(range(ranks)),
-                model_args=ModelArgs(model_name_or_path=tiny_model_path),
-                training_args=TrainingArgs(learning_rate=1e-2, max_grad_norm=1.0),
-                generating_args=GeneratingArgs(),
-            )
-            spec = GroupSpec(
-                role=role,
-                config=role_config,
-                algorithm=AlgorithmConfig(),
-                seed=1234,
-                run_dir=str(tmp_path / "run"),
-                base_dir=str(tmp_path),
-                device=self.device,
-                threads=1,
-            )
-            return spec
+            return self.group_spec(strategy, config, ranks, role, model, tmp)
 
         yield start
         launcher.shutdown()
+
+    @classmethod
+    def group_spec(
+        cls,
+        strategy: str,
+        config: Any,
+        ranks: int,
+        role: str,
+        model_path: str,
+        tmp: str,
+        learning_rate: float = 1e-2,
+    ):
+        """The GroupSpec of ``role`` (its model head as the core gives it) on ``ranks`` ranks."""
+        from posttrain.launcher.base import GroupSpec
+
+        role_config = RoleConfig(
+            strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
+            device_mapping=tuple(range(ranks)),
+            model_args=ModelArgs(model_name_or_path=model_path),
+            training_args=TrainingArgs(learning_rate=learning_rate, max_grad_norm=1.0),
+            generating_args=GeneratingArgs(),
+        )
+        return GroupSpec(
+            role=role,
+            config=role_config,
+            algorithm=AlgorithmConfig(),
+            seed=1234,
+            run_dir=os.path.join(tmp, "run"),
+            base_dir=tmp,
+            device=cls.device,
+            threads=1,
+            head=ROLE_HEADS.get(role, "lm"),
+        )
+
+    @pytest.fixture(scope="class")
+    @classmethod
+    def critic(cls, spec_and_config, tiny_model_path, tmp_path_factory):
+        """``(group, initial)``: one ``critic`` group of the strategy for the critic contract
+        (started once per class: each test holds whatever state the previous ones left) and
+        what it held right after loading: its export and its values of :func:`value_probe`."""
+        spec, config = spec_and_config
+        if "value" not in spec.capabilities.heads:
+            pytest.skip(f"{cls.strategy} loads no value head (Capabilities.heads)")
+        if cls.critic_strategy_config is not None:
+            config = _structure_config(cls.strategy, dict(cls.critic_strategy_config))[1]
+        from posttrain.launcher.local import LocalLauncher
+
+        launcher = LocalLauncher(
+            call_timeout_s=cls.group_timeout_s, start_timeout_s=cls.group_timeout_s
+        )
+        tmp = str(tmp_path_factory.mktemp("critic"))
+        # A smaller step than the policy tests': a value regression at 1e-2 overshoots.
+        group = launcher.start_group(
+            cls.group_spec(
+                cls.strategy, config, cls.world_size, "critic", tiny_model_path, tmp, 1e-3
+            )
+        )
+        try:
+            yield (
+                group,
+                {
+                    "export": export_state(group),
+                    "values": group_values(group, value_probe()),
+                },
+            )
+        finally:
+            launcher.shutdown()
 
     def kind(self, spec_and_config) -> str:
         return spec_and_config[0].capabilities.kind
@@ -256,15 +376,7 @@ class StrategyContract:
     # -- trainers --------------------------------------------------------------------------
 
     def _export(self, group) -> dict:
-        group.call("export_begin", 64 << 10)
-        state: dict = {}
-        while True:
-            bucket = group.call("export_next")[0]
-            if bucket is None:
-                return state
-            names = [n for n, _ in bucket.tensors]
-            assert len(names) == len(set(names))
-            state.update(dict(bucket.tensors))
+        return export_state(group)
 
     def test_export_weights_equal_loaded_checkpoint(self, spec_and_config, start, tiny_model_path):
         self.require(spec_and_config, "train")
@@ -367,3 +479,70 @@ class StrategyContract:
         second.call_dp("train_step", next_batch.split(second.dp_size))
         a, b = self._export(first), self._export(second)
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+    # -- critics (a trainer with a value head) ---------------------------------------------
+
+    def _value_step(self, group, seed: int = 0) -> None:
+        """One value-loss step on :func:`value_train_batch` at the critic's current values."""
+        batch = value_train_batch(group, seed)
+        group.call_dp("train_step", batch.split(group.dp_size))
+
+    def test_critic_values_match_transformers_forward(self, critic, tmp_path):
+        """The head starts at zero on a checkpoint without one; after a step moved the head and
+        the backbone, the values equal a transformers value model's of the exported weights."""
+        import torch
+        from safetensors.torch import load_file
+
+        from posttrain.models import HEAD_WEIGHT
+
+        group, initial = critic
+        head = initial["export"][HEAD_WEIGHT]
+        assert head.shape[0] == 1 and not bool(head.any())
+        assert not bool(initial["values"].any())
+        self._value_step(group)
+        path = str(tmp_path / "hf")
+        group.call("export_hf", path)
+        probe = value_probe()
+        got = group_values(group, probe)
+        ref = reference_values(path, probe)
+        assert float(got.abs().max()) > 1e-3  # not trivially equal
+        assert float((got - ref).abs().max()) <= self.logprob_tolerance
+        # Weight sync's buckets carry the same HF names and tensors as the directory.
+        exported, written = export_state(group), load_file(os.path.join(path, "model.safetensors"))
+        assert exported.keys() == written.keys()
+        assert all(torch.equal(exported[k], written[k]) for k in written)
+        assert bool(written[HEAD_WEIGHT].any())
+
+    def test_critic_checkpoint_round_trip_is_exact(self, critic, tmp_path):
+        """Values after a load equal those at the save bitwise, and the step after it repeats
+        the original step bitwise (optimizer and schedule restored with the weights)."""
+        import torch
+
+        group, _ = critic
+        self._value_step(group)  # the optimizer has state to save
+        path = str(tmp_path / "ckpt")
+        group.call("save_checkpoint", path)
+        probe = value_probe()
+        saved = group_values(group, probe)
+        self._value_step(group, seed=1)
+        moved = group_values(group, probe)
+        assert not torch.equal(saved, moved)
+        group.call("load_checkpoint", path)
+        assert torch.equal(group_values(group, probe), saved)
+        self._value_step(group, seed=1)
+        assert torch.equal(group_values(group, probe), moved)
+
+    def test_critic_value_step_reduces_value_loss(self, critic):
+        """Steps on one batch (the loop's ValueLoss) lower its value loss step after step."""
+        group, _ = critic
+        batch = value_train_batch(group, seed=3)
+        losses = []
+        for _ in range(4):
+            losses.append(masked_value_loss(group_values(group, batch), batch))
+            metrics = group.call_dp("train_step", batch.split(group.dp_size))
+            reported = sum(m["critic/vf_loss"] for m in metrics)
+            assert abs(reported - losses[-1]) <= 1e-4 * max(1.0, losses[-1])
+            assert metrics[0]["critic/grad_norm"] > 0
+        losses.append(masked_value_loss(group_values(group, batch), batch))
+        assert all(b < a for a, b in itertools.pairwise(losses)), losses
+        assert losses[-1] < 0.75 * losses[0], losses

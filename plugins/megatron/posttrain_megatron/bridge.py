@@ -65,9 +65,15 @@ class _PosttrainNames:
 
 
 def make_bridge(
-    hf_config, dtype: torch.dtype, attention_backend: str, overrides: dict[str, Any]
+    hf_config,
+    dtype: torch.dtype,
+    attention_backend: str,
+    overrides: dict[str, Any],
+    mixins: tuple[type, ...] = (),
 ) -> Any:
-    """An mbridge bridge for ``hf_config`` whose TransformerConfig carries ``overrides``."""
+    """An mbridge bridge for ``hf_config`` whose TransformerConfig carries ``overrides``;
+    ``mixins`` go first in its bases (the critic's head names:
+    :class:`posttrain_megatron.value_head.ValueHeadNames`)."""
     from mbridge.core.bridge import _MODEL_REGISTRY
 
     hf_config = _hf_config_for_mbridge(hf_config)
@@ -77,7 +83,7 @@ def make_bridge(
             f"mbridge has no bridge for model_type {hf_config.model_type!r}; "
             f"supported: {', '.join(sorted(_MODEL_REGISTRY))}"
         )
-    cls = type(f"Posttrain{base.__name__}", (_PosttrainNames, base), {})
+    cls = type(f"Posttrain{base.__name__}", (*mixins, _PosttrainNames, base), {})
     cls.attention_backend = attention_backend
     bridge = cls(hf_config, dtype=dtype)
     if overrides:

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from posttrain.models import HEAD_WEIGHT
 from posttrain_megatron import dense_mapping
 from posttrain_megatron.dense_models import (
     gpt_model_kwargs,
@@ -35,9 +36,19 @@ from posttrain_megatron.dense_models import (
     unsupported_reason,
 )
 
+# A critic's value head, in place of the vocabulary output layer (posttrain_megatron.value_head).
+VALUE_HEAD = "output_layer.weight"
+
 
 class DenseBridge:
-    def __init__(self, hf_config, dtype: torch.dtype, attention_backend: str, overrides: dict):
+    def __init__(
+        self,
+        hf_config,
+        dtype: torch.dtype,
+        attention_backend: str,
+        overrides: dict,
+        value_head: bool = False,
+    ):
         from megatron.core import parallel_state as ps
         from megatron.core.transformer import TransformerConfig
 
@@ -48,6 +59,9 @@ class DenseBridge:
                 "use_dist_checkpointing: true with a checkpoint from `posttrain convert`"
             )
         self.hf_config = hf_config
+        # A critic: output_layer is the value head, HF's score.weight (posttrain_megatron.
+        # value_head puts it there through the model-creation callbacks).
+        self.value_head = value_head
         self.dtype = dtype
         self.attention_backend = attention_backend
         self.make_vocab_size_divisible_by: int | None = None
@@ -85,7 +99,10 @@ class DenseBridge:
         use_cpu_initialization: bool,
         data_parallel_random_init: bool,
         ddp_config: dict | None,
+        post_model_creation_callbacks: list | tuple = (),
     ) -> list[torch.nn.Module]:
+        """As mbridge's ``get_model``: ``post_model_creation_callbacks(model, pre_process=...,
+        post_process=..., config=..., hf_config=...)`` run on each chunk after it is built."""
         from megatron.core import parallel_state as ps
         from megatron.core import tensor_parallel
         from megatron.core.enums import ModelType
@@ -112,6 +129,14 @@ class DenseBridge:
                 )
             ]
         for chunk in chunks:
+            for callback in post_model_creation_callbacks:
+                callback(
+                    chunk,
+                    pre_process=chunk.pre_process,
+                    post_process=chunk.post_process,
+                    config=self.config,
+                    hf_config=self.hf_config,
+                )
             chunk.model_type = ModelType.encoder_or_decoder  # read by megatron's schedules
             for param in chunk.parameters():
                 # The optimizer reads these on every parameter, not only the TP-split ones.
@@ -189,6 +214,11 @@ class DenseBridge:
             for name, param in chunk.named_parameters():
                 yield dense_mapping.global_name(name, numbers), param
 
+    def _hf_names(self, name: str, tied: bool) -> tuple[tuple[str, ...], str]:
+        if self.value_head and name == VALUE_HEAD:
+            return (HEAD_WEIGHT,), dense_mapping.REPLICATED  # [1, hidden] on every TP rank
+        return dense_mapping.hf_names(name, tied)
+
     def load_weights(self, models, weights_path: str) -> None:
         from megatron.core import parallel_state as ps
 
@@ -196,7 +226,11 @@ class DenseBridge:
         rank = ps.get_tensor_model_parallel_rank()
         with _SafetensorsDir(weights_path) as files, torch.no_grad():
             for name, param in self._params(models):
-                names, kind = dense_mapping.hf_names(name, dims.tied)
+                names, kind = self._hf_names(name, dims.tied)
+                if names == (HEAD_WEIGHT,) and not files.has(HEAD_WEIGHT):
+                    # A policy's checkpoint: the critic's head starts at zero, as HF's does.
+                    param.zero_()
+                    continue
                 shard = dense_mapping.to_shard(kind, [files.get(n) for n in names], dims, rank)
                 if shard.shape != param.shape:
                     raise ValueError(
@@ -217,7 +251,7 @@ class DenseBridge:
         for name, param in self._params(models):
             if name == "output_layer.weight" and dims.tied:
                 continue  # the embedding, exported by the first stage
-            names, kind = dense_mapping.hf_names(name, dims.tied)
+            names, kind = self._hf_names(name, dims.tied)
             mine.append((param, kind))
             shapes = dense_mapping.hf_shapes(kind, tuple(param.shape), dims)
             plan.append((names, shapes, param.dtype))
@@ -285,6 +319,14 @@ class _SafetensorsDir:
 
     def __exit__(self, *exc) -> None:
         self._open.clear()
+
+    def has(self, name: str) -> bool:
+        if self._where is not None:
+            return name in self._where
+        from safetensors import safe_open
+
+        with safe_open(self._single, framework="pt") as handle:
+            return name in set(handle.keys())
 
     def get(self, name: str) -> torch.Tensor:
         from safetensors import safe_open

@@ -22,11 +22,12 @@ from posttrain_megatron.model_builder import (
     is_cuda,
     setup_parallel,
 )
-from posttrain_megatron.training import compute_logprobs, train_step
+from posttrain_megatron.training import compute_logprobs, compute_values, train_step
 from posttrain_megatron.weights import export_hf, export_weights
 
 __all__ = [
     "compute_logprobs",
+    "compute_values",
     "export_hf",
     "export_weights",
     "load_checkpoint",

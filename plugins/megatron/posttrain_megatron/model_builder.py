@@ -152,7 +152,10 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
             f"megatron: pack_sequences runs on the SDPA attention spec, not {backend!r}; "
             "set attention_backend: sdpa"
         )
-    bridge = _make_bridge(cfg, hf_config, dtype, backend, transformer_overrides(worker, hf_config))
+    value = worker.head == "value"
+    bridge, callbacks = _make_bridge(
+        cfg, hf_config, dtype, backend, transformer_overrides(worker, hf_config), value
+    )
     # Pad the vocabulary to split over TP ranks; the padding columns are left out (token_scores).
     bridge.make_vocab_size_divisible_by = cfg.tensor_model_parallel_size
     train = worker.strategy_name == TRAIN
@@ -173,6 +176,7 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
         use_cpu_initialization=not is_cuda(worker),
         data_parallel_random_init=False,
         ddp_config=ddp_config,
+        post_model_creation_callbacks=callbacks,
     )
     if cfg.use_dist_checkpointing:
         from posttrain_megatron.checkpointing import load_model_weights
@@ -181,8 +185,9 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
     else:
         bridge.load_weights([unwrap(m) for m in models], path)
     for model in models:
-        # Called with labels, the model scores next tokens instead of a language-model loss.
-        token_scores.install(unwrap(model), bridge.vocab_size)
+        if not value:
+            # Called with labels, the model scores next tokens instead of a language-model loss.
+            token_scores.install(unwrap(model), bridge.vocab_size)
         model.train(train)
         if not train:
             for p in model.parameters():
@@ -190,19 +195,30 @@ def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
     return models, bridge
 
 
-def _make_bridge(cfg, hf_config, dtype: torch.dtype, backend: str, overrides: dict[str, Any]):
-    """mbridge when the role asks for it; else the plugin's own dense converter. A model that
-    converter does not cover (MoE) still builds through mbridge when its weights come from a dist
-    checkpoint (``posttrain convert``); without one, DenseBridge says why it cannot load it."""
+def _make_bridge(
+    cfg, hf_config, dtype: torch.dtype, backend: str, overrides: dict[str, Any], value: bool
+) -> tuple[Any, list]:
+    """The bridge and its model-creation callbacks: mbridge when the role asks for it, else the
+    plugin's own dense converter. A model that converter does not cover (MoE) still builds
+    through mbridge when its weights come from a dist checkpoint (``posttrain convert``); without
+    one, DenseBridge says why it cannot load it. A critic (``value``) gets the value head
+    (:mod:`posttrain_megatron.value_head`) with either."""
     from posttrain_megatron.dense_models import unsupported_reason
 
+    callbacks: list = []
+    if value:
+        from posttrain_megatron import value_head
+
+        hf_config = value_head.bridge_hf_config(hf_config)
+        callbacks = list(value_head.MODEL_CREATION_CALLBACKS)
     if cfg.use_mbridge or (cfg.use_dist_checkpointing and unsupported_reason(hf_config)):
         from posttrain_megatron.bridge import make_bridge
 
-        return make_bridge(hf_config, dtype, backend, overrides)
+        mixins = (value_head.ValueHeadNames,) if value else ()
+        return make_bridge(hf_config, dtype, backend, overrides, mixins=mixins), callbacks
     from posttrain_megatron.dense_bridge import DenseBridge
 
-    return DenseBridge(hf_config, dtype, backend, overrides)
+    return DenseBridge(hf_config, dtype, backend, overrides, value_head=value), callbacks
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:

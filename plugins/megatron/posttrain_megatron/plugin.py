@@ -84,9 +84,10 @@ class MegatronPlugin(EngineHooks):
                     exports_hf_weights=True,
                     computes_logprobs=True,
                     shares_process=True,
+                    heads=("lm", "value"),
                 ),
-                description="training with megatron-core (TP/PP/VPP/EP/SP, distributed "
-                "optimizer, dist checkpoints), HF weights through mbridge",
+                description="training (actor or critic) with megatron-core (TP/PP/VPP/EP/SP, "
+                "distributed optimizer, dist checkpoints), HF weights through mbridge",
             ),
             StrategySpec(
                 name=INFER,

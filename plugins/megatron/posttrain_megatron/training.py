@@ -1,7 +1,9 @@
 """Training steps and log-prob scoring through megatron-core's forward-backward schedules.
 
 Micro-batches go through ``get_forward_backward_func()``, so pipeline (1F1B) and interleaved
-virtual-pipeline schedules work unchanged. Every rank of the role runs the same number of
+virtual-pipeline schedules work unchanged. A language-model head gives the loss log-probs and
+entropy, a critic's value head (:mod:`posttrain_megatron.value_head`) values, both aligned as
+``posttrain.modeling`` aligns them. Every rank of the role runs the same number of
 micro-batches (agreed with an all-reduce); ranks with fewer run zero-weight fillers. Results
 exist on the last pipeline stage and are broadcast to the other stages of its pipeline, since
 the driver collects from the first rank of each data-parallel index.
@@ -18,6 +20,7 @@ import torch.distributed as dist
 
 from posttrain.distributed import agree_max
 from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
+from posttrain.modeling import shifted_values
 from posttrain.protocol import SequenceBatch
 from posttrain_megatron import context_parallel, packing, token_scores
 from posttrain_megatron.model_builder import TRAIN, device
@@ -110,6 +113,20 @@ def _equal_shapes(worker, items):
 # --------------------------------------------------------------------------------------------
 
 
+def _labels(worker, next_tokens: torch.Tensor) -> torch.Tensor | None:
+    """What the model is called with: next tokens for a language model (it then returns their
+    scores, token_scores.install); none for a value head (it returns [b, s, 1] values)."""
+    return None if worker.head == "value" else next_tokens
+
+
+def _loss_inputs(worker, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's per-position output [b, s, k] as the loss takes it: ``(values, None)`` for a
+    value head, ``(logprobs, entropy)`` otherwise; ``out[:, t]`` belongs to ``input_ids[:, t]``."""
+    if worker.head == "value":
+        return shifted_values(out), None
+    return token_scores.aligned(out)
+
+
 def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -129,7 +146,7 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
         ids = mb.input_ids.to(dev)
         width = ids.shape[1]
         if cfg.pack_sequences:
-            return _packed_forward(model, rows, mb, ids, multiple, loss_for)
+            return _packed_forward(worker, model, rows, mb, ids, multiple, loss_for)
         padded = torch.nn.functional.pad(ids, (0, -width % multiple))
         positions = torch.arange(padded.shape[1], device=dev).unsqueeze(0).expand_as(padded)
         next_tokens = torch.nn.functional.pad(padded[:, 1:], (0, 1), value=token_scores.NO_TARGET)
@@ -139,10 +156,12 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
                 context_parallel.split_for_rank(t, 1, cp, rank)
                 for t in (padded, positions, next_tokens)
             )
-        # Right-padded rows under causal attention: padding never reaches a real token. With
-        # labels the model returns [b, s, 2] next-token scores (token_scores.install).
+        # Right-padded rows under causal attention: padding never reaches a real token.
         output = model(
-            input_ids=padded, position_ids=positions, attention_mask=None, labels=next_tokens
+            input_ids=padded,
+            position_ids=positions,
+            attention_mask=None,
+            labels=_labels(worker, next_tokens),
         )
 
         def loss_func(scores: torch.Tensor):
@@ -150,7 +169,7 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
                 scores = context_parallel.gather_sequence(
                     scores, 1, ps.get_context_parallel_group()
                 )
-            return loss_for(rows, mb.with_tensors(), *token_scores.aligned(scores[:, :width]))
+            return loss_for(rows, mb.with_tensors(), *_loss_inputs(worker, scores[:, :width]))
 
         return output, loss_func
 
@@ -167,20 +186,20 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
     )
 
 
-def _packed_forward(model, rows, mb, ids, multiple, loss_for):
+def _packed_forward(worker, model, rows, mb, ids, multiple, loss_for):
     """forward_step on one packed row (pack_sequences); results back in the padded layout."""
     packed = packing.pack(ids, mb.attention_mask.to(ids.device), multiple)
     output = model(
         input_ids=packed.input_ids,
         position_ids=packed.position_ids,
         attention_mask=None,
-        labels=packed.labels,
+        labels=_labels(worker, packed.labels),
         packed_seq_params=packed.params,
     )
 
     def loss_func(scores: torch.Tensor):
         unpacked = packing.unpack(packed, scores)
-        return loss_for(rows, mb.with_tensors(), *token_scores.aligned(unpacked))
+        return loss_for(rows, mb.with_tensors(), *_loss_inputs(worker, unpacked))
 
     return output, loss_func
 
@@ -208,11 +227,12 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     groups, count = plan(worker, batch, for_logprobs=False)
     items = _micro_batches(worker, batch, groups, count)
 
-    def loss_for(rows, mb, logprobs, entropy):
-        mb = SequenceBatch({k: v.to(logprobs.device) for k, v in mb.tensors.items()}, dict(mb.meta))
-        if not entropy_grad:
+    def loss_for(rows, mb, outputs, entropy):
+        # outputs: log-probs, or a critic's values (entropy None)
+        mb = SequenceBatch({k: v.to(outputs.device) for k, v in mb.tensors.items()}, dict(mb.meta))
+        if entropy is not None and not entropy_grad:
             entropy = entropy.detach()  # a metric only
-        loss, metrics = loss_fn(logprobs, entropy, mb)
+        loss, metrics = loss_fn(outputs, entropy, mb)
         if rows is None:
             loss, metrics = loss * 0.0, {}
         # The schedule divides each micro-batch's loss by the micro-batch count and multiplies it
@@ -243,23 +263,37 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
         for key, value in entry.items():
             metrics[key] = metrics.get(key, 0.0) + value
     metrics = _from_last_stage(metrics)
-    metrics["actor/grad_norm"] = grad_norm if math.isfinite(grad_norm) else float("nan")
-    metrics["actor/lr"] = lr
+    prefix = worker.metric_prefix
+    metrics[f"{prefix}/grad_norm"] = grad_norm if math.isfinite(grad_norm) else float("nan")
+    metrics[f"{prefix}/lr"] = lr
     return metrics
 
 
-@torch.no_grad()
 def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+    if worker.head != "lm":
+        raise ValueError(f"megatron: role {worker.role} has a {worker.head} head, no log-probs")
+    return _per_token(worker, batch)
+
+
+def compute_values(worker, batch: SequenceBatch) -> torch.Tensor:
+    if worker.head != "value":
+        raise ValueError(f"megatron: role {worker.role} has a {worker.head} head, no values")
+    return _per_token(worker, batch)
+
+
+@torch.no_grad()
+def _per_token(worker, batch: SequenceBatch) -> torch.Tensor:
+    """The head's per-token output for every row (log-probs or values), 0 outside attention."""
     groups, count = plan(worker, batch, for_logprobs=True)
     items = _micro_batches(worker, batch, groups, count)
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
 
-    def loss_for(rows, mb, logprobs, entropy):
+    def loss_for(rows, mb, outputs, _entropy):
         if rows is not None:
-            lp = (logprobs * mb.attention_mask.to(logprobs.device))[: len(rows)]
-            width = min(lp.shape[1], out.shape[1])
-            out[torch.as_tensor(rows, dtype=torch.long), :width] = lp[:, :width].float().cpu()
-        return logprobs.new_zeros(()), {}
+            kept = (outputs * mb.attention_mask.to(outputs.device))[: len(rows)]
+            width = min(kept.shape[1], out.shape[1])
+            out[torch.as_tensor(rows, dtype=torch.long), :width] = kept[:, :width].float().cpu()
+        return outputs.new_zeros(()), {}
 
     for model in worker.model:
         model.eval()

@@ -71,6 +71,10 @@ def write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
 
     os.makedirs(path, exist_ok=True)
     hf_config = worker.state["bridge"].hf_config
+    if worker.head == "value":  # a critic's directory loads as the value model it is
+        from posttrain_megatron.value_head import export_config
+
+        hf_config = export_config(hf_config)
     hf_config.dtype = torch_dtype(worker.model_args.dtype)
     tensors = unshare_storage((k, v.contiguous()) for k, v in state.items())
     save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
