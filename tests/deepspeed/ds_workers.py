@@ -22,15 +22,10 @@ def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 300.0,
 
 
 def hook_relay():
-    import pluggy
-
     import posttrain_deepspeed.plugin
-    from posttrain import hookspecs
+    from posttrain.testing.groups import engine_hook_relay
 
-    pm = pluggy.PluginManager("posttrain")
-    pm.add_hookspecs(hookspecs)
-    pm.register(posttrain_deepspeed.plugin.plugin, name="deepspeed")
-    return pm.hook
+    return engine_hook_relay(posttrain_deepspeed.plugin.plugin, "deepspeed")
 
 
 def make_runtime(rank: int, world_size: int, strategy="deepspeed_train", config=None, **training):

@@ -28,15 +28,10 @@ def launch(scenario: str, world_size: int, out_dir: str, timeout: float = 240.0,
 
 
 def hook_relay():
-    import pluggy
-
     import posttrain_fsdp.plugin
-    from posttrain import hookspecs
+    from posttrain.testing.groups import engine_hook_relay
 
-    pm = pluggy.PluginManager("posttrain")
-    pm.add_hookspecs(hookspecs)
-    pm.register(posttrain_fsdp.plugin.plugin, name="fsdp")
-    return pm.hook
+    return engine_hook_relay(posttrain_fsdp.plugin.plugin, "fsdp")
 
 
 def make_runtime(

@@ -85,18 +85,10 @@ def build_hf_model(path: str, arch: str) -> str:
 
 
 def hook_relay():
-    import pluggy
-
     import posttrain_megatron.plugin
-    from posttrain import hookspecs
-    from posttrain.builtin import algorithms
+    from posttrain.testing.groups import engine_hook_relay
 
-    pm = pluggy.PluginManager("posttrain")
-    pm.add_hookspecs(hookspecs)
-    pm.register(posttrain_megatron.plugin.plugin, name="megatron")
-    # The policy losses and presets train_step looks up (core registers them as a plugin).
-    pm.register(algorithms, name="algorithms")
-    return pm.hook
+    return engine_hook_relay(posttrain_megatron.plugin.plugin, "megatron")
 
 
 def make_runtime(rank, world_size, model_path, strategy="megatron_train", training=None, **layout):

@@ -63,6 +63,22 @@ def group_spec(
     )
 
 
+def engine_hook_relay(plugin, name: str):
+    """A hook relay with only ``plugin`` and the core's algorithm pieces registered: for tests
+    that drive one strategy's engine by hand through :class:`posttrain.worker.WorkerRuntime`
+    (its train step looks the policy loss up through the hooks)."""
+    import pluggy
+
+    from posttrain import hookspecs
+    from posttrain.builtin import algorithms
+
+    pm = pluggy.PluginManager("posttrain")
+    pm.add_hookspecs(hookspecs)
+    pm.register(plugin, name=name)
+    pm.register(algorithms, name="algorithms")
+    return pm.hook
+
+
 def descendants(pid: int | None = None) -> set[int]:
     """Process ids below ``pid`` (default: this process), from /proc."""
     children: dict[int, list[int]] = {}
