@@ -156,6 +156,9 @@ class TrainerConfig:
     save_steps: int = 0  # 0: only at the end when save_final is set
     save_final: bool = True
     save_total_limit: int | None = None
+    # Save in the background: the loop waits only while the state is copied to host memory
+    # (strategies that cannot, e.g. deepspeed_train, save synchronously either way).
+    async_save: bool = True
     output_dir: str = "runs/default"
     logger: list[Literal["console", "jsonl", "tensorboard"]] = attrs.field(
         factory=lambda: ["console", "jsonl"]

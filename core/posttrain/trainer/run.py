@@ -16,6 +16,7 @@ import attrs
 import yaml
 
 from posttrain.checkpoint import manager as ckpt
+from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import RoleConfig, Workflow
 from posttrain.data import PromptSampler, load_prompts
 from posttrain.errors import UserError
@@ -221,7 +222,11 @@ class Trainer:
                 self._resume(resume_from, sampler)
             self._register_loggers()
             self._loop(sampler)
+            if self._saver is not None:
+                self._saver.wait()  # the run ends when its last checkpoint is complete
         finally:
+            if self._saver is not None:
+                self._saver.close()
             if self.launcher is not None:
                 self.launcher.shutdown()
         self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.state.history)
@@ -441,32 +446,27 @@ class Trainer:
         )
         return result or {}
 
-    def _checkpoint(self, sampler: PromptSampler) -> None:
-        def save_roles(tmp: str) -> dict[str, Any]:
-            layouts = {}
-            for role in TRAINED_ROLES:
-                if role in self.groups:
-                    group = self.groups[role]
-                    answers = group.call("save_checkpoint", os.path.join(tmp, role))
-                    layouts[role] = {
-                        "strategy": getattr(self.wf, role).strategy_args.strategy_name,
-                        "world_size": group.world_size,
-                        "dp_size": group.dp_size,
-                        "layout": answers[0],
-                    }
-            return layouts
+    # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
+    _saver: CheckpointSaver | None = None
 
+    def _checkpoint(self, sampler: PromptSampler) -> None:
+        """Save every trained role; the loop waits only while the ranks copy their state to
+        host memory (``trainer.async_save``), the files are written while it goes on."""
+        if self._saver is None:
+            roles = [role for role in TRAINED_ROLES if role in self.groups]
+            self._saver = CheckpointSaver(
+                self.run_dir,
+                {role: self.groups[role] for role in roles},
+                {role: getattr(self.wf, role).strategy_args.strategy_name for role in roles},
+                package_versions(self.host),
+                self.wf.trainer.save_total_limit,
+                background=self.wf.trainer.async_save,
+                saved=lambda path, manifest: self.host.hook.posttrain_checkpoint_saved(
+                    checkpoint_dir=path, manifest=manifest
+                ),
+            )
         state = {"step": self.state.step, "sampler": sampler.state(), "history": self.state.history}
-        path = ckpt.save_checkpoint(
-            self.run_dir,
-            self.state.step,
-            save_roles,
-            state,
-            package_versions(self.host),
-            self.wf.trainer.save_total_limit,
-        )
-        manifest = ckpt.verify(path)
-        self.host.hook.posttrain_checkpoint_saved(checkpoint_dir=path, manifest=manifest)
+        self._saver.save(self.state.step, state)
 
 
 def _per_step(key: str) -> bool:
