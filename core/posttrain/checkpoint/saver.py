@@ -114,10 +114,10 @@ class CheckpointSaver:
         for role_dir, rank in markers:
             os.remove(marker_path(role_dir, rank))
         written = time.perf_counter()
+        sizes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp) for f in fs)
         path, manifest = manager.finalize_checkpoint(
             self.run_dir, step, tmp, roles, self.versions, self.total_limit, known
         )
-        sizes = sum(os.path.getsize(os.path.join(path, rel)) for rel in manifest.files)
         self.stats.update(
             background_s=written - begun, finalize_s=time.perf_counter() - written, bytes=sizes
         )

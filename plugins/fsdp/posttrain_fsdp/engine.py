@@ -449,30 +449,35 @@ def save_checkpoint(worker, path: str) -> dict:
 
 
 def begin_checkpoint(worker, path: str) -> dict:
-    """The state is copied into reused host buffers (the only part the loop waits for), then
-    DCP's ``async_save`` writes it on a thread, over a gloo group of its own so that its
-    collectives never interleave with training's, hashing every file as it writes it."""
+    """DCP's asynchronous save in its two halves: the state is copied into reused host buffers
+    (the only part the loop waits for), then ``dcp.save`` writes the copy on a thread, over a
+    gloo group of its own so that its collectives never interleave with training's, hashing
+    every file as it writes it. The thread is this module's rather than ``dcp.async_save``'s
+    executor, which Python waits for at exit: a rank whose driver died must not linger,
+    writing into a run directory that a restarted run may reuse."""
     import torch.distributed.checkpoint as dcp
 
     from posttrain.checkpoint.background import BackgroundSave
+    from posttrain.checkpoint.host_buffers import HostBuffers
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     os.makedirs(path, exist_ok=True)
     rank, _ = _rank_world()
-    save = BackgroundSave(path, rank)
-    stager = worker.state.get("checkpoint_stager")
-    if stager is None:
-        stager = worker.state["checkpoint_stager"] = _HostStager(worker)
+    buffers = worker.state.get("checkpoint_buffers")
+    if buffers is None:
+        buffers = HostBuffers(f"{worker.role} rank {rank}", pin=_is_cuda(worker))
+        worker.state["checkpoint_buffers"] = buffers
     if dist.is_initialized() and "checkpoint_group" not in worker.state:
         worker.state["checkpoint_group"] = dist.new_group(backend="gloo")
+    state = _dcp_state(worker)
+    buffers.reserve(_tensor_leaves(state, ""))
+    staged = _staged(state, "", buffers)
+    buffers.synchronize()
+    save = BackgroundSave(path, rank)
     layout = _write_extras(worker, path, save.digests)
-    future = dcp.async_save(
-        _dcp_state(worker),
-        storage_writer=_hashing_writer(os.path.join(path, "dcp"), save.digests),
-        process_group=worker.state.get("checkpoint_group"),
-        async_stager=stager,
-    )
-    save.start(future.result)
+    writer = _hashing_writer(os.path.join(path, "dcp"), save.digests)
+    group = worker.state.get("checkpoint_group")
+    save.start(lambda: dcp.save(staged, storage_writer=writer, process_group=group))
     worker.state["background_save"] = save
     return layout
 
@@ -482,34 +487,6 @@ def finish_checkpoint(worker, path: str) -> bool:
     if save is not None:
         save.join()
     return True
-
-
-class _HostStager:
-    """DCP's stager for ``async_save``: copies the state dict into host buffers allocated at
-    the first save (pinned on a GPU) and reused by every later one."""
-
-    # DCP asks whether to wait for staging after handing the write to its thread: the copy
-    # below is complete when stage() returns.
-    should_synchronize_after_execute = False
-    _synchronize_after_execute = False
-
-    def __init__(self, worker):
-        from posttrain.checkpoint.host_buffers import HostBuffers
-
-        rank, _ = _rank_world()
-        self.buffers = HostBuffers(f"{worker.role} rank {rank}", pin=_is_cuda(worker))
-
-    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
-        self.buffers.reserve(_tensor_leaves(state_dict, ""))
-        staged = _staged(state_dict, "", self.buffers)
-        self.buffers.synchronize()
-        return staged
-
-    def synchronize_staging(self) -> None:
-        """Nothing to wait for: stage() copies synchronously."""
-
-    def close(self) -> None:
-        """The buffers live as long as the worker: the next save reuses them."""
 
 
 def _local(value: torch.Tensor) -> torch.Tensor:
