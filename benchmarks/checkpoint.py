@@ -9,7 +9,8 @@ One rank per trainer, a model built locally (random init), one optimizer step fi
 optimizer state is saved too. Per trainer: a synchronous save (``trainer.async_save: false``,
 the whole save blocks the loop), then two background saves through the driver's
 ``CheckpointSaver``, the code path ``posttrain run`` uses. The first background save allocates
-the host buffers; the second reuses them and is the one reported. ``write GB/s`` is the bytes of
+the host buffers; the second reuses them and is the one reported (one checkpoint kept, so the
+disk needs room for about three). ``write GB/s`` is the bytes of
 the checkpoint over the time from the end of the stall to the checkpoint being complete (files
 fsynced, manifest written, renamed), measured with nothing else running; ``step s`` and ``step
 s (saving)`` are a train step alone and one taken right after a background save began.
@@ -162,7 +163,7 @@ def measure(args, model_dir: str, strategy: str) -> dict:
 
         def saver(background: bool) -> CheckpointSaver:
             return CheckpointSaver(
-                run_dir, {"actor_train": group}, {"actor_train": strategy}, {}, None,
+                run_dir, {"actor_train": group}, {"actor_train": strategy}, {}, 1,
                 background=background, saved=lambda path, manifest: None,
             )  # fmt: skip
 
@@ -179,12 +180,12 @@ def measure(args, model_dir: str, strategy: str) -> dict:
         background.wait()
         write_s = time.perf_counter() - begun
         stats = dict(background.stats)
-        background.save(4, {"step": 4})
-        step_saving = step()
-        background.wait()
         scratch = tempfile.mkdtemp(prefix="copy-", dir=args.dir)
         disk = disk_copy_rate(os.path.join(run_dir, "checkpoint-3"), scratch)
         shutil.rmtree(scratch)
+        background.save(4, {"step": 4})
+        step_saving = step()
+        background.wait()
     finally:
         launcher.shutdown()
         shutil.rmtree(run_dir, ignore_errors=True)
