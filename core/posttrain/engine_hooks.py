@@ -81,6 +81,14 @@ class EngineHooks:
         return self._call("save_checkpoint", worker, path)
 
     @hookimpl(trylast=True)
+    def posttrain_begin_checkpoint(self, worker, path):
+        return self._call("begin_checkpoint", worker, path)
+
+    @hookimpl(trylast=True)
+    def posttrain_finish_checkpoint(self, worker, path):
+        return self._call("finish_checkpoint", worker, path)
+
+    @hookimpl(trylast=True)
     def posttrain_load_checkpoint(self, worker, path):
         return self._call("load_checkpoint", worker, path)
 

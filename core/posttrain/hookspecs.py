@@ -351,6 +351,46 @@ def posttrain_save_checkpoint(worker: WorkerContext, path: str) -> dict | None:
 
 
 @hookspec(firstresult=True)
+def posttrain_begin_checkpoint(worker: WorkerContext, path: str) -> dict | None:
+    """Start saving this role's state into directory ``path`` without holding up training.
+
+    Called on every rank (saves are collective) by the driver's checkpoint saver, in place of
+    ``posttrain_save_checkpoint``, when ``trainer.async_save`` is on. The training loop waits
+    only for this call, so: copy the state to host buffers (allocated at the first save and
+    reused; a save that would not fit in host memory is refused here, with figures, before
+    anything is copied: :class:`posttrain.checkpoint.host_buffers.HostBuffers` does both), start
+    writing files under ``path`` in the background, and return the layout metadata for the
+    manifest at once (as ``posttrain_save_checkpoint`` does).
+
+    Completion convention: when every file this rank writes under ``path`` is complete and
+    fsynced, the rank writes its completion marker (:mod:`posttrain.checkpoint.background`:
+    ``BackgroundSave`` does it, with the sha256 of each file computed while writing through
+    :class:`posttrain.checkpoint.digests.FileDigests`). The driver renames the checkpoint into
+    place only once every rank's marker is there; a marker carrying an error fails the save.
+    Files a marker does not list are checksummed by the driver reading them back. Never modify
+    a file after the marker is written.
+
+    firstresult. Return None (the default) to save synchronously through
+    ``posttrain_save_checkpoint`` instead: ``deepspeed_train`` does, and so does any strategy
+    that implements only that hook.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_finish_checkpoint(worker: WorkerContext, path: str) -> bool | None:
+    """Block until the background save begun into ``path`` has written this rank's marker.
+
+    Called on every rank by the driver where a save must be complete: before the next save
+    begins (at most one save is in flight) and at the end of the run. Collective work that
+    ends a save (megatron's gather of write results and its metadata files) may run here, and
+    an engine may also run it earlier at a point all ranks reach together (megatron_train does
+    at the start of its next train step). Raise if the background write failed. Return True;
+    None (the default) when the strategy has nothing in flight (synchronous saves).
+    firstresult.
+    """
+
+
+@hookspec(firstresult=True)
 def posttrain_load_checkpoint(worker: WorkerContext, path: str) -> bool | None:
     """Restore what ``posttrain_save_checkpoint`` wrote into ``path``. Called on every rank."""
 
@@ -367,8 +407,10 @@ def posttrain_export_hf(worker: WorkerContext, path: str) -> bool | None:
 def posttrain_checkpoint_saved(checkpoint_dir: str, manifest: Manifest) -> None:
     """Notify that a complete checkpoint now exists at ``checkpoint_dir``.
 
-    Called on the driver after the atomic rename. Use it to add export formats or upload.
-    Not firstresult.
+    Called on the driver after the atomic rename. For background saves (``trainer.async_save``)
+    it runs on the driver's checkpoint finaliser thread while the training loop goes on: an
+    implementation that takes long delays only the next save, which waits for this one.
+    Use it to add export formats or upload. Not firstresult.
     """
 
 

@@ -139,6 +139,20 @@ class WorkerRuntime:
     def save_checkpoint(self, path: str) -> dict:
         return self._call("posttrain_save_checkpoint", path=path)
 
+    def begin_checkpoint(self, path: str, background: bool) -> dict:
+        """Start this role's save into ``path``: in the background when asked and the strategy
+        can (``posttrain_begin_checkpoint``), else synchronously. ``{"layout": ...,
+        "background": bool}``: with True the rank's completion marker tells when it is done."""
+        if background:
+            layout = self.ctx.hook.posttrain_begin_checkpoint(worker=self.ctx, path=path)
+            if layout is not None:
+                return {"layout": layout, "background": True}
+        return {"layout": self.save_checkpoint(path), "background": False}
+
+    def finish_checkpoint(self, path: str) -> bool:
+        """Wait for the background save into ``path`` (a no-op for synchronous ones)."""
+        return bool(self.ctx.hook.posttrain_finish_checkpoint(worker=self.ctx, path=path))
+
     def load_checkpoint(self, path: str) -> bool:
         return self._call("posttrain_load_checkpoint", path=path)
 

@@ -1,5 +1,6 @@
 """Test-only plugin, loaded through a workflow's ``plugins:`` list: kills the driver with SIGKILL
-while a checkpoint is being written (after a role saved its state, before the manifest exists).
+while a checkpoint is being written (after a role saved its state, or began saving it in the
+background, before the manifest exists).
 
 Enabled by ``POSTTRAIN_TEST_CRASH_AT_CHECKPOINT=N`` (the step whose checkpoint is interrupted).
 """
@@ -10,10 +11,21 @@ import signal
 from posttrain import hookimpl
 
 
-@hookimpl(wrapper=True)
-def posttrain_save_checkpoint(worker, path):
-    result = yield
+def _maybe_crash(worker, path) -> None:
     step = os.environ.get("POSTTRAIN_TEST_CRASH_AT_CHECKPOINT")
     if step and f".checkpoint-{step}.tmp" in path and worker.rank == 0:
         os.kill(os.getppid(), signal.SIGKILL)
+
+
+@hookimpl(wrapper=True)
+def posttrain_save_checkpoint(worker, path):
+    result = yield
+    _maybe_crash(worker, path)
+    return result
+
+
+@hookimpl(wrapper=True)
+def posttrain_begin_checkpoint(worker, path):
+    result = yield
+    _maybe_crash(worker, path)
     return result

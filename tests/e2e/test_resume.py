@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import signal
 import subprocess
 from pathlib import Path
@@ -87,4 +88,66 @@ def test_sigkill_while_writing_a_checkpoint_then_resume(tmp_path, uninterrupted)
     assert (run_dir / "checkpoint-3" / "manifest.json").exists()
     run(run_dir)
     assert not (run_dir / ".checkpoint-6.tmp").exists()
+    assert_same_run(run_dir, uninterrupted)
+
+
+# Kill points across the phases of a background save (see save_kill_plugin): (step whose save
+# is interrupted, process, n-th file-system event of that save in it). Each run resumes from
+# the previous kill; save_total_limit: 2 puts the removal of old checkpoints in the save too.
+SAVE_KILLS = [
+    ("3", "driver", 2),  # temporary directory made, ranks not yet asked
+    ("3", "rank0", 2),  # state copied to host buffers, extras being written
+    ("3", "rank1", 4),  # background write: DCP data file
+    ("3", "rank0", 6),  # background write: DCP .metadata (coordinator)
+    ("3", "rank1", 6),  # rank's completion marker moved into place
+    ("3", "driver", 7),  # manifest written, checkpoint not yet renamed into place
+    ("6", "rank0", 7),  # background write of the next save: .metadata renamed
+    ("6", "driver", 4),  # finaliser consuming the markers
+    ("9", "driver", 8),  # renamed into place, retiring the oldest checkpoint
+    ("10", "driver", 9),  # the oldest retired (out of sight), its files being removed
+]
+
+
+def complete_checkpoints(run_dir: Path) -> list[int]:
+    """Steps of the checkpoints a resume may use; each must verify in full."""
+    from posttrain.checkpoint.manifest import verify
+
+    steps = []
+    for path in sorted(run_dir.glob("checkpoint-*")):
+        verify(str(path))  # never a directory that looks complete but is not
+        steps.append(int(path.name.split("-")[1]))
+    return sorted(steps)
+
+
+def resumed_at(stdout: str) -> int | None:
+    """The step a run resumed at, from its console line (which the console may wrap)."""
+    _, found, rest = stdout.partition("resumed from")
+    return int(re.search(r"at\s+step\s+(\d+)", rest).group(1)) if found else None
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_sigkill_during_background_saves_then_resume(tmp_path, uninterrupted):
+    run_dir = tmp_path / "killed-in-background-saves"
+    log = tmp_path / "save-events.log"
+    for step, who, n in SAVE_KILLS:
+        before = complete_checkpoints(run_dir) if run_dir.exists() else []
+        killed = run(
+            run_dir,
+            "--set",
+            "plugins=[save_kill_plugin]",
+            "--set",
+            "trainer.save_total_limit=2",
+            check=False,
+            env=run_env(
+                POSTTRAIN_TEST_SAVE_KILL=f"{step}:{who}:{n}", POSTTRAIN_TEST_SAVE_KILL_LOG=str(log)
+            ),
+        )
+        assert killed.returncode == -signal.SIGKILL, (step, who, n, killed.stderr[-2000:])
+        last = [line for line in log.read_text().splitlines() if line.startswith(who)][-1]
+        assert last.startswith(f"{who} {n} "), last  # the kill landed where it was aimed
+        assert resumed_at(killed.stdout) == (before[-1] if before else None)
+        complete_checkpoints(run_dir)
+    resumed = run(run_dir, "--set", "trainer.save_total_limit=2")
+    assert resumed_at(resumed.stdout) == 10
     assert_same_run(run_dir, uninterrupted)

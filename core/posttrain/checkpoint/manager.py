@@ -9,6 +9,7 @@ import shutil
 from collections.abc import Callable
 from typing import Any
 
+from posttrain.checkpoint.digests import FileDigests
 from posttrain.checkpoint.manifest import Manifest, checksum_tree, verify
 from posttrain.errors import CheckpointError
 from posttrain.paths import display_path
@@ -50,27 +51,39 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def save_checkpoint(
-    run_dir: str,
-    step: int,
-    save_roles: Callable[[str], dict[str, Any]],
-    driver_state: dict[str, Any],
-    versions: dict[str, str],
-    total_limit: int | None = None,
-) -> str:
-    """``save_roles(tmp_dir)`` writes every role's part and returns their layouts."""
-    final = os.path.join(run_dir, f"checkpoint-{step}")
+def temp_dir(run_dir: str, step: int) -> str:
+    """A fresh temporary directory for the checkpoint of ``step``: invisible to resume."""
     tmp = os.path.join(run_dir, f".checkpoint-{step}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
-    roles = save_roles(tmp)
-    with open(os.path.join(tmp, DRIVER_STATE), "w", encoding="utf-8") as f:
-        json.dump(driver_state, f)
-        f.flush()
-        os.fsync(f.fileno())
-    manifest = Manifest(step=step, roles=roles, versions=versions, files=checksum_tree(tmp))
+    return tmp
+
+
+def write_driver_state(tmp: str, driver_state: bytes) -> dict[str, str]:
+    """The driver's state (serialised when the save began), hashed while written."""
+    digests = FileDigests(tmp)
+    with digests.open(os.path.join(tmp, DRIVER_STATE)) as f:
+        f.write(driver_state)
+    return digests.relative()
+
+
+def finalize_checkpoint(
+    run_dir: str,
+    step: int,
+    tmp: str,
+    roles: dict[str, Any],
+    versions: dict[str, str],
+    total_limit: int | None = None,
+    known: dict[str, str] | None = None,
+) -> tuple[str, Manifest]:
+    """Once every file under ``tmp`` is complete: the manifest (checksums from ``known``, those
+    computed while writing; any other file is read here), then the rename into place, then the
+    removal of checkpoints beyond ``total_limit``. A crash before the rename leaves only a
+    temporary directory, which resume ignores and removes."""
+    manifest = Manifest(step=step, roles=roles, versions=versions, files=checksum_tree(tmp, known))
     manifest.write(tmp)  # last: a directory without it is never complete
     _fsync_dir(tmp)
+    final = os.path.join(run_dir, f"checkpoint-{step}")
     if os.path.exists(final):  # re-saving a step (after a resume): swap, never leave a gap
         old = os.path.join(run_dir, f".checkpoint-{step}.tmp-old")
         os.rename(final, old)
@@ -80,9 +93,30 @@ def save_checkpoint(
         os.rename(tmp, final)
     _fsync_dir(run_dir)
     if total_limit:
-        for _, path in checkpoint_dirs(run_dir)[:-total_limit]:
-            shutil.rmtree(path, ignore_errors=True)
-    return final
+        for old_step, path in checkpoint_dirs(run_dir)[:-total_limit]:
+            # Out of sight first: a crash during the removal must not leave a directory that
+            # looks complete (its manifest present) while its files are half deleted.
+            doomed = os.path.join(run_dir, f".checkpoint-{old_step}.tmp-old")
+            os.rename(path, doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+        _fsync_dir(run_dir)
+    return final, manifest
+
+
+def save_checkpoint(
+    run_dir: str,
+    step: int,
+    save_roles: Callable[[str], dict[str, Any]],
+    driver_state: dict[str, Any],
+    versions: dict[str, str],
+    total_limit: int | None = None,
+) -> str:
+    """A synchronous save: ``save_roles(tmp_dir)`` writes every role's part and returns their
+    layouts; the files it wrote are checksummed by reading them back."""
+    tmp = temp_dir(run_dir, step)
+    roles = save_roles(tmp)
+    known = write_driver_state(tmp, json.dumps(driver_state).encode())
+    return finalize_checkpoint(run_dir, step, tmp, roles, versions, total_limit, known)[0]
 
 
 def load_driver_state(checkpoint_dir: str) -> tuple[Manifest, dict[str, Any]]:

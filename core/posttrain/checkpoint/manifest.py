@@ -54,14 +54,17 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
-def checksum_tree(directory: str) -> dict[str, str]:
+def checksum_tree(directory: str, known: dict[str, str] | None = None) -> dict[str, str]:
+    """sha256 of every file under ``directory`` (the manifest excepted). ``known`` holds digests
+    computed while the files were written (relative paths); only the other files are read."""
+    known = known or {}
     out = {}
     for root, _, files in os.walk(directory):
         for name in files:
             full = os.path.join(root, name)
             rel = os.path.relpath(full, directory)
             if rel != MANIFEST:
-                out[rel] = sha256_file(full)
+                out[rel] = known[rel] if rel in known else sha256_file(full)
     return dict(sorted(out.items()))
 
 

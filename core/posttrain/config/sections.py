@@ -223,6 +223,9 @@ class TrainerConfig:
     save_final: bool = True
     # Checkpoints kept (the oldest go first); null keeps every one.
     save_total_limit: int | None = attrs.field(default=None, validator=at_least(1))
+    # Save in the background: the loop waits only while the state is copied to host memory
+    # (strategies that cannot, e.g. deepspeed_train, save synchronously either way).
+    async_save: bool = True
     output_dir: str = "runs/default"
     logger: list[Literal["console", "jsonl", "tensorboard"]] = attrs.field(
         factory=lambda: ["console", "jsonl"]

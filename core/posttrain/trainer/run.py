@@ -17,6 +17,7 @@ import yaml
 
 from posttrain.algorithms.registry import advantage_estimator
 from posttrain.checkpoint import manager as ckpt
+from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.data import PromptSampler, load_prompts
 from posttrain.errors import UserError
@@ -149,6 +150,8 @@ class Trainer:
         self.state = DriverState()
         self.source = source
         self.rule_rewards: RuleRewards | None = None
+        # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
+        self._saver: CheckpointSaver | None = None
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -225,9 +228,13 @@ class Trainer:
                 self._resume(resume_from, sampler)
             self._register_loggers()
             self._loop(sampler)
+            if self._saver is not None:
+                self._saver.wait()  # the run ends when its last checkpoint is complete
         finally:
             if self.rule_rewards is not None:
                 self.rule_rewards.close()
+            if self._saver is not None:
+                self._saver.close()
             if self.launcher is not None:
                 self.launcher.shutdown()
         self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.state.history)
@@ -529,31 +536,23 @@ class Trainer:
         return result or {}
 
     def _checkpoint(self, sampler: PromptSampler) -> None:
-        def save_roles(tmp: str) -> dict[str, Any]:
-            layouts = {}
-            for role in TRAINED_ROLES:
-                if role in self.groups:
-                    group = self.groups[role]
-                    answers = group.call("save_checkpoint", os.path.join(tmp, role))
-                    layouts[role] = {
-                        "strategy": getattr(self.wf, role).strategy_args.strategy_name,
-                        "world_size": group.world_size,
-                        "dp_size": group.dp_size,
-                        "layout": answers[0],
-                    }
-            return layouts
-
+        """Save every trained role; the loop waits only while the ranks copy their state to
+        host memory (``trainer.async_save``), the files are written while it goes on."""
+        if self._saver is None:
+            roles = [role for role in TRAINED_ROLES if role in self.groups]
+            self._saver = CheckpointSaver(
+                self.run_dir,
+                {role: self.groups[role] for role in roles},
+                {role: getattr(self.wf, role).strategy_args.strategy_name for role in roles},
+                package_versions(self.host),
+                self.wf.trainer.save_total_limit,
+                background=self.wf.trainer.async_save,
+                saved=lambda path, manifest: self.host.hook.posttrain_checkpoint_saved(
+                    checkpoint_dir=path, manifest=manifest
+                ),
+            )
         state = {"step": self.state.step, "sampler": sampler.state(), "history": self.state.history}
-        path = ckpt.save_checkpoint(
-            self.run_dir,
-            self.state.step,
-            save_roles,
-            state,
-            package_versions(self.host),
-            self.wf.trainer.save_total_limit,
-        )
-        manifest = ckpt.verify(path)
-        self.host.hook.posttrain_checkpoint_saved(checkpoint_dir=path, manifest=manifest)
+        self._saver.save(self.state.step, state)
 
 
 def _masked_mean(values, mask) -> float:

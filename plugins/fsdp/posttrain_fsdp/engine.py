@@ -11,6 +11,7 @@ with fewer micro-batches run zero-weight ones.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import json
 import logging
@@ -22,9 +23,12 @@ from typing import Any
 import attrs
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from posttrain import rank_batches
+from posttrain.checkpoint.digests import HashingStream
 from posttrain.distributed import (
     destroy_default_process_group,
     init_default_process_group,
@@ -434,13 +438,15 @@ def _dcp_state(worker) -> dict[str, Any]:
     return {"model": model_sd, "optimizer": optim_sd}
 
 
-def save_checkpoint(worker, path: str) -> dict:
-    import torch.distributed.checkpoint as dcp
+def _rank_world() -> tuple[int, int]:
+    if dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
 
-    os.makedirs(path, exist_ok=True)
-    dcp.save(_dcp_state(worker), checkpoint_id=os.path.join(path, "dcp"))
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+
+def _write_extras(worker, path: str, digests) -> dict:
+    """Per-rank step / scheduler / RNG state and rank 0's layout file, hashed while written."""
+    rank, world = _rank_world()
     scheduler = worker.state.get("scheduler")
     extra = {
         "step": worker.state.get("step", 0),
@@ -449,15 +455,126 @@ def save_checkpoint(worker, path: str) -> dict:
         "rng_cuda": torch.cuda.get_rng_state() if _is_cuda(worker) else None,
         "world_size": world,
     }
-    torch.save(extra, _extra_path(path, rank))
+    with digests.open(_extra_path(path, rank)) as f:
+        torch.save(extra, f)
+    layout = {"format": "torch_dcp", "dp_size": world}
     if rank == 0:
-        with open(os.path.join(path, "fsdp_layout.json"), "w") as f:
-            json.dump(
-                {"format": "torch_dcp", "dp_size": world, "strategy": worker.strategy_name}, f
-            )
+        with digests.open(os.path.join(path, "fsdp_layout.json")) as f:
+            f.write(json.dumps({**layout, "strategy": worker.strategy_name}).encode())
+    return layout
+
+
+def save_checkpoint(worker, path: str) -> dict:
+    import torch.distributed.checkpoint as dcp
+
+    from posttrain.checkpoint.digests import FileDigests
+
+    os.makedirs(path, exist_ok=True)
+    dcp.save(_dcp_state(worker), checkpoint_id=os.path.join(path, "dcp"))
+    layout = _write_extras(worker, path, FileDigests(path))
     if dist.is_initialized():
         dist.barrier()
-    return {"format": "torch_dcp", "dp_size": world}
+    return layout
+
+
+def begin_checkpoint(worker, path: str) -> dict:
+    """DCP's asynchronous save in its two halves: the state is copied into reused host buffers
+    (the only part the loop waits for), then ``dcp.save`` writes the copy on a thread, over a
+    gloo group of its own so that its collectives never interleave with training's, hashing
+    every file as it writes it. The thread is this module's rather than ``dcp.async_save``'s
+    executor, which Python waits for at exit: a rank whose driver died must not linger,
+    writing into a run directory that a restarted run may reuse."""
+    import torch.distributed.checkpoint as dcp
+
+    from posttrain.checkpoint.background import BackgroundSave
+    from posttrain.checkpoint.host_buffers import HostBuffers
+
+    finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
+    os.makedirs(path, exist_ok=True)
+    rank, _ = _rank_world()
+    buffers = worker.state.get("checkpoint_buffers")
+    if buffers is None:
+        buffers = HostBuffers(f"{worker.role} rank {rank}", pin=_is_cuda(worker))
+        worker.state["checkpoint_buffers"] = buffers
+    if dist.is_initialized() and "checkpoint_group" not in worker.state:
+        worker.state["checkpoint_group"] = dist.new_group(backend="gloo")
+    state = _dcp_state(worker)
+    buffers.reserve(_tensor_leaves(state, ""))
+    staged = _staged(state, "", buffers)
+    buffers.synchronize()
+    save = BackgroundSave(path, rank)
+    layout = _write_extras(worker, path, save.digests)
+    writer = _hashing_writer(os.path.join(path, "dcp"), save.digests)
+    group = worker.state.get("checkpoint_group")
+    save.start(lambda: dcp.save(staged, storage_writer=writer, process_group=group))
+    worker.state["background_save"] = save
+    return layout
+
+
+def finish_checkpoint(worker, path: str) -> bool:
+    save = worker.state.pop("background_save", None)
+    if save is not None:
+        save.join()
+    return True
+
+
+def _local(value: torch.Tensor) -> torch.Tensor:
+    return value.to_local() if isinstance(value, DTensor) else value
+
+
+def _tensor_leaves(value: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
+    if isinstance(value, torch.Tensor):
+        yield key, _local(value)
+    elif isinstance(value, dict):
+        for k, v in value.items():
+            yield from _tensor_leaves(v, f"{key}/{k}")
+    elif isinstance(value, list | tuple):
+        for i, v in enumerate(value):
+            yield from _tensor_leaves(v, f"{key}/{i}")
+
+
+def _staged(value: Any, key: str, buffers) -> Any:
+    """``value`` with every tensor replaced by its host copy (a DTensor keeps its sharding
+    spec around the host copy of its local shard: DCP plans from the spec)."""
+    if isinstance(value, DTensor):
+        return DTensor(buffers.copy(key, value.to_local()), value._spec, requires_grad=False)
+    if isinstance(value, torch.Tensor):
+        return buffers.copy(key, value)
+    if isinstance(value, dict):
+        return {k: _staged(v, f"{key}/{k}", buffers) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return type(value)(_staged(v, f"{key}/{i}", buffers) for i, v in enumerate(value))
+    return value
+
+
+class _HashingFileSystem(FileSystem):
+    """DCP's file system, every file it writes hashed while written (renames followed: the
+    coordinator writes ``.metadata.tmp`` and renames it)."""
+
+    def __init__(self, digests):
+        super().__init__()
+        self.digests = digests
+
+    @contextlib.contextmanager
+    def create_stream(self, path, mode):
+        if "w" not in mode:
+            with super().create_stream(path, mode) as stream:
+                yield stream
+            return
+        with super().create_stream(path, mode) as raw:
+            stream = HashingStream(raw)
+            yield stream
+        self.digests.record(path, stream.hexdigest())
+
+    def rename(self, path, new_path) -> None:
+        super().rename(path, new_path)
+        self.digests.renamed(path, new_path)
+
+
+def _hashing_writer(path: str, digests) -> FileSystemWriter:
+    writer = FileSystemWriter(path)
+    writer.fs = _HashingFileSystem(digests)
+    return writer
 
 
 def load_checkpoint(worker, path: str) -> bool:

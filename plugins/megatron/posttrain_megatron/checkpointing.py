@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from posttrain_megatron import mcore_compat
 from posttrain_megatron.model_builder import inner_optimizers, is_cuda, unwrap
 
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
@@ -46,34 +47,146 @@ def _extra_path(path: str, rank: int) -> str:
     return os.path.join(path, f"extra_state_rank{rank}.pt")
 
 
-def save_checkpoint(worker, path: str) -> dict:
-    from megatron.core import dist_checkpointing
+def _write_extras(worker, path: str, optimizer, digests) -> dict:
+    """Per-rank step counters and RNG states, and rank 0's layout file, hashed while written."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    layout = {**current_layout(), "has_optimizer": optimizer is not None}
+    extra = {
+        "step": worker.state.get("step", 0),
+        "updates": worker.state.get("updates", 0),
+        "layout": layout,
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
+        "rng_tracker": get_cuda_rng_tracker().get_states(),
+    }
+    with digests.open(_extra_path(path, _rank())) as f:
+        torch.save(extra, f)
+    if _rank() == 0:
+        with digests.open(os.path.join(path, "megatron_layout.json")) as f:
+            f.write(json.dumps({**layout, "strategy": worker.strategy_name}).encode())
+    return layout
+
+
+def _saved_optimizer(worker):
+    # A never-stepped optimizer has no state to shard (megatron asserts on it): model only.
+    return worker.state.get("optimizer") if worker.state.get("updates") else None
+
+
+def _make_target(path: str) -> str:
     target = os.path.join(path, "megatron")
     if _rank() == 0:
         os.makedirs(target, exist_ok=True)
     dist.barrier()
-    # A never-stepped optimizer has no state to shard (megatron asserts on it): model only.
-    optimizer = worker.state.get("optimizer") if worker.state.get("updates") else None
+    return target
+
+
+def save_checkpoint(worker, path: str) -> dict:
+    from megatron.core import dist_checkpointing
+
+    from posttrain.checkpoint.digests import FileDigests
+
+    target = _make_target(path)
+    optimizer = _saved_optimizer(worker)
     dist_checkpointing.save(_sharded_state(worker.model, optimizer, False), target)
-    layout = {**current_layout(), "has_optimizer": optimizer is not None}
-    torch.save(
-        {
-            "step": worker.state.get("step", 0),
-            "updates": worker.state.get("updates", 0),
-            "layout": layout,
-            "rng_cpu": torch.get_rng_state(),
-            "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
-            "rng_tracker": get_cuda_rng_tracker().get_states(),
-        },
-        _extra_path(path, _rank()),
-    )
-    if _rank() == 0:
-        with open(os.path.join(path, "megatron_layout.json"), "w") as f:
-            json.dump({**layout, "strategy": worker.strategy_name}, f)
+    layout = _write_extras(worker, path, optimizer, FileDigests(path))
     dist.barrier()
     return layout
+
+
+def begin_checkpoint(worker, path: str) -> dict:
+    """megatron's async dist-checkpoint save, its writes run here: megatron plans the save
+    (collective) and hands back the write buckets; their tensors are copied into reused host
+    buffers (the only part the loop waits for) and a thread writes them, hashing each file.
+    megatron's last step (gather of write results, ``.metadata``, ``metadata.json``) is
+    collective: it runs on the main thread of every rank at the next train step once all ranks
+    have written (:func:`advance_background_save`), or in :func:`finish_checkpoint`."""
+    from posttrain.checkpoint.background import BackgroundSave
+    from posttrain.checkpoint.host_buffers import HostBuffers
+
+    finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
+    target = _make_target(path)
+    optimizer = _saved_optimizer(worker)
+    request = mcore_compat.async_dist_save(_sharded_state(worker.model, optimizer, False), target)
+    buckets, results_queue = [], None
+    if request.async_fn is not None:  # None: nothing of the state is this rank's to write
+        _, buckets, results_queue = request.async_fn_args
+    buffers = worker.state.get("checkpoint_buffers")
+    if buffers is None:
+        buffers = HostBuffers(f"{worker.role} rank {_rank()}", pin=is_cuda(worker))
+        worker.state["checkpoint_buffers"] = buffers
+    staged = _staged_buckets(buckets, buffers)
+    save = BackgroundSave(path, _rank(), finalize_on_main=True)
+    layout = _write_extras(worker, path, optimizer, save.digests)
+    save.start(lambda: _write_buckets(staged, save.digests, results_queue))
+    worker.state["background_save"] = (save, request)
+    return layout
+
+
+def _bucket_key(item) -> tuple:
+    return (item.index.fqn, tuple(item.index.offset or ()))
+
+
+def _staged_buckets(buckets: list, buffers) -> list:
+    """megatron's write buckets with every tensor replaced by its host buffer copy."""
+    tensors = [(_bucket_key(item), t) for _, _, (_, data) in buckets for item, t in data]
+    buffers.reserve(tensors)
+    staged = [
+        (name, key, (bytes_data, [(item, buffers.copy(_bucket_key(item), t)) for item, t in data]))
+        for name, key, (bytes_data, data) in buckets
+    ]
+    buffers.synchronize()
+    return staged
+
+
+def _write_buckets(buckets: list, digests, results_queue) -> None:
+    """What megatron's forked writer does, on a thread and hashing: each bucket is one file of
+    DCP items; the write results go where megatron's finalisation reads them."""
+    write_item, lead, extra = mcore_compat.dcp_write_item()
+    results = {}
+    try:
+        for index, (file_name, storage_key, (bytes_data, tensor_data)) in enumerate(buckets):
+            with digests.open(file_name) as stream:
+                results[index] = [
+                    write_item(*lead, stream, data, item, storage_key, **extra)
+                    for item, data in [*bytes_data, *tensor_data]
+                ]
+    except BaseException as exc:
+        if results_queue is not None:
+            results_queue.put(exc)  # megatron's finalisation then fails on every rank
+        raise
+    if results_queue is not None:
+        results_queue.put(results)
+
+
+def advance_background_save(worker, block: bool = False) -> None:
+    """Finish a background save whose files every rank has written: megatron's collective last
+    step, then this rank's completion marker. Called by every rank at the same point (the start
+    of a train step, or ``finish_checkpoint`` with ``block``); without ``block`` the ranks first
+    agree, with one small all-reduce, that all of them are done writing."""
+    pending = worker.state.get("background_save")
+    if pending is None:
+        return
+    save, request = pending
+    if block:
+        save.wait_written()
+    else:
+        done = torch.tensor([1 if save.written() else 0], dtype=torch.int32)
+        if is_cuda(worker):
+            done = done.cuda()
+        dist.all_reduce(done, op=dist.ReduceOp.MIN)
+        if not int(done.item()):
+            return
+    del worker.state["background_save"]
+    for finalize in request.finalize_fns:
+        finalize()
+    save.complete()
+    save.join()
+
+
+def finish_checkpoint(worker, path: str) -> bool:
+    advance_background_save(worker, block=True)
+    return True
 
 
 def load_checkpoint(worker, path: str) -> bool:

@@ -13,7 +13,12 @@ import torch.distributed as dist
 
 from posttrain.distributed import destroy_default_process_group
 from posttrain.lr_schedule import lr_lambda
-from posttrain_megatron.checkpointing import load_checkpoint, save_checkpoint
+from posttrain_megatron.checkpointing import (
+    begin_checkpoint,
+    finish_checkpoint,
+    load_checkpoint,
+    save_checkpoint,
+)
 from posttrain_megatron.model_builder import (
     TRAIN,
     build_models,
@@ -26,10 +31,12 @@ from posttrain_megatron.training import compute_logprobs, compute_values, train_
 from posttrain_megatron.weights import export_hf, export_weights
 
 __all__ = [
+    "begin_checkpoint",
     "compute_logprobs",
     "compute_values",
     "export_hf",
     "export_weights",
+    "finish_checkpoint",
     "load_checkpoint",
     "load_model",
     "release_memory",

@@ -12,10 +12,15 @@
   * scale)``, also for the fp32 -> bf16 copy of the main params after each step). On one H200
   with a 1.5B model that is milliseconds per step. The same ops on torch's multi-tensor
   ``_foreach`` kernels replace them (same results up to summation order of the norm).
+* Asynchronous dist-checkpoint saves: megatron-core 0.19 defaults ``async_strategy`` to
+  ``nvrx`` (nvidia-resiliency-ext, not installed here); its own ``mcore`` path is what 0.16.1
+  always uses. The DCP item writer's signature (transforms, serialisation format) differs
+  between torch releases, as megatron's own writer notes.
 """
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import torch
@@ -76,3 +81,27 @@ def _mbridge_model_type() -> None:
     mbridge_util.ModelType = types.SimpleNamespace(
         encoder_or_decoder=ModelType.encoder_or_decoder, encoder_and_decoder=object()
     )
+
+
+def async_dist_save(sharded_state: dict, target: str):
+    """``dist_checkpointing.save(..., async_sharded_save=True)``: the AsyncRequest whose
+    ``async_fn_args`` are ``(rank, write_buckets, results_queue)`` and whose ``finalize_fns``
+    are collective."""
+    from megatron.core import dist_checkpointing
+
+    extra = {}
+    if "async_strategy" in inspect.signature(dist_checkpointing.save).parameters:
+        extra["async_strategy"] = "mcore"
+    return dist_checkpointing.save(sharded_state, target, async_sharded_save=True, **extra)
+
+
+def dcp_write_item():
+    """torch's DCP item writer with the leading arguments and keywords this torch expects."""
+    from torch.distributed.checkpoint import filesystem
+
+    params = inspect.signature(filesystem._write_item).parameters
+    lead = (filesystem._StorageWriterTransforms(),) if "transforms" in params else ()
+    extra = {}
+    if "serialization_format" in params:
+        extra["serialization_format"] = filesystem.SerializationFormat.TORCH_SAVE
+    return filesystem._write_item, lead, extra

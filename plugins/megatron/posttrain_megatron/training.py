@@ -23,6 +23,7 @@ from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_bat
 from posttrain.modeling import shifted_values
 from posttrain.protocol import SequenceBatch
 from posttrain_megatron import context_parallel, packing, token_scores
+from posttrain_megatron.checkpointing import advance_background_save
 from posttrain_megatron.model_builder import TRAIN, device
 
 log = logging.getLogger(__name__)
@@ -220,6 +221,9 @@ def _from_last_stage(obj: Any) -> Any:
 
 
 def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+    # Every rank is here at once: the point to complete a background checkpoint save whose
+    # files are all written (megatron's last step of a save is collective).
+    advance_background_save(worker)
     models = worker.model
     optimizer = worker.state["optimizer"]
     cp = worker.config.context_parallel_size

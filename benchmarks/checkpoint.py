@@ -1,0 +1,240 @@
+"""Checkpoint saves through posttrain: how long the training loop is blocked (stall) and how
+fast the files are written in the background, for fsdp2_train and megatron_train, against the
+disk's own speed measured with a plain file copy in the same run.
+
+    python benchmarks/checkpoint.py --device cpu  --shape qwen2-100m
+    python benchmarks/checkpoint.py --device cuda --shape qwen2-1.5b --dtype bf16
+
+One rank per trainer, a model built locally (random init), one optimizer step first so the
+optimizer state is saved too. Per trainer: a synchronous save (``trainer.async_save: false``,
+the whole save blocks the loop), then two background saves through the driver's
+``CheckpointSaver``, the code path ``posttrain run`` uses. The first background save allocates
+the host buffers; the second reuses them and is the one reported (one checkpoint kept, so the
+disk needs room for about three). ``write GB/s`` is the bytes of
+the checkpoint over the time from the end of the stall to the checkpoint being complete (files
+fsynced, manifest written, renamed), measured with nothing else running; ``step s`` and ``step
+s (saving)`` are a train step alone and one taken right after a background save began.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+
+SHAPES = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "qwen2-100m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+}
+GB = 1e9
+
+
+def build_model(shape: str, out_dir: str, dtype: str) -> int:
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from posttrain.presets import build_tokenizer
+
+    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(config)
+    if dtype == "bf16":
+        model = model.to(torch.bfloat16)
+    model.save_pretrained(out_dir)
+    build_tokenizer().save_pretrained(out_dir)
+    return sum(p.numel() for p in model.parameters())
+
+
+def strategy_config(strategy: str, dtype: str) -> tuple[dict, str]:
+    """(strategy_config, model_args.dtype): bf16 compute over float32 master weights."""
+    if strategy == "fsdp2_train":
+        return ({"param_dtype": dtype} if dtype != "fp32" else {}), "fp32"
+    return {}, dtype
+
+
+def disk_copy_rate(checkpoint: str, scratch: str) -> float:
+    """GB/s of a plain copy of the checkpoint's files (read from page cache, written and
+    fsynced to the same disk), the yardstick for the background write."""
+    total = 0
+    start = time.perf_counter()
+    for root, _, files in os.walk(checkpoint):
+        for name in files:
+            src = os.path.join(root, name)
+            dst = os.path.join(scratch, f"{len(os.listdir(scratch))}-{name}")
+            with open(src, "rb") as fin, open(dst, "wb") as fout:
+                shutil.copyfileobj(fin, fout, 16 << 20)
+                fout.flush()
+                os.fsync(fout.fileno())
+            total += os.path.getsize(src)
+    return total / GB / (time.perf_counter() - start)
+
+
+def measure(args, model_dir: str, strategy: str) -> dict:
+    import torch
+
+    from posttrain.checkpoint.saver import CheckpointSaver
+    from posttrain.config.converter import CONVERTER
+    from posttrain.config.sections import (
+        AlgorithmConfig,
+        ModelArgs,
+        RoleConfig,
+        StrategyArgs,
+        TrainingArgs,
+    )
+    from posttrain.launcher.base import GroupSpec
+    from posttrain.launcher.local import LocalLauncher
+    from posttrain.plugin_host import create_plugin_host
+    from posttrain.protocol import build_sequence_batch
+
+    spec = create_plugin_host().strategies()[strategy]
+    raw, model_dtype = strategy_config(strategy, args.dtype)
+    role = RoleConfig(
+        strategy_args=StrategyArgs(
+            strategy_name=strategy,
+            strategy_config=CONVERTER.structure(
+                {"micro_batch_size": args.batch, **raw}, spec.config_class
+            ),
+        ),
+        device_mapping=(0,),
+        model_args=ModelArgs(model_name_or_path=model_dir, dtype=model_dtype),
+        training_args=TrainingArgs(learning_rate=1e-5),
+    )
+    run_dir = tempfile.mkdtemp(prefix=f"ckpt-{strategy}-", dir=args.dir)
+    launcher = LocalLauncher()
+    try:
+        group = launcher.start_group(
+            GroupSpec(
+                role="actor_train",
+                config=role,
+                algorithm=AlgorithmConfig(),
+                seed=0,
+                run_dir=run_dir,
+                base_dir=model_dir,
+                device=args.device,
+            )
+        )
+        gen = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(10, 1000, (16,), generator=gen).tolist()] * args.batch
+        responses = [
+            torch.randint(10, 1000, (args.seq - 16,), generator=gen).tolist()
+            for _ in range(args.batch)
+        ]
+        batch = build_sequence_batch(prompts, responses, 0)
+        batch = batch.with_tensors(
+            old_logprobs=torch.full_like(batch.response_mask, -7.0),
+            advantages=torch.randn(args.batch, generator=gen)[:, None] * batch.response_mask,
+        )
+        batch.meta.update(
+            global_tokens=float(batch.response_mask.sum()), global_seqs=float(args.batch), dp_size=1
+        )
+
+        def step() -> float:
+            start = time.perf_counter()
+            group.call_dp("train_step", [batch])
+            return time.perf_counter() - start
+
+        step()
+        step_alone = step()
+
+        def saver(background: bool) -> CheckpointSaver:
+            return CheckpointSaver(
+                run_dir, {"actor_train": group}, {"actor_train": strategy}, {}, 1,
+                background=background, saved=lambda path, manifest: None,
+            )  # fmt: skip
+
+        sync = saver(False)
+        start = time.perf_counter()
+        sync.save(1, {"step": 1})
+        sync_s = time.perf_counter() - start
+        background = saver(True)
+        background.save(2, {"step": 2})
+        first_stall = background.stats["stall_s"]
+        background.wait()
+        background.save(3, {"step": 3})
+        begun = time.perf_counter()
+        background.wait()
+        write_s = time.perf_counter() - begun
+        stats = dict(background.stats)
+        scratch = tempfile.mkdtemp(prefix="copy-", dir=args.dir)
+        disk = disk_copy_rate(os.path.join(run_dir, "checkpoint-3"), scratch)
+        shutil.rmtree(scratch)
+        background.save(4, {"step": 4})
+        step_saving = step()
+        background.wait()
+    finally:
+        launcher.shutdown()
+        shutil.rmtree(run_dir, ignore_errors=True)
+    return {
+        "sync_s": sync_s,
+        "first_stall_s": first_stall,
+        "stall_s": stats["stall_s"],
+        "write_s": write_s,
+        "bytes": stats["bytes"],
+        "disk": disk,
+        "step": step_alone,
+        "step_saving": step_saving,
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default="qwen2-100m", choices=sorted(SHAPES))
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--strategies", default="fsdp2_train+megatron_train")
+    parser.add_argument("--dir", default=None, help="where checkpoints go (default: cwd)")
+    args = parser.parse_args()
+    args.dir = os.path.abspath(args.dir or os.getcwd())
+    results = {}
+    with tempfile.TemporaryDirectory(dir=args.dir) as model_dir:
+        params = build_model(args.shape, model_dir, args.dtype)
+        for strategy in args.strategies.split("+"):
+            results[strategy] = measure(args, model_dir, strategy)
+    print(
+        f"checkpoint saves: {args.shape} ({params / 1e6:.0f}M params), {args.device} x 1, "
+        f"{args.dtype}, checkpoints in {args.dir}"
+    )
+    print(
+        "| strategy | GB saved | sync save s | stall s (1st) | stall s | write s | write GB/s "
+        "| disk copy GB/s | write / disk | step s | step s (saving) |"
+    )
+    print("| --- | " + " | ".join(["---:"] * 10) + " |")
+    for strategy, r in results.items():
+        rate = r["bytes"] / GB / r["write_s"]
+        print(
+            f"| {strategy} | {r['bytes'] / GB:.2f} | {r['sync_s']:.2f} | {r['first_stall_s']:.2f} "
+            f"| {r['stall_s']:.3f} | {r['write_s']:.2f} | {rate:.2f} | {r['disk']:.2f} "
+            f"| {rate / r['disk']:.2f} | {r['step']:.3f} | {r['step_saving']:.3f} |"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
