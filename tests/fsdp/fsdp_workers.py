@@ -91,9 +91,16 @@ def train_one(runtime, step: int, rank: int, world_size: int, rows=None) -> dict
 
 
 def full_params(runtime) -> dict:
-    from posttrain_fsdp.engine import full_state_dict
+    """The full HF-named state dict on rank 0 (CPU, master dtype); empty on other ranks."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    return full_state_dict(runtime.ctx)
+    from posttrain_fsdp.engine import hf_name
+
+    state = get_model_state_dict(
+        runtime.ctx.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+    )
+    return {hf_name(k): v for k, v in state.items()} if dist.get_rank() == 0 else {}
 
 
 def full_optim(runtime) -> dict:

@@ -37,14 +37,13 @@ from posttrain.lr_schedule import lr_lambda
 from posttrain.modeling import sequence_scores
 from posttrain.models import load_model_with_head, load_tokenizer, torch_dtype
 from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
-from posttrain.tensors import unshare_storage
+from posttrain.safetensors_shards import write_shards
 
 log = logging.getLogger(__name__)
 
 TRAIN = "fsdp2_train"
 # Wrapper segments other tools insert into parameter names; HF names have none of them.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-_MAX_SHARD_BYTES = 5 * 2**30
 _logged_once: set[str] = set()
 
 
@@ -338,54 +337,33 @@ def _gathered(worker, keep: bool, device: str | None = "cpu") -> Iterator[tuple[
         yield hf_name(name), tensor
 
 
-def full_state_dict(worker) -> dict[str, torch.Tensor]:
-    """The full HF-named state dict on rank 0 (CPU, master dtype); empty on other ranks."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
-    state = get_model_state_dict(
-        worker.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-    )
-    return {hf_name(k): v for k, v in state.items()} if _is_rank0() else {}
-
-
 def export_hf(worker, path: str) -> bool:
-    state = full_state_dict(worker)
-    if _is_rank0():
-        _write_hf_dir(worker, state, path)
+    """Streamed: every rank gathers one tensor at a time (collectively) and rank 0 writes each
+    safetensors shard as soon as it is full, holding at most one shard on the host."""
+    model = worker.model
+    tied = set()
+    if getattr(model.config, "tie_word_embeddings", False):
+        # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
+        tied = set(_tied_head_names(model))
+    rank0 = _is_rank0()
+    named = ((n, t) for n, t in _gathered(worker, keep=rank0, device="cpu") if n not in tied)
+    if rank0:
+        write_shards(named, path)
+        _write_hf_config(worker, path)
+    else:
+        for _ in named:  # take part in every gather; rank 0 keeps the tensors
+            pass
     if dist.is_initialized():
         dist.barrier()
     return True
 
 
-def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
+def _write_hf_config(worker, path: str) -> None:
     model = worker.model
-    dtype = _export_dtype(worker)
     config = copy.deepcopy(model.config)
-    config.dtype = dtype
+    config.dtype = _export_dtype(worker)
     # A critic's directory loads as the value model it is (as save_pretrained records it).
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
-    if getattr(config, "tie_word_embeddings", False):
-        # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
-        for name in _tied_head_names(model):
-            state.pop(name, None)
-    tensors = unshare_storage((k, v.detach().to(dtype).contiguous()) for k, v in state.items())
-    shards = _shard_names(tensors, _MAX_SHARD_BYTES)
-    if len(shards) == 1:
-        save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for i, names in enumerate(shards):
-            fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-            save_file(
-                {n: tensors[n] for n in names}, os.path.join(path, fname), metadata={"format": "pt"}
-            )
-            weight_map.update(dict.fromkeys(names, fname))
-        total = sum(t.numel() * t.element_size() for t in tensors.values())
-        with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-            json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     config.save_pretrained(path)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
@@ -404,19 +382,6 @@ def _tied_head_names(model) -> list[str]:
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is out.weight]
     keep = [n for n, p in model.named_parameters() if p is out.weight]  # the first name stays
     return [hf_name(n) for n in names if n not in keep]
-
-
-def _shard_names(tensors: dict[str, torch.Tensor], limit: int) -> list[list[str]]:
-    shards: list[list[str]] = [[]]
-    size = 0
-    for name, t in tensors.items():
-        n = t.numel() * t.element_size()
-        if shards[-1] and size + n > limit:
-            shards.append([])
-            size = 0
-        shards[-1].append(name)
-        size += n
-    return shards
 
 
 # --------------------------------------------------------------------------------------------

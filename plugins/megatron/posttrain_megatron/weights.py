@@ -10,7 +10,6 @@ rollout role in the same process).
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 
 import torch
@@ -18,7 +17,7 @@ import torch.distributed as dist
 
 from posttrain.models import load_tokenizer, torch_dtype
 from posttrain.protocol import WeightBucket, bucketize
-from posttrain.tensors import unshare_storage
+from posttrain.safetensors_shards import write_shards
 from posttrain_megatron.model_builder import is_rank0
 
 log = logging.getLogger(__name__)
@@ -57,27 +56,29 @@ def _buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBuck
 
 
 def export_hf(worker, path: str) -> bool:
+    """Streamed: mbridge's walk gathers one tensor at a time on every rank and rank 0 writes each
+    safetensors shard as soon as it is full, holding at most one shard on the host."""
     rank0 = is_rank0()
-    state = dict(hf_tensors(worker, keep=rank0))
+    named = hf_tensors(worker, keep=rank0)
     if rank0:
-        write_hf_dir(worker, state, path)
+        write_shards(named, path)
+        write_hf_config(worker, path)
+    else:
+        for _ in named:  # take part in every gather; rank 0 keeps the tensors
+            pass
     if dist.is_initialized():
         dist.barrier()
     return True
 
 
-def write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
-    from safetensors.torch import save_file
-
-    os.makedirs(path, exist_ok=True)
+def write_hf_config(worker, path: str) -> None:
+    """The config (and tokenizer) beside exported weights."""
     hf_config = worker.state["bridge"].hf_config
     if worker.head == "value":  # a critic's directory loads as the value model it is
         from posttrain_megatron.value_head import export_config
 
         hf_config = export_config(hf_config)
     hf_config.dtype = torch_dtype(worker.model_args.dtype)
-    tensors = unshare_storage((k, v.contiguous()) for k, v in state.items())
-    save_file(tensors, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     hf_config.save_pretrained(path)
     try:
         load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
