@@ -75,3 +75,18 @@ class HostBuffers:
     def synchronize(self) -> None:
         if self.pin:
             torch.cuda.synchronize()
+
+
+# A rank's state at least this large is written by several threads at once (one file each):
+# one thread that serialises, hashes and writes keeps well under a disk's speed.
+PARALLEL_WRITE_BYTES = 1 << 30
+
+
+def write_threads(state_bytes: int) -> int:
+    """Writer threads for a rank's save of ``state_bytes``: 1 for small states (their file
+    layout and the order of their writes stay fixed), up to 4 for large ones."""
+    import os
+
+    if state_bytes < PARALLEL_WRITE_BYTES:
+        return 1
+    return max(1, min(4, os.cpu_count() or 1))

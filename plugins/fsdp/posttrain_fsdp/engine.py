@@ -452,7 +452,7 @@ def begin_checkpoint(worker, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from posttrain.checkpoint.background import BackgroundSave
-    from posttrain.checkpoint.host_buffers import HostBuffers
+    from posttrain.checkpoint.host_buffers import HostBuffers, write_threads
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     os.makedirs(path, exist_ok=True)
@@ -469,7 +469,7 @@ def begin_checkpoint(worker, path: str) -> dict:
     buffers.synchronize()
     save = BackgroundSave(path, rank)
     layout = _write_extras(worker, path, save.digests)
-    writer = _hashing_writer(os.path.join(path, "dcp"), save.digests)
+    writer = _hashing_writer(os.path.join(path, "dcp"), save.digests, write_threads(buffers.nbytes))
     group = worker.state.get("checkpoint_group")
     save.start(lambda: dcp.save(staged, storage_writer=writer, process_group=group))
     worker.state["background_save"] = save
@@ -536,8 +536,9 @@ class _HashingFileSystem(FileSystem):
         self.digests.renamed(path, new_path)
 
 
-def _hashing_writer(path: str, digests) -> FileSystemWriter:
-    writer = FileSystemWriter(path)
+def _hashing_writer(path: str, digests, threads: int = 1) -> FileSystemWriter:
+    """DCP's writer with ``threads`` files per rank written at once, each hashed as written."""
+    writer = FileSystemWriter(path, thread_count=threads)
     writer.fs = _HashingFileSystem(digests)
     return writer
 

@@ -102,7 +102,7 @@ def begin_checkpoint(worker, path: str) -> dict:
     collective: it runs on the main thread of every rank at the next train step once all ranks
     have written (:func:`advance_background_save`), or in :func:`finish_checkpoint`."""
     from posttrain.checkpoint.background import BackgroundSave
-    from posttrain.checkpoint.host_buffers import HostBuffers
+    from posttrain.checkpoint.host_buffers import HostBuffers, write_threads
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     target = _make_target(path)
@@ -118,7 +118,8 @@ def begin_checkpoint(worker, path: str) -> dict:
     staged = _staged_buckets(buckets, buffers)
     save = BackgroundSave(path, _rank(), finalize_on_main=True)
     layout = _write_extras(worker, path, optimizer, save.digests)
-    save.start(lambda: _write_buckets(staged, save.digests, results_queue))
+    threads = write_threads(buffers.nbytes)
+    save.start(lambda: _write_buckets(staged, save.digests, results_queue, threads))
     worker.state["background_save"] = (save, request)
     return layout
 
@@ -139,18 +140,25 @@ def _staged_buckets(buckets: list, buffers) -> list:
     return staged
 
 
-def _write_buckets(buckets: list, digests, results_queue) -> None:
-    """What megatron's forked writer does, on a thread and hashing: each bucket is one file of
-    DCP items; the write results go where megatron's finalisation reads them."""
+def _write_buckets(buckets: list, digests, results_queue, threads: int = 1) -> None:
+    """What megatron's forked writer does, on threads and hashing: each bucket is one file of
+    DCP items (``threads`` written at once); the write results go where megatron's
+    finalisation reads them."""
+    from concurrent.futures import ThreadPoolExecutor
+
     write_item, lead, extra = mcore_compat.dcp_write_item()
-    results = {}
+
+    def write_file(bucket) -> list:
+        file_name, storage_key, (bytes_data, tensor_data) = bucket
+        with digests.open(file_name) as stream:
+            return [
+                write_item(*lead, stream, data, item, storage_key, **extra)
+                for item, data in [*bytes_data, *tensor_data]
+            ]
+
     try:
-        for index, (file_name, storage_key, (bytes_data, tensor_data)) in enumerate(buckets):
-            with digests.open(file_name) as stream:
-                results[index] = [
-                    write_item(*lead, stream, data, item, storage_key, **extra)
-                    for item, data in [*bytes_data, *tensor_data]
-                ]
+        with ThreadPoolExecutor(max_workers=threads) as pool:
+            results = dict(enumerate(pool.map(write_file, buckets)))
     except BaseException as exc:
         if results_queue is not None:
             results_queue.put(exc)  # megatron's finalisation then fails on every rank
