@@ -123,6 +123,7 @@ class TestDeepSpeedRefusesAtStart:
     device = "cpu"
     spec_and_config = StrategyContract.spec_and_config
     start = StrategyContract.start
+    group_spec = classmethod(StrategyContract.group_spec.__func__)
 
     @pytest.mark.slow
     @pytest.mark.timeout(180)

@@ -42,6 +42,7 @@ class TestDeepSpeedBesideDeepSpeed:
     device = "cpu"
     spec_and_config = StrategyContract.spec_and_config
     start = StrategyContract.start
+    group_spec = classmethod(StrategyContract.group_spec.__func__)
 
     def test_train_beside_a_deepspeed_infer_reference(self, start, tiny_model_path):
         from posttrain.protocol import concat_tensor_rows
