@@ -44,25 +44,12 @@ import sys
 import tempfile
 import time
 
+from shapes import SHAPES as SHAPE_SIZES
+
+# Megatron builds rotary tables for the model's longest position: the benchmark's sequences.
+MAX_POSITIONS = {"qwen2-1.5b": 32768, "tiny": 256}
 SHAPES = {
-    "qwen2-1.5b": dict(
-        hidden_size=1536,
-        intermediate_size=8960,
-        num_hidden_layers=28,
-        num_attention_heads=12,
-        num_key_value_heads=2,
-        vocab_size=151936,
-        max_position_embeddings=32768,
-    ),
-    "tiny": dict(
-        hidden_size=64,
-        intermediate_size=256,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1024,
-        max_position_embeddings=256,
-    ),
+    name: {**SHAPE_SIZES[name], "max_position_embeddings": n} for name, n in MAX_POSITIONS.items()
 }
 # (sequences, tokens per sequence) per step.
 BATCHES = {"qwen2-1.5b": [(2, 4096), (4, 2048)], "tiny": [(2, 64), (4, 32)]}

@@ -17,7 +17,7 @@ import statistics
 import tempfile
 import time
 
-from train_throughput import SHAPES
+from shapes import SHAPES
 
 from posttrain.config.converter import CONVERTER
 from posttrain.config.sections import (

@@ -236,29 +236,24 @@ def _clip_grad_norm(model, max_norm: float | None) -> float:
 
 
 @torch.no_grad()
+def _score_tokens(worker, batch: SequenceBatch, score) -> torch.Tensor:
+    """``score`` (``rank_batches.score_logprobs`` / ``score_values``) of this rank's rows, the
+    model in eval mode meanwhile."""
+    model = worker.model
+    was_training = model.training
+    model.eval()
+    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
+    out = score(batch, groups, count, _device(worker), lambda mb: _forward_logits(model, mb))
+    model.train(was_training)
+    return out
+
+
 def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
-    model = worker.model
-    was_training = model.training
-    model.eval()
-    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
-    out = rank_batches.score_logprobs(
-        batch, groups, count, _device(worker), lambda mb: _forward_logits(model, mb)
-    )
-    model.train(was_training)
-    return out
+    return _score_tokens(worker, batch, rank_batches.score_logprobs)
 
 
-@torch.no_grad()
 def compute_values(worker, batch: SequenceBatch) -> torch.Tensor:
-    model = worker.model
-    was_training = model.training
-    model.eval()
-    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
-    out = rank_batches.score_values(
-        batch, groups, count, _device(worker), lambda mb: _forward_logits(model, mb)
-    )
-    model.train(was_training)
-    return out
+    return _score_tokens(worker, batch, rank_batches.score_values)
 
 
 @torch.no_grad()
