@@ -26,6 +26,7 @@ import tempfile
 import time
 
 from shapes import SHAPES
+from trainer_runs import random_train_batch, trainer_group
 
 GB = 1e9
 
@@ -71,63 +72,23 @@ def disk_copy_rate(checkpoint: str, scratch: str) -> float:
 
 
 def measure(args, model_dir: str, strategy: str) -> dict:
-    import torch
-
     from posttrain.checkpoint.saver import CheckpointSaver
-    from posttrain.config.converter import CONVERTER
-    from posttrain.config.sections import (
-        AlgorithmConfig,
-        ModelArgs,
-        RoleConfig,
-        StrategyArgs,
-        TrainingArgs,
-    )
-    from posttrain.launcher.base import GroupSpec
     from posttrain.launcher.local import LocalLauncher
-    from posttrain.plugin_host import create_plugin_host
-    from posttrain.protocol import build_sequence_batch
 
-    spec = create_plugin_host().strategies()[strategy]
     raw, model_dtype = strategy_config(strategy, args.dtype)
-    role = RoleConfig(
-        strategy_args=StrategyArgs(
-            strategy_name=strategy,
-            strategy_config=CONVERTER.structure(
-                {"micro_batch_size": args.batch, **raw}, spec.config_class
-            ),
-        ),
-        device_mapping=(0,),
-        model_args=ModelArgs(model_name_or_path=model_dir, dtype=model_dtype),
-        training_args=TrainingArgs(learning_rate=1e-5),
-    )
     run_dir = tempfile.mkdtemp(prefix=f"ckpt-{strategy}-", dir=args.dir)
     launcher = LocalLauncher()
     try:
-        group = launcher.start_group(
-            GroupSpec(
-                role="actor_train",
-                config=role,
-                algorithm=AlgorithmConfig(),
-                seed=0,
-                run_dir=run_dir,
-                base_dir=model_dir,
-                device=args.device,
-            )
+        group = trainer_group(
+            launcher,
+            strategy,
+            {"micro_batch_size": args.batch, **raw},
+            model_dir,
+            run_dir,
+            model_dtype=model_dtype,
+            device=args.device,
         )
-        gen = torch.Generator().manual_seed(0)
-        prompts = [torch.randint(10, 1000, (16,), generator=gen).tolist()] * args.batch
-        responses = [
-            torch.randint(10, 1000, (args.seq - 16,), generator=gen).tolist()
-            for _ in range(args.batch)
-        ]
-        batch = build_sequence_batch(prompts, responses, 0)
-        batch = batch.with_tensors(
-            old_logprobs=torch.full_like(batch.response_mask, -7.0),
-            advantages=torch.randn(args.batch, generator=gen)[:, None] * batch.response_mask,
-        )
-        batch.meta.update(
-            global_tokens=float(batch.response_mask.sum()), global_seqs=float(args.batch), dp_size=1
-        )
+        batch = random_train_batch(args.batch, args.seq, dp_size=1)
 
         def step() -> float:
             start = time.perf_counter()

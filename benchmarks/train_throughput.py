@@ -19,6 +19,7 @@ import tempfile
 import time
 
 from shapes import SHAPES
+from trainer_runs import random_train_batch, trainer_group
 
 
 def peak_memory(runtime) -> float:
@@ -66,68 +67,27 @@ def parse_strategy(text: str) -> tuple[str, dict]:
 
 def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
     """Seconds per step (the first left out) and peak GiB per rank of one strategy."""
-    import torch
-
-    from posttrain.config.converter import CONVERTER
-    from posttrain.config.sections import (
-        AlgorithmConfig,
-        ModelArgs,
-        RoleConfig,
-        StrategyArgs,
-        TrainingArgs,
-    )
-    from posttrain.launcher.base import GroupSpec
     from posttrain.launcher.local import LocalLauncher
-    from posttrain.plugin_host import create_plugin_host
-    from posttrain.protocol import build_sequence_batch
 
-    spec = create_plugin_host().strategies()[strategy]
     raw, model_dtype = {"micro_batch_size": args.batch, **extra}, "fp32"
     if args.dtype != "fp32":
         precision, model_dtype = MIXED_PRECISION[strategy](args.dtype)
         raw.update(precision)
-    role = RoleConfig(
-        strategy_args=StrategyArgs(
-            strategy_name=strategy, strategy_config=CONVERTER.structure(raw, spec.config_class)
-        ),
-        device_mapping=tuple(range(args.ranks)),
-        model_args=ModelArgs(
-            model_name_or_path=model_dir,
-            dtype=model_dtype,
-            disable_gradient_checkpointing=not args.checkpointing,
-        ),
-        training_args=TrainingArgs(learning_rate=1e-5),
-    )
     launcher = LocalLauncher()
     try:
-        group = launcher.start_group(
-            GroupSpec(
-                role="actor_train",
-                config=role,
-                algorithm=AlgorithmConfig(),
-                seed=0,
-                run_dir=model_dir,
-                base_dir=model_dir,
-                device=args.device,
-                threads=None if args.device == "cuda" else 1,
-            )
+        group = trainer_group(
+            launcher,
+            strategy,
+            raw,
+            model_dir,
+            model_dir,
+            model_dtype=model_dtype,
+            device=args.device,
+            ranks=args.ranks,
+            checkpointing=args.checkpointing,
+            threads=None if args.device == "cuda" else 1,
         )
-        gen = torch.Generator().manual_seed(0)
-        rows = args.batch * args.ranks
-        prompts = [torch.randint(10, 1000, (16,), generator=gen).tolist()] * rows
-        responses = [
-            torch.randint(10, 1000, (args.seq - 16,), generator=gen).tolist() for _ in range(rows)
-        ]
-        batch = build_sequence_batch(prompts, responses, 0)
-        batch = batch.with_tensors(
-            old_logprobs=torch.full_like(batch.response_mask, -7.0),
-            advantages=torch.randn(rows, generator=gen)[:, None] * batch.response_mask,
-        )
-        batch.meta.update(
-            global_tokens=float(batch.response_mask.sum()),
-            global_seqs=float(rows),
-            dp_size=group.dp_size,
-        )
+        batch = random_train_batch(args.batch * args.ranks, args.seq, dp_size=group.dp_size)
         times = []
         for _ in range(args.steps):
             start = time.perf_counter()

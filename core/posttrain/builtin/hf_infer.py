@@ -142,26 +142,27 @@ def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
 
 
 @torch.no_grad()
+def _in_chunks(worker, batch: SequenceBatch, score) -> torch.Tensor:
+    """``score(ids, mask)`` over ``infer_batch_size`` rows at a time, concatenated on the host."""
+    parts = []
+    step = _batch_size(worker)
+    for start in range(0, len(batch), step):
+        ids = batch.input_ids[start : start + step].to(worker.device)
+        mask = batch.attention_mask[start : start + step].to(worker.device)
+        parts.append(score(ids, mask).cpu())
+    return torch.cat(parts, dim=0)
+
+
 def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
-    parts = []
-    step = _batch_size(worker)
-    for start in range(0, len(batch), step):
-        ids = batch.input_ids[start : start + step].to(worker.device)
-        mask = batch.attention_mask[start : start + step].to(worker.device)
+    def logprobs(ids, mask):
         logits = worker.model(input_ids=ids, attention_mask=mask).logits
-        parts.append((shifted_token_logprobs(logits, ids) * mask).cpu())
-    return torch.cat(parts, dim=0)
+        return shifted_token_logprobs(logits, ids) * mask
+
+    return _in_chunks(worker, batch, logprobs)
 
 
-@torch.no_grad()
 def compute_scores(worker, batch: SequenceBatch) -> torch.Tensor:
-    parts = []
-    step = _batch_size(worker)
-    for start in range(0, len(batch), step):
-        ids = batch.input_ids[start : start + step].to(worker.device)
-        mask = batch.attention_mask[start : start + step].to(worker.device)
-        parts.append(sequence_scores(worker.model, ids, mask).cpu())
-    return torch.cat(parts, dim=0)
+    return _in_chunks(worker, batch, lambda ids, mask: sequence_scores(worker.model, ids, mask))
 
 
 def import_weights(worker, buckets) -> bool:
