@@ -20,7 +20,7 @@ import pluggy
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Iterable, Iterator
+    from collections.abc import Iterable, Iterator, Mapping
 
     from posttrain.algorithms.registry import AdvantageEstimator, AlgorithmPreset, PolicyLossTerm
     from posttrain.checkpoint.manifest import Manifest
@@ -404,13 +404,45 @@ def posttrain_export_hf(worker: WorkerContext, path: str) -> bool | None:
 
 
 @hookspec
+def posttrain_checkpoint_files(step: int, run_dir: str) -> dict[str, bytes] | None:
+    """Contribute files to the checkpoint of ``step``: ``{relative path: content}``.
+
+    Called on the driver, on the loop's thread, each time a save begins (after the step's
+    metrics are in the history, before any rank is asked to save). The core writes every file
+    under ``plugin_files/`` in the checkpoint's temporary directory, hashes it while writing and
+    lists it in the manifest, so resume verifies it like the ranks' files: a corrupted or missing
+    file makes resume refuse the checkpoint, naming the file. Return the bytes as they are at
+    this step (a background save completes later; the bytes are taken now). Paths are relative,
+    use ``/``, and should start with the plugin's name (``"myplugin/state.json"``); a path that
+    two plugins return, or one that leaves ``plugin_files/``, is an error naming the plugins.
+    On resume, ``posttrain_restore_checkpoint_files`` hands the files back. This is the only
+    way for a plugin to put a file into a checkpoint: a file added to a complete checkpoint
+    (after its manifest, e.g. from ``posttrain_checkpoint_saved``) makes resume refuse it.
+    Not firstresult: every plugin's dict is written.
+    """
+
+
+@hookspec
+def posttrain_restore_checkpoint_files(step: int, files: dict[str, bytes]) -> None:
+    """Receive the files contributed through ``posttrain_checkpoint_files`` on resume.
+
+    Called on the driver once when a run resumes from the checkpoint of ``step``, after the
+    checkpoint was verified against its manifest and before the first step runs. ``files``
+    holds every contributed file of the checkpoint (all plugins'), by the relative path its
+    plugin gave; take your own. Not firstresult.
+    """
+
+
+@hookspec
 def posttrain_checkpoint_saved(checkpoint_dir: str, manifest: Manifest) -> None:
     """Notify that a complete checkpoint now exists at ``checkpoint_dir``.
 
     Called on the driver after the atomic rename. For background saves (``trainer.async_save``)
     it runs on the driver's checkpoint finaliser thread while the training loop goes on: an
     implementation that takes long delays only the next save, which waits for this one.
-    Use it to add export formats or upload. Not firstresult.
+    Use it to upload, or to export other formats *outside* ``checkpoint_dir``: the checkpoint is
+    complete and must not change (resume refuses a checkpoint holding a file its manifest does
+    not list; add files through ``posttrain_checkpoint_files``). Not firstresult.
     """
 
 
@@ -444,12 +476,29 @@ def posttrain_shutdown_worker(worker: WorkerContext) -> bool | None:
 
 
 @hookspec
+def posttrain_step_metrics(step: int, metrics: Mapping[str, float]) -> dict[str, float] | None:
+    """Contribute scalar metrics (and timings) to step ``step``.
+
+    Called on the driver after every step, once the core's metrics of the step are complete
+    (``metrics``, read-only: rewards, losses, ``time/<phase>`` seconds of each phase, ...), and
+    before the step enters the history and reaches ``posttrain_log_metrics``. Return
+    ``{name: number}``: the metrics are added to the step, so every logger (console line,
+    ``metrics.jsonl``, TensorBoard) receives them and checkpoints keep them in the history.
+    Name a timing ``time/<phase>`` (seconds) to have it shown beside the core's phases. A name
+    the core or another plugin already reported, or a value that is not a real number, is an
+    error naming the plugin. Not firstresult: every plugin's dict is merged.
+    """
+
+
+@hookspec
 def posttrain_log_metrics(step: int, metrics: dict[str, float], run_dir: str) -> None:
     """Receive one step's scalar metrics.
 
-    Called on the driver after every step. The core's loggers (console, jsonl, tensorboard) are
+    Called on the driver after every step, with the core's metrics and those plugins added
+    through ``posttrain_step_metrics``. The core's loggers (console, jsonl, tensorboard) are
     plugins implementing this; the workflow's ``trainer.logger`` list says which are active.
-    Not firstresult.
+    Receive, do not change: to add metrics, implement ``posttrain_step_metrics``. Not
+    firstresult.
     """
 
 

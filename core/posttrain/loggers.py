@@ -20,9 +20,13 @@ CONSOLE_KEYS = (
 
 
 class ConsoleLogger:
-    def __init__(self, console, max_steps: int):
+    """``contributed``: names of the metrics plugins add (``posttrain_step_metrics``), shown
+    after the core's; the trainer fills the set as they appear."""
+
+    def __init__(self, console, max_steps: int, contributed: set[str] | frozenset = frozenset()):
         self.console = console
         self.max_steps = max_steps
+        self.contributed = contributed
 
     @hookimpl
     def posttrain_log_metrics(self, step, metrics, run_dir):
@@ -31,6 +35,11 @@ class ConsoleLogger:
             f"{label} {fmt.format(metrics[key])}"
             for key, label, fmt in CONSOLE_KEYS
             if key in metrics
+        ]
+        parts += [
+            f"{key} {metrics[key]:.4g}"
+            for key in sorted(self.contributed)
+            if key in metrics and not key.startswith("time/")
         ]
         phases = [
             f"{k.split('/', 1)[1]} {v:.2f}s"
@@ -43,8 +52,31 @@ class ConsoleLogger:
 
 
 class JsonlLogger:
-    def __init__(self, run_dir: str):
+    """Appends a line per step to ``metrics.jsonl``. ``start_step``: the step the run starts
+    after (a resumed run's checkpoint, else 0); lines an earlier run in this directory wrote for
+    later steps (a killed run's) are dropped first, so that the file holds each step once."""
+
+    def __init__(self, run_dir: str, start_step: int = 0):
         self.path = os.path.join(run_dir, "metrics.jsonl")
+        if os.path.exists(self.path):
+            self._drop_after(start_step)
+
+    def _drop_after(self, step: int) -> None:
+        with open(self.path, encoding="utf-8") as f:
+            lines = f.readlines()
+        # A line cut short by a kill is not JSON: it and everything after it goes.
+        kept = []
+        for line in lines:
+            try:
+                if json.loads(line)["step"] > step:
+                    continue
+            except (json.JSONDecodeError, KeyError, TypeError):
+                break
+            kept.append(line)
+        tmp = self.path + ".tmp"
+        with open(tmp, "w", encoding="utf-8") as f:
+            f.writelines(kept)
+        os.replace(tmp, self.path)
 
     @hookimpl
     def posttrain_log_metrics(self, step, metrics, run_dir):
@@ -53,10 +85,11 @@ class JsonlLogger:
 
 
 class TensorboardLogger:
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, start_step: int = 0):
         from torch.utils.tensorboard import SummaryWriter
 
-        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"))
+        # purge_step: TensorBoard hides what an earlier run (a killed one) logged after it.
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
 
     @hookimpl
     def posttrain_log_metrics(self, step, metrics, run_dir):

@@ -134,6 +134,16 @@ class PluginHost:
             self._strategies = found
         return self._strategies
 
+    def answers_by_plugin(self, hook_name: str, **kwargs) -> list[tuple[str, object]]:
+        """Call every implementation of a collecting hook; return ``(plugin name, answer)``
+        pairs (None answers left out), so that a bad answer can be blamed on its plugin."""
+        answers = []
+        for impl in getattr(self.pm.hook, hook_name).get_hookimpls():
+            answer = impl.function(**{name: kwargs[name] for name in impl.argnames})
+            if answer is not None:
+                answers.append((impl.plugin_name, answer))
+        return answers
+
     def hooks_of(self, plugin_name: str) -> list[str]:
         plugin = self.pm.get_plugin(plugin_name)
         if plugin is None:

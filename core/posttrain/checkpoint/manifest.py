@@ -54,23 +54,40 @@ def sha256_file(path: str) -> str:
     return digest.hexdigest()
 
 
+def checksum_tree_paths(directory: str) -> list[str]:
+    """Every file under ``directory`` but the manifest, relative, sorted."""
+    out = []
+    for root, _, files in os.walk(directory):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), directory)
+            if rel != MANIFEST:
+                out.append(rel)
+    return sorted(out)
+
+
 def checksum_tree(directory: str, known: dict[str, str] | None = None) -> dict[str, str]:
     """sha256 of every file under ``directory`` (the manifest excepted). ``known`` holds digests
     computed while the files were written (relative paths); only the other files are read."""
     known = known or {}
-    out = {}
-    for root, _, files in os.walk(directory):
-        for name in files:
-            full = os.path.join(root, name)
-            rel = os.path.relpath(full, directory)
-            if rel != MANIFEST:
-                out[rel] = known[rel] if rel in known else sha256_file(full)
-    return dict(sorted(out.items()))
+    return {
+        rel: known[rel] if rel in known else sha256_file(os.path.join(directory, rel))
+        for rel in checksum_tree_paths(directory)
+    }
 
 
 def verify(directory: str) -> Manifest:
-    """The manifest, after checking that every listed file exists with its checksum."""
+    """The manifest, after checking that every listed file exists with its checksum and that
+    no other file is there: a file added to a complete checkpoint was never checksummed, so
+    nothing says it is the one its writer meant."""
     manifest = Manifest.read(directory)
+    unlisted = sorted(set(checksum_tree_paths(directory)) - set(manifest.files))
+    if unlisted:
+        raise CheckpointError(
+            f"checkpoint {display_path(directory)}: {', '.join(unlisted[:5])} "
+            f"{'is' if len(unlisted) == 1 else 'are'} not listed in its {MANIFEST} (added after "
+            "the checkpoint was complete); remove what was added, or resume from another "
+            "checkpoint. Plugins add files through posttrain_checkpoint_files."
+        )
     for rel, expected in manifest.files.items():
         full = os.path.join(directory, rel)
         if not os.path.isfile(full):

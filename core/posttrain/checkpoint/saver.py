@@ -17,6 +17,7 @@ from collections.abc import Callable
 from typing import Any
 
 from posttrain.checkpoint import manager
+from posttrain.checkpoint import plugin_files as contributed
 from posttrain.checkpoint.background import marker_path, read_marker
 from posttrain.errors import CheckpointError
 
@@ -52,7 +53,9 @@ class CheckpointSaver:
         # Figures of the last save (benchmarks/checkpoint.py prints them).
         self.stats: dict[str, float] = {}
 
-    def save(self, step: int, driver_state: dict[str, Any]) -> None:
+    def save(self, step: int, driver_state: dict[str, Any], plugin_files: dict[str, bytes]) -> None:
+        """``plugin_files``: what plugins contribute (:mod:`posttrain.checkpoint.plugin_files`),
+        written with the driver's state."""
         self.wait()
         start = time.perf_counter()
         # Serialised now: the loop keeps appending to the history while the save completes.
@@ -73,6 +76,7 @@ class CheckpointSaver:
             if markers and markers[-1][0] == role_dir:
                 self._waiting_roles[role] = role_dir
         known = manager.write_driver_state(tmp, state)
+        known.update(contributed.write(tmp, plugin_files))
         self.stats = {"stall_s": time.perf_counter() - start}
         if not markers:
             self._finalize(step, tmp, roles, known, [])

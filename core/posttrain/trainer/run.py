@@ -17,6 +17,8 @@ import yaml
 
 from posttrain.algorithms.registry import advantage_estimator
 from posttrain.checkpoint import manager as ckpt
+from posttrain.checkpoint import plugin_files
+from posttrain.checkpoint.manifest import Manifest
 from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.data import PromptSampler, load_prompts
@@ -33,8 +35,9 @@ from posttrain.protocol import (
 )
 from posttrain.reward_pool import RuleRewards
 from posttrain.rewards import resolve_reward_function, reward_function_names
-from posttrain.trainer.phases import PhaseTimer
+from posttrain.trainer.phases import PHASES, PhaseTimer
 from posttrain.trainer.placement import TimeSharing, colocated
+from posttrain.trainer.plugin_metrics import contributed_metrics
 from posttrain.trainer.sampling import ScoredGroups, collect_groups
 
 # Roles whose state a checkpoint must hold (rollout and reference are rebuilt from them).
@@ -152,6 +155,9 @@ class Trainer:
         self.rule_rewards: RuleRewards | None = None
         # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
         self._saver: CheckpointSaver | None = None
+        self.steps_run = 0  # steps this run (a resumed run starts after its checkpoint's)
+        # Names of the metrics plugins add (posttrain_step_metrics): the console shows them.
+        self.contributed_metric_names: set[str] = set()
 
     # -- set-up ----------------------------------------------------------------------------
 
@@ -175,12 +181,16 @@ class Trainer:
         from posttrain.loggers import ConsoleLogger, JsonlLogger, TensorboardLogger
 
         for name in self.wf.trainer.logger:
+            # A resumed run logs again the steps after its checkpoint: the loggers that keep
+            # files drop what an earlier (killed) run logged beyond it.
             if name == "console":
-                plugin = ConsoleLogger(self.console, self.wf.trainer.max_steps)
+                plugin = ConsoleLogger(
+                    self.console, self.wf.trainer.max_steps, self.contributed_metric_names
+                )
             elif name == "jsonl":
-                plugin = JsonlLogger(self.run_dir)
+                plugin = JsonlLogger(self.run_dir, start_step=self.state.step)
             else:
-                plugin = TensorboardLogger(self.run_dir)
+                plugin = TensorboardLogger(self.run_dir, start_step=self.state.step)
             self.host.pm.register(plugin, name=f"logger-{name}")
 
     def _start_groups(self) -> None:
@@ -210,6 +220,8 @@ class Trainer:
         from posttrain.models import load_tokenizer
 
         resume_from = self._prepare_run_dir()
+        # Verified before any process starts: a checkpoint that cannot be used is refused fast.
+        checkpoint = self._verified_checkpoint(resume_from) if resume_from else None
         self._save_workflow_copy()
         infer_role = self.wf.actor_infer
         self.tokenizer = load_tokenizer(infer_role.model_args, self.wf.base_dir)
@@ -224,8 +236,8 @@ class Trainer:
             self._start_groups()
             self.sharing = TimeSharing(self.groups, enabled=self.device == "cuda")
             self.transport = self._make_transport()
-            if resume_from:
-                self._resume(resume_from, sampler)
+            if checkpoint:
+                self._resume(checkpoint, sampler)
             self._register_loggers()
             self._loop(sampler)
             if self._saver is not None:
@@ -255,18 +267,27 @@ class Trainer:
             )
         return transports[name](bucket_bytes=self.wf.trainer.weight_sync_bucket_mb << 20)
 
-    def _resume(self, path: str, sampler: PromptSampler) -> None:
+    def _verified_checkpoint(self, path: str) -> tuple[str, Manifest, dict[str, Any]]:
+        """The checkpoint to resume from, its files checked against its manifest."""
         manifest, state = ckpt.load_driver_state(path)
         for role in manifest.roles:
-            if role not in self.groups:
+            if role not in self.wf.roles():
                 raise UserError(
                     f"checkpoint {display_path(path)} holds role '{role}' that this workflow lacks"
                 )
+        return path, manifest, state
+
+    def _resume(self, checkpoint: tuple[str, Manifest, dict[str, Any]], sampler) -> None:
+        path, manifest, state = checkpoint
+        for role in manifest.roles:
             self.groups[role].call("load_checkpoint", os.path.join(path, role))
         self.state = DriverState(
             step=state["step"], sampler=state["sampler"], history=state["history"]
         )
         sampler.load_state(self.state.sampler)
+        self.host.hook.posttrain_restore_checkpoint_files(
+            step=self.state.step, files=plugin_files.read(path, manifest.files)
+        )
         self._sync_weights()
         self.console.print(f"resumed from {display_path(path)} at step {self.state.step}")
 
@@ -279,25 +300,37 @@ class Trainer:
                 step_start = time.perf_counter()
                 calls_before = self.launcher.driver_calls()
                 metrics = self._step(sampler, timer)
+                tokens = metrics.pop("_tokens")
+                self._time_step(metrics, timer, step_start, calls_before, tokens)
+                added = contributed_metrics(self.host, self.state.step, metrics)
+                self.contributed_metric_names.update(added)
+                metrics.update(added)
+                # In the history before the save, so that the checkpoint of a step holds the
+                # step's metrics (the save's own time is added after it, to the live copy).
+                self.state.history.append(metrics)
+                self.steps_run += 1
                 if (t.save_steps and self.state.step % t.save_steps == 0) or (
                     t.save_final and self.state.step == t.max_steps
                 ):
                     with timer.phase("checkpoint"):
                         self._checkpoint(sampler)
-                phases = timer.pop()
-                metrics.update(phases)
-                metrics["time/step"] = time.perf_counter() - step_start
-                # The driver's own work: what the phases do not account for, and its calls.
-                metrics["time/outside_phases"] = metrics["time/step"] - sum(phases.values())
-                metrics["driver/calls"] = float(self.launcher.driver_calls() - calls_before)
-                metrics["perf/tokens_per_s"] = metrics.pop("_tokens") / metrics["time/step"]
-                metrics["step"] = self.state.step
-                self.state.history.append(metrics)
+                    self._time_step(metrics, timer, step_start, calls_before, tokens)
                 self.host.hook.posttrain_log_metrics(
                     step=self.state.step, metrics=metrics, run_dir=self.run_dir
                 )
         finally:
             timer.stop()
+
+    def _time_step(self, metrics, timer: PhaseTimer, start: float, calls_before: int, tokens):
+        """The step's timings so far: each phase, the whole step, and the driver's own work
+        (what the phases do not account for, and its calls)."""
+        metrics.update(timer.pop())
+        metrics["time/step"] = time.perf_counter() - start
+        phases = sum(v for k, v in metrics.items() if k.removeprefix("time/") in PHASES)
+        metrics["time/outside_phases"] = metrics["time/step"] - phases
+        metrics["driver/calls"] = float(self.launcher.driver_calls() - calls_before)
+        metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
+        metrics["step"] = self.state.step
 
     def _step(self, sampler: PromptSampler, timer: PhaseTimer) -> dict[str, float]:
         algo = self.wf.algorithm
@@ -552,7 +585,8 @@ class Trainer:
                 ),
             )
         state = {"step": self.state.step, "sampler": sampler.state(), "history": self.state.history}
-        self._saver.save(self.state.step, state)
+        files = plugin_files.collect(self.host, self.state.step, self.run_dir)
+        self._saver.save(self.state.step, state, files)
 
 
 def _masked_mean(values, mask) -> float:
@@ -619,8 +653,10 @@ def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> li
     trainer = Trainer(workflow, host, console, source=source)
     console.print(f"run directory: {display_path(trainer.run_dir)}")
     history = trainer.run()
+    first = trainer.state.step - trainer.steps_run + 1
+    ran = f"steps {first}-{trainer.state.step}" if trainer.steps_run else "nothing left to run"
     console.print(
-        f"done: {len(history)} steps this run; curves at "
+        f"done: {trainer.steps_run} steps this run ({ran}); curves at "
         f"{display_path(os.path.join(trainer.run_dir, 'curves.png'))}"
     )
     return history
