@@ -140,6 +140,9 @@ def test_example_plugin_through_entry_point(example_venv):
         "posttrain_add_advantage_estimators",
         "posttrain_add_cli_commands",
         "posttrain_add_reward_functions",
+        "posttrain_checkpoint_files",
+        "posttrain_restore_checkpoint_files",
+        "posttrain_step_metrics",
         "posttrain_sync_weights",
     ]
     assert out["entry_module_torch_free"]
@@ -156,6 +159,73 @@ def test_example_plugin_through_entry_point(example_venv):
     record = json.loads(lines[0])
     assert record["sync"] == 1 and record["bytes"] == 10 and record["buckets"] == 1
     assert 0.0 <= record["seconds"] < 60.0
+
+
+def _run(python, work, run_dir, max_steps: int):
+    """A short quickstart in the venv: a checkpoint every step, resuming where it stopped."""
+    overrides = {
+        "trainer.output_dir": str(run_dir),
+        "trainer.max_steps": max_steps,
+        "trainer.save_steps": 1,
+        "trainer.resume": "auto",
+        "trainer.logger": "[console,jsonl,tensorboard]",
+        "algorithm.rollout_batch_size": 4,
+        "algorithm.group_size": 4,
+    }
+    sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
+    quickstart = str(REPO / "examples" / "quickstart.yaml")
+    return run_in_venv(python, ["-m", "posttrain.cli", "run", quickstart, *sets], work)
+
+
+def _tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(run_dir / "tensorboard"))
+    events.Reload()
+    return {e.step: e.value for e in events.Scalars(tag)}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_example_plugin_metrics_and_checkpoint_files_in_a_run(example_venv):
+    """The plugin's metric reaches every logger; its checkpoint file is checksummed, comes
+    back on resume, and a corrupted or an added file makes resume refuse the checkpoint."""
+    python, work = example_venv
+    run_dir = work / "run"
+    proc = _run(python, work, run_dir, max_steps=2)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "example/syncs 2" in proc.stdout  # the console line
+    assert "done: 2 steps this run (steps 1-2)" in proc.stdout
+    manifest = json.loads((run_dir / "checkpoint-2" / "manifest.json").read_text())
+    contributed = "plugin_files/example/sync_times.json"
+    assert contributed in manifest["files"]
+    assert len(json.loads((run_dir / "checkpoint-2" / contributed).read_text())) == 2
+
+    # Resumed: the plugin gets its file back and counts on (2 + the resume's sync + step 3's).
+    proc = _run(python, work, run_dir, max_steps=3)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "done: 1 steps this run (steps 3-3)" in proc.stdout
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in lines] == [1, 2, 3]
+    assert [m["example/syncs"] for m in lines] == [1.0, 2.0, 4.0]
+    assert all(m["time/example_sync"] > 0 for m in lines)
+    assert _tensorboard_scalars(run_dir, "example/syncs") == {1: 1.0, 2: 2.0, 3: 4.0}
+    history = json.loads((run_dir / "checkpoint-3" / "driver_state.json").read_text())["history"]
+    assert [m["step"] for m in history] == [1, 2, 3]  # the checkpoint's own step included
+
+    saved = run_dir / "checkpoint-3" / contributed
+    good = saved.read_bytes()
+    saved.write_bytes(good.replace(b"seconds", b"secondz"))
+    proc = _run(python, work, run_dir, max_steps=4)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert f"file {contributed} is corrupted" in proc.stdout + proc.stderr
+    assert "Traceback" not in proc.stdout + proc.stderr
+
+    saved.write_bytes(good)
+    (run_dir / "checkpoint-3" / "example-after.json").write_text("{}")
+    proc = _run(python, work, run_dir, max_steps=4)
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "example-after.json is not listed" in proc.stdout + proc.stderr
 
 
 @pytest.mark.slow

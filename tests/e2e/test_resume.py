@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -66,7 +67,14 @@ def assert_same_run(resumed: Path, uninterrupted) -> None:
 def test_sigkill_between_checkpoints_then_resume(tmp_path, uninterrupted):
     run_dir = tmp_path / "killed"
     kill_after_checkpoint(QUICKSTART, run_dir, *SMALL)
-    run(run_dir)
+    resumed = run(run_dir)
+    assert resumed_at(resumed.stdout) == 3
+    assert "done: 7 steps this run (steps 4-10)" in " ".join(resumed.stdout.split())
+    # Each step once in the log (the killed run's steps after 3 replaced), and in the history
+    # the last checkpoint holds, its own step included.
+    assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 11))
+    state = json.loads((run_dir / "checkpoint-10" / "driver_state.json").read_text())
+    assert [m["step"] for m in state["history"]] == list(range(1, 11))
     assert_same_run(run_dir, uninterrupted)
 
 

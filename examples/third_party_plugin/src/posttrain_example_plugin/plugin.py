@@ -7,7 +7,11 @@ It implements four hooks:
 * ``posttrain_sync_weights`` as a hook wrapper: times every weight sync and appends one JSON line
   per sync to ``$POSTTRAIN_EXAMPLE_TIMINGS_DIR/weight_sync_times.jsonl`` (default: the current
   directory);
-* ``posttrain_add_cli_commands``: the subcommand ``posttrain example-hello``.
+* ``posttrain_add_cli_commands``: the subcommand ``posttrain example-hello``;
+* ``posttrain_step_metrics``: ``example/syncs`` (weight syncs timed so far, this run and the runs
+  it resumed) and ``time/example_sync`` (seconds of the step's syncs, shown with the phases);
+* ``posttrain_checkpoint_files`` / ``posttrain_restore_checkpoint_files``: the timings travel in
+  every checkpoint as ``example/sync_times.json`` and come back on resume, so the count goes on.
 """
 
 from __future__ import annotations
@@ -66,3 +70,32 @@ def posttrain_add_cli_commands(subparsers):
 def _hello(args, host=None) -> int:
     print(f"hello, {args.name}, from posttrain-example-plugin")
     return 0
+
+
+CHECKPOINT_FILE = "example/sync_times.json"
+# Syncs timed up to the previous step: the step's metrics cover the syncs after it.
+_reported = 0
+
+
+@hookimpl
+def posttrain_step_metrics(step, metrics):
+    global _reported
+    this_step = SYNC_TIMES[_reported:]
+    _reported = len(SYNC_TIMES)
+    return {
+        "example/syncs": float(len(SYNC_TIMES)),
+        "time/example_sync": sum(r["seconds"] for r in this_step),
+    }
+
+
+@hookimpl
+def posttrain_checkpoint_files(step, run_dir):
+    return {CHECKPOINT_FILE: json.dumps(SYNC_TIMES).encode()}
+
+
+@hookimpl
+def posttrain_restore_checkpoint_files(step, files):
+    global _reported
+    if CHECKPOINT_FILE in files:
+        SYNC_TIMES[:] = json.loads(files[CHECKPOINT_FILE])
+        _reported = len(SYNC_TIMES)
