@@ -2,7 +2,8 @@
 
 Built-in plugins are registered first; third-party plugins come from the entry-point group
 ``posttrain``. ``POSTTRAIN_PLUGINS=a,b`` loads only the named entry points;
-``POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD=1`` loads none (built-ins stay).
+``POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD=1`` loads none (built-ins stay). Either setting wins over a
+workflow's ``plugins:`` list, which is told which setting left its plugin out.
 """
 
 from __future__ import annotations
@@ -45,6 +46,10 @@ class PluginInfo:
 class PluginHost:
     pm: pluggy.PluginManager
     plugins: list[PluginInfo] = attrs.field(factory=list)
+    # Installed entry points that POSTTRAIN_PLUGINS or POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD left
+    # out, by entry-point and distribution name -> (the setting that did, a hint): a workflow
+    # naming one is told why it is missing, not that it is not installed.
+    excluded: dict[str, tuple[str, str]] = attrs.field(factory=dict)
     _strategies: dict[str, StrategySpec] | None = None
 
     @property
@@ -74,6 +79,14 @@ class PluginHost:
                         f"plugin '{name}' failed to import: {failed.error}",
                         "fix or reinstall the plugin",
                     )
+                )
+                continue
+            if name in self.excluded:
+                # The variable was set on purpose (to debug, or to pick one of two plugins that
+                # clash), so the workflow does not override it.
+                setting, hint = self.excluded[name]
+                problems.append(
+                    (index, f"plugin '{name}' is installed but excluded by {setting}", hint)
                 )
                 continue
             try:
@@ -152,12 +165,25 @@ class PluginHost:
 
 
 def _load_entry_point_plugins(host: PluginHost) -> None:
-    if os.environ.get("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "") not in ("", "0"):
-        return
-    allow = {n.strip() for n in os.environ.get("POSTTRAIN_PLUGINS", "").split(",") if n.strip()}
+    disabled = os.environ.get("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "")
+    allowed = os.environ.get("POSTTRAIN_PLUGINS", "")
+    allow = {n.strip() for n in allowed.split(",") if n.strip()}
     for ep in importlib.metadata.entry_points(group=ENTRY_POINT_GROUP):
         dist = ep.dist.name if ep.dist else ""
-        if allow and ep.name not in allow and dist not in allow:
+        if disabled not in ("", "0"):
+            why = (
+                f"POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD={disabled}",
+                "unset POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD to load installed plugins",
+            )
+        elif allow and ep.name not in allow and dist not in allow:
+            why = (
+                f"POSTTRAIN_PLUGINS={allowed}",
+                f"add '{ep.name}' to POSTTRAIN_PLUGINS, or unset it to load every plugin",
+            )
+        else:
+            why = None
+        if why:  # remembered, never imported
+            host.excluded.update(dict.fromkeys(filter(None, (ep.name, dist)), why))
             continue
         if host.pm.get_plugin(ep.name) is not None:
             continue

@@ -1,5 +1,5 @@
 """The plugin host: built-ins, entry points (with autoload off and an allowlist), workflow-named
-plugins, and strategy-name conflicts."""
+plugins (and those the two settings exclude), and strategy-name conflicts."""
 
 from __future__ import annotations
 
@@ -234,3 +234,63 @@ def test_extra_plugin_strategy_is_tagged_with_its_plugin(
     assert spec.plugin == plugin_name
     assert spec.capabilities.parallel_dims == ("tensor_model_parallel_size",)
     assert fake_train_host.hooks_of(plugin_name) == ["posttrain_add_strategies"]
+
+
+@pytest.fixture
+def installed_fake_plugin(tmp_path, monkeypatch):
+    """One installed distribution, 'posttrain-contract-fake', whose entry point 'fake_ok' is the
+    module of ``fake_entry_points``: the entry points come from real dist-info metadata, so they
+    carry their distribution's name as installed ones do."""
+    dist_info = tmp_path / "posttrain_contract_fake-0.3.dist-info"
+    dist_info.mkdir()
+    (dist_info / "METADATA").write_text("Name: posttrain-contract-fake\nVersion: 0.3\n")
+    (dist_info / "entry_points.txt").write_text(
+        f"[{ENTRY_POINT_GROUP}]\nfake_ok = {FAKE_EP_MODULE}\n"
+    )
+    eps = importlib.metadata.PathDistribution(dist_info).entry_points
+
+    def entry_points(**params):
+        assert params == {"group": ENTRY_POINT_GROUP}
+        return eps.select(**params)
+
+    monkeypatch.setattr(importlib.metadata, "entry_points", entry_points)
+
+
+@pytest.mark.parametrize(
+    ("variable", "value", "hint"),
+    [
+        ("POSTTRAIN_PLUGINS", "someone_else", "add 'fake_ok' to POSTTRAIN_PLUGINS, or unset it"),
+        ("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1", "unset POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD"),
+    ],
+    ids=["allowlist", "autoload_off"],
+)
+@pytest.mark.parametrize("named", ["fake_ok", "posttrain-contract-fake"], ids=["entry", "dist"])
+def test_workflow_naming_an_excluded_plugin_says_why(
+    fake_entry_points, installed_fake_plugin, monkeypatch, tmp_path, variable, value, hint, named
+):
+    monkeypatch.setenv(variable, value)
+    host = create_plugin_host()
+    report = ErrorReport()
+    raw = {"plugins": ["no_such_plugin_module_xyz", named]}
+    build_workflow(raw, host, report, base_dir=str(tmp_path))
+    issue = next(i for i in report.errors if i.path == "plugins[1]")
+    assert issue.message == f"plugin '{named}' is installed but excluded by {variable}={value}"
+    assert issue.hint.startswith(hint)
+    # The setting wins: the plugin stays unloaded, its module unimported.
+    assert FAKE_EP_MODULE not in sys.modules
+    assert "contract_fake_ep_train" not in host.strategies()
+    assert "neither installed" in next(i for i in report.errors if i.path == "plugins[0]").message
+
+
+def test_excluded_plugin_error_in_validate_output(
+    fake_entry_points, installed_fake_plugin, monkeypatch, write_workflow, capsys
+):
+    from posttrain.cli import main
+
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "someone_else")
+    assert main(["validate", write_workflow("plugins: [fake_ok]\n")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "plugins[0]: plugin 'fake_ok' is installed but excluded by POSTTRAIN_PLUGINS=someone_else "
+        "(add 'fake_ok' to POSTTRAIN_PLUGINS, or unset it to load every plugin)"
+    ) in " ".join(err.split())

@@ -18,7 +18,8 @@ Dtype = Literal["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"]
 class ModelArgs:
     """Model settings; top-level values are defaults that a role's own ``model_args`` override."""
 
-    # HF directory, hub id, or a tiny preset built locally: "preset:tiny-qwen2-addition".
+    # HF directory, hub id, or a tiny preset built locally: "preset:tiny-qwen2" (the presets are
+    # in posttrain/presets.py).
     model_name_or_path: str | None = None
     tokenizer_name_or_path: str | None = None
     model_type: str | None = None
@@ -238,11 +239,16 @@ class TrainerConfig:
 
 @attrs.frozen(kw_only=True)
 class ClusterConfig:
+    # "local": one process per rank on this machine; "ray": one Ray actor per rank, placed from
+    # device_mapping (docs/ray.md).
     launcher: Literal["local", "ray"] = "local"
     device: Literal["auto", "cpu", "cuda"] = "auto"
     # "auto": roles with the same device_mapping share one set of rank processes (hybrid engine)
     # when their strategies can live beside others; "separate": one set of processes per role.
     colocation: Literal["auto", "separate"] = "auto"
+    # Ray only. null: start a Ray instance for the run and stop it at the end; "auto" or
+    # "HOST:PORT": join a running cluster and leave it up. num_cpus and object_store_memory size
+    # the instance posttrain starts.
     address: str | None = None
     num_cpus: int | None = attrs.field(default=None, validator=at_least(1))
     object_store_memory: int | None = attrs.field(default=None, validator=at_least(1))  # bytes
