@@ -43,6 +43,8 @@ def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorRep
         _check_batches(workflow, strategies, report)
     if "trainer" not in failed:
         _check_trainer(workflow, report)
+    if not failed & {"algorithm", "actor_infer", "cluster"}:
+        _check_async_rollout(workflow, report)
     if "cluster" not in failed:
         _check_cluster(workflow, report)
 
@@ -266,6 +268,31 @@ def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
                 f"module '{module}' cannot be found",
                 "put it next to the workflow or on PYTHONPATH",
             )
+
+
+# Roles the asynchronous producer uses (the rest run on the loop's thread meanwhile).
+PRODUCER_ROLES = ("actor_infer", "reward")
+
+
+def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
+    """Rollout that runs while the trainer learns needs devices and processes of its own."""
+    if not wf.algorithm.max_staleness:
+        return
+    roles = wf.roles()
+    producer = {d for name in PRODUCER_ROLES if name in roles for d in roles[name].device_mapping}
+    for name, role in roles.items():
+        shared = sorted(producer & set(role.device_mapping))
+        if name in PRODUCER_ROLES or not shared:
+            continue
+        report.error(
+            "actor_infer.device_mapping",
+            f"algorithm.max_staleness is {wf.algorithm.max_staleness}, but actor_infer (or the "
+            f"reward model) shares devices {shared} with {name}: rollout and training cannot "
+            "run at once on them",
+            "map actor_infer to devices of its own (a disaggregated layout), or set "
+            "algorithm.max_staleness: 0",
+        )
+        return
 
 
 def _check_cluster(wf: Workflow, report: ErrorReport) -> None:

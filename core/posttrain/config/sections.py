@@ -171,11 +171,17 @@ class AlgorithmConfig:
     # min(p_trainer / p_rollout, tis_cap) of the sampled token, for rollouts from another
     # engine or dtype than the trainer's; null: off.
     tis_cap: float | None = attrs.field(default=None, validator=greater_than(0))
+    # Asynchronous rollout: the batch of the next step is generated while the trainer learns
+    # from this one, by a policy at most this many updates behind the trainer's (0: the
+    # synchronous loop; 1: one-step off-policy). Needs actor_infer on devices of its own. The
+    # loss then takes the trainer's recomputed log-probs as the old policy's, with tis_cap
+    # correcting for the older policy that sampled.
+    max_staleness: int = attrs.field(default=0, validator=at_least(0))
 
     def old_logprobs_source(self) -> str:
         if self.old_logprobs != "auto":
             return self.old_logprobs
-        on_policy = self.ppo_epochs == 1 and self.num_mini_batches == 1
+        on_policy = self.ppo_epochs == 1 and self.num_mini_batches == 1 and not self.max_staleness
         return "rollout" if on_policy and self.tis_cap is None else "recompute"
 
 

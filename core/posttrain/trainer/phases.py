@@ -5,7 +5,17 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-PHASES = ("rollout", "reward", "logprobs", "values", "train", "weight_sync", "checkpoint")
+# wait_rollout: the trainer waiting for the rollout producer (asynchronous rollout only).
+PHASES = (
+    "rollout",
+    "reward",
+    "wait_rollout",
+    "logprobs",
+    "values",
+    "train",
+    "weight_sync",
+    "checkpoint",
+)
 
 
 class PhaseTimer:
@@ -23,10 +33,8 @@ class PhaseTimer:
                 console=console,
                 transient=True,
             )
-            self.tasks = {
-                p: self.progress.add_task(p, total=total_steps, completed=start_step, secs="")
-                for p in PHASES
-            }
+            self.total_steps, self.start_step = total_steps, start_step
+            self.tasks: dict = {}  # a bar per phase, from the phase's first run
             self.progress.start()
 
     @contextmanager
@@ -38,6 +46,10 @@ class PhaseTimer:
             elapsed = time.perf_counter() - start
             self.times[name] = self.times.get(name, 0.0) + elapsed
             if self.progress is not None:
+                if name not in self.tasks:
+                    self.tasks[name] = self.progress.add_task(
+                        name, total=self.total_steps, completed=self.start_step, secs=""
+                    )
                 self.progress.update(self.tasks[name], advance=1, secs=f"{elapsed:.2f}s")
 
     def pop(self) -> dict[str, float]:

@@ -35,6 +35,7 @@ from posttrain.protocol import (
 )
 from posttrain.reward_pool import RuleRewards
 from posttrain.rewards import resolve_reward_function, reward_function_names
+from posttrain.trainer.batches import AsyncBatches, ProducedBatch, SynchronousBatches
 from posttrain.trainer.phases import PHASES, PhaseTimer
 from posttrain.trainer.placement import TimeSharing, colocated
 from posttrain.trainer.plugin_metrics import contributed_metrics
@@ -156,6 +157,7 @@ class Trainer:
         # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
         self._saver: CheckpointSaver | None = None
         self.steps_run = 0  # steps this run (a resumed run starts after its checkpoint's)
+        self.batches: SynchronousBatches | AsyncBatches | None = None
         # Names of the metrics plugins add (posttrain_step_metrics): the console shows them.
         self.contributed_metric_names: set[str] = set()
 
@@ -239,10 +241,13 @@ class Trainer:
             if checkpoint:
                 self._resume(checkpoint, sampler)
             self._register_loggers()
-            self._loop(sampler)
+            self.batches = self._batch_source(sampler)
+            self._loop()
             if self._saver is not None:
                 self._saver.wait()  # the run ends when its last checkpoint is complete
         finally:
+            if self.batches is not None:
+                self.batches.close()
             if self.rule_rewards is not None:
                 self.rule_rewards.close()
             if self._saver is not None:
@@ -291,7 +296,33 @@ class Trainer:
         self._sync_weights()
         self.console.print(f"resumed from {display_path(path)} at step {self.state.step}")
 
-    def _loop(self, sampler: PromptSampler) -> None:
+    def _batch_source(self, sampler: PromptSampler) -> SynchronousBatches | AsyncBatches:
+        """Batches made when a step asks (``max_staleness: 0``) or by a producer thread that
+        runs ahead of training (see :mod:`posttrain.trainer.batches`)."""
+
+        def produce(index: int, timer: PhaseTimer):
+            scored, sampling = collect_groups(
+                lambda round_: self._roll_out_and_score(sampler, index, round_, timer),
+                self.wf.algorithm.rollout_batch_size,
+                self.wf.algorithm.group_size,
+                self.wf.algorithm.dynamic_sampling,
+                self.wf.algorithm.max_sampling_rounds,
+            )
+            return scored, sampling, sampler.state()
+
+        version = self.state.step  # the policy the rollout engine holds now
+        if not self.wf.algorithm.max_staleness:
+            return SynchronousBatches(produce, version)
+        return AsyncBatches(
+            produce,
+            version,
+            self.wf.algorithm.max_staleness,
+            first=self.state.step + 1,
+            last=self.wf.trainer.max_steps,
+            make_timer=lambda: PhaseTimer(self.console, 0, 0, show=False),
+        )
+
+    def _loop(self) -> None:
         t = self.wf.trainer
         timer = PhaseTimer(self.console, t.max_steps, self.state.step, t.progress)
         try:
@@ -299,9 +330,13 @@ class Trainer:
                 self.state.step += 1
                 step_start = time.perf_counter()
                 calls_before = self.launcher.driver_calls()
-                metrics = self._step(sampler, timer)
+                batch = self.batches.next(self.state.step, timer)
+                # The data position of the batch trained on: what a checkpoint must resume.
+                self.state.sampler = batch.sampler_state
+                metrics = self._step(batch, timer)
                 tokens = metrics.pop("_tokens")
                 self._time_step(metrics, timer, step_start, calls_before, tokens)
+                metrics.update(self.batches.idle(metrics))
                 added = contributed_metrics(self.host, self.state.step, metrics)
                 self.contributed_metric_names.update(added)
                 metrics.update(added)
@@ -313,7 +348,7 @@ class Trainer:
                     t.save_final and self.state.step == t.max_steps
                 ):
                     with timer.phase("checkpoint"):
-                        self._checkpoint(sampler)
+                        self._checkpoint()
                     self._time_step(metrics, timer, step_start, calls_before, tokens)
                 self.host.hook.posttrain_log_metrics(
                     step=self.state.step, metrics=metrics, run_dir=self.run_dir
@@ -332,15 +367,9 @@ class Trainer:
         metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
         metrics["step"] = self.state.step
 
-    def _step(self, sampler: PromptSampler, timer: PhaseTimer) -> dict[str, float]:
+    def _step(self, produced: ProducedBatch, timer: PhaseTimer) -> dict[str, float]:
         algo = self.wf.algorithm
-        scored, sampling_metrics = collect_groups(
-            lambda round_: self._roll_out_and_score(sampler, round_, timer),
-            algo.rollout_batch_size,
-            algo.group_size,
-            algo.dynamic_sampling,
-            algo.max_sampling_rounds,
-        )
+        scored = produced.scored
         samples, rewards = scored.samples, scored.rewards
         batch = build_sequence_batch(
             samples.prompt_ids,
@@ -365,7 +394,7 @@ class Trainer:
         sync: dict = {}
         if policy_learns:
             with timer.phase("weight_sync"):
-                sync = self._sync_weights()
+                sync = self.batches.sync_weights(self._sync_weights, version=self.state.step)
         lengths = [len(r) for r in samples.response_ids]
         return {
             "reward/mean": float(rewards.mean()),
@@ -374,27 +403,42 @@ class Trainer:
             "weight_sync/mb": sync.get("bytes", 0) / 2**20,
             "_tokens": float(batch.attention_mask.sum()),
             **scored.reward_metrics,
-            **sampling_metrics,
+            **produced.sampling_metrics,
+            **produced.timings,
+            **self._staleness(produced),
             **kl_metrics,
             **adv_metrics,
             **train_metrics,
         }
 
+    def _staleness(self, produced: ProducedBatch) -> dict[str, float]:
+        """How many updates behind the trainer the policy that sampled the batch is."""
+        if not self.wf.algorithm.max_staleness:
+            return {}
+        return {
+            "async/staleness": float(self.state.step - 1 - produced.policy_version),
+            "async/policy_version": float(produced.policy_version),
+        }
+
     # -- phases ----------------------------------------------------------------------------
 
     def _roll_out_and_score(
-        self, sampler: PromptSampler, round_: int, timer: PhaseTimer
+        self, sampler: PromptSampler, index: int, round_: int, timer: PhaseTimer
     ) -> ScoredGroups:
+        """Draw the prompts of step ``index`` (``round_``: its dynamic-sampling round), roll
+        them out and score them."""
         picked = [self.prompts[i] for i in sampler.next(self.wf.algorithm.rollout_batch_size)]
         with timer.phase("rollout"):
-            samples = self._rollout([p.ids for p in picked], round_)
+            samples = self._rollout([p.ids for p in picked], index, round_)
         with timer.phase("reward"):
             rewards, metrics = self._rewards(picked, samples)
         return ScoredGroups(
             prompts=picked, samples=samples, rewards=rewards, reward_metrics=metrics
         )
 
-    def _rollout(self, prompt_ids: list[tuple[int, ...]], round_: int = 0) -> RolloutSamples:
+    def _rollout(
+        self, prompt_ids: list[tuple[int, ...]], index: int, round_: int
+    ) -> RolloutSamples:
         self.sharing.activate("actor_infer")
         infer = self.groups["actor_infer"]
         gen = self.wf.actor_infer.generating_args
@@ -412,7 +456,7 @@ class Trainer:
         # engines); concatenated in order, sample i still belongs to prompt i // group_size.
         per, extra = divmod(len(prompt_ids), dp)
         bounds = [i * per + min(i, extra) for i in range(dp + 1)]
-        seed = self.wf.trainer.seed * 1_000_003 + self.state.step * 1009 + round_ * 131
+        seed = self.wf.trainer.seed * 1_000_003 + index * 1009 + round_ * 131
         requests = [
             GenerationRequest(
                 prompt_ids=[list(p) for p in prompt_ids[bounds[i] : bounds[i + 1]]],
@@ -568,7 +612,7 @@ class Trainer:
         )
         return result or {}
 
-    def _checkpoint(self, sampler: PromptSampler) -> None:
+    def _checkpoint(self) -> None:
         """Save every trained role; the loop waits only while the ranks copy their state to
         host memory (``trainer.async_save``), the files are written while it goes on."""
         if self._saver is None:
@@ -584,7 +628,11 @@ class Trainer:
                     checkpoint_dir=path, manifest=manifest
                 ),
             )
-        state = {"step": self.state.step, "sampler": sampler.state(), "history": self.state.history}
+        state = {
+            "step": self.state.step,
+            "sampler": self.state.sampler,
+            "history": self.state.history,
+        }
         files = plugin_files.collect(self.host, self.state.step, self.run_dir)
         self._saver.save(self.state.step, state, files)
 
