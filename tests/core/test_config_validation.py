@@ -582,3 +582,18 @@ def test_every_number_in_the_workflow_declares_its_range():
         and not field.name.endswith("seed")  # any integer seeds a generator
     ]
     assert missing == [], "give these a validator from posttrain.config.ranges"
+
+
+def test_async_rollout_needs_devices_of_its_own(fake_train_host, model_dir, tmp_path):
+    raw = _valid_raw(str(model_dir))
+    raw["algorithm"]["max_staleness"] = 1
+    _, report = _build(raw, fake_train_host, tmp_path)
+    (message,) = _errors(report)["actor_infer.device_mapping"]
+    assert "shares devices [0, 1] with actor_train" in message
+    assert "algorithm.max_staleness: 0" in message
+
+    raw["actor_train"]["device_mapping"] = [0]
+    raw["actor_infer"]["device_mapping"] = [1]
+    _, report = _build(raw, fake_train_host, tmp_path)
+    assert report.errors == []
+    assert raw["algorithm"]["max_staleness"] == 1
