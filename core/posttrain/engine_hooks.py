@@ -10,7 +10,8 @@ engine functions, and adds its driver hooks (``posttrain_add_strategies``, check
     plugin = FSDPPlugin()          # the entry point: "posttrain_fsdp.plugin:plugin"
 
 Each worker hook ``posttrain_X(worker, ...)`` calls ``engine.X(worker, ...)`` for the plugin's own
-strategies and returns None for the others (firstresult dispatch by strategy name). The engine
+strategies and returns None for the others (firstresult dispatch by strategy name); the rule has
+no exception (``posttrain_shutdown_worker`` calls ``engine.shutdown_worker``). The engine
 module is imported on first use, so the plugin module stays cheap; a missing engine function
 means the strategy does not support that call. The implementations are ``trylast``: another
 plugin answering for the same strategy overrides them, a wrapper can wrap them.
@@ -106,4 +107,4 @@ class EngineHooks:
 
     @hookimpl(trylast=True)
     def posttrain_shutdown_worker(self, worker):
-        return self._call("shutdown", worker)
+        return self._call("shutdown_worker", worker)
