@@ -135,7 +135,11 @@ class PluginHost:
         if self._strategies is None:
             found: dict[str, StrategySpec] = {}
             for impl in self.pm.hook.posttrain_add_strategies.get_hookimpls():
-                for spec in impl.function() or []:
+                try:
+                    declared = impl.function() or []
+                except PluginError as exc:  # a declaration refused as it was made: say whose
+                    raise PluginError(f"plugin '{impl.plugin_name}': {exc}") from exc
+                for spec in declared:
                     spec = attrs.evolve(spec, plugin=impl.plugin_name)
                     if spec.name in found:
                         raise PluginError(
