@@ -17,6 +17,7 @@ import attrs
 import pluggy
 
 from posttrain import hookspecs
+from posttrain.engine_hooks import EngineHooks, warn_misnamed_engine_functions
 from posttrain.errors import PluginError
 from posttrain.strategy import KNOWN_PROVIDERS, StrategySpec
 
@@ -125,6 +126,8 @@ class PluginHost:
 
     def _register(self, plugin: object, name: str, info: PluginInfo) -> None:
         self.pm.register(plugin, name=name)
+        if isinstance(plugin, EngineHooks):
+            warn_misnamed_engine_functions(plugin, name)
         self.plugins.append(info)
         self._strategies = None
 
