@@ -89,7 +89,7 @@ def test_undeclared_logprobs_values_and_scores_are_named():
     assert "implements compute_logprobs but declares computes_logprobs=False" in logprobs
     assert logprobs.endswith("set computes_logprobs=True, or remove compute_logprobs")
     assert "implements compute_values but declares kind='train', heads=('lm',)" in values
-    assert "add 'value' to heads" in values
+    assert "for a critic, declare kind='train' with 'value' in heads" in values
     assert "implements compute_scores but declares kind='train', heads=('lm',)" in scores
 
 

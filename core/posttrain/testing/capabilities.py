@@ -83,14 +83,14 @@ USES = (
         lambda c: c.kind == "train" and "value" in c.heads,
         "a kind='train' strategy with 'value' in heads (a critic)",
         ("kind", "heads"),
-        fix_unused="add 'value' to heads (the critic role takes kind='train' strategies)",
+        fix_unused="for a critic, declare kind='train' with 'value' in heads",
     ),
     HookUse(
         "compute_scores",
         lambda c: c.kind != "train" and "score" in c.heads,
         "a kind='infer' or 'rollout' strategy with 'score' in heads (a reward model)",
         ("kind", "heads"),
-        fix_unused="add 'score' to heads (the reward role takes kind='infer' or 'rollout')",
+        fix_unused="for a reward model, declare kind='infer' or 'rollout' with 'score' in heads",
     ),
 )
 
