@@ -279,7 +279,7 @@ def row_megatron_train(args, dev, emit) -> None:
             del bucket
         passes.append(time.perf_counter() - start)
     emit(export=True, nbytes=nbytes, tensors=tensors, buckets=buckets, seconds=passes)
-    engine.shutdown(worker)
+    engine.shutdown_worker(worker)
 
 
 def row_megatron_packing(args, dev, emit) -> None:
@@ -313,7 +313,7 @@ def row_megatron_packing(args, dev, emit) -> None:
             seconds=seconds,
             peak=peak,
         )
-    engine.shutdown(worker)
+    engine.shutdown_worker(worker)
 
 
 def row_megatron_local(args, dev, emit) -> None:

@@ -10,8 +10,9 @@ import json
 import sys
 import textwrap
 import traceback
+import warnings
 
-from posttrain.errors import UserError, WorkerError
+from posttrain.errors import PluginWarning, UserError, WorkerError
 from posttrain.paths import display_path
 
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
@@ -202,12 +203,27 @@ def build_parser(host) -> argparse.ArgumentParser:
     return parser
 
 
+def _show_warnings(err, caught: list[warnings.WarningMessage]) -> None:
+    """Plugin warnings as the CLI's own (like a plugin that failed to load); others as Python
+    would have shown them."""
+    from rich.markup import escape
+
+    for w in caught:
+        if issubclass(w.category, PluginWarning):
+            err.print(f"[yellow]warning[/yellow]: {escape(str(w.message))}")
+        else:
+            warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+
+
 def main(argv: list[str] | None = None) -> int:
     err = _console(stderr=True)
     try:
         from posttrain.plugin_host import create_plugin_host
 
-        host = create_plugin_host()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("default", PluginWarning)
+            host = create_plugin_host()
+        _show_warnings(err, caught)
         for info in host.failures:
             err.print(
                 f"[yellow]warning[/yellow]: plugin '{info.name}' failed to load: {info.error}"

@@ -15,6 +15,11 @@ class PluginError(UserError):
     """A plugin could not be loaded or conflicts with another plugin."""
 
 
+class PluginWarning(UserWarning):
+    """A plugin loads, but part of it looks like a mistake that would fail silently (e.g. an
+    engine function that :class:`~posttrain.engine_hooks.EngineHooks` never calls)."""
+
+
 class WorkerError(PosttrainError):
     """A worker rank raised; carries the role, the rank and the remote traceback."""
 

@@ -50,6 +50,24 @@ def posttrain_add_strategies() -> list[StrategySpec]:
     (parallel dimensions, dtypes, colocation, weight-sync transports). Must not import engines:
     ``posttrain validate`` calls it. Two plugins declaring one name is an error naming both.
     Not firstresult: the host collects every plugin's list.
+
+    ``Capabilities.kind`` decides which worker hooks the core calls for the strategy and which
+    roles it may fill (any other value is a ``PluginError`` naming the plugin):
+
+    - ``"train"``: ``actor_train``, ``critic`` (``"value"`` in ``heads``), ``reference``; the
+      core calls ``train_step``, ``compute_logprobs``, ``export_weights``, the checkpoint hooks,
+      ``export_hf`` and, for a critic, ``compute_values``.
+    - ``"rollout"``: ``actor_infer``, ``reference``, ``reward`` (``"score"`` in ``heads``); the
+      core calls ``generate``, ``import_weights`` (weight sync), ``compute_logprobs`` and, for a
+      reward model, ``compute_scores``.
+    - ``"infer"``: ``reference``, ``reward``; forward passes only (``compute_logprobs``,
+      ``compute_scores``) on the weights it loaded: never ``generate`` nor ``import_weights``.
+
+    Every kind gets ``setup_parallel``, ``load_model``, ``release_memory``/``resume_memory``
+    (devices shared with another role) and ``shutdown_worker``. An engine that generates is
+    therefore ``"rollout"``, not ``"infer"``; the conformance kit fails a strategy whose declared
+    capabilities and implemented hooks disagree. :class:`posttrain.strategy.Capabilities` has
+    the details.
     """
 
 

@@ -1,4 +1,21 @@
-"""Loading HF models and tokenizers from a directory, a hub id or a preset (the real path)."""
+"""Loading HF models and tokenizers from a directory, a hub id or a preset: public API for backends.
+
+Every backend loads a role's model and tokenizer through these functions, so that all of them
+read ``model_args`` alike (presets, paths relative to the workflow, dtype, ``trust_remote_code``,
+``attn_implementation``), the tokenizer is the one the driver decodes and rewards with, and a
+critic or reward model gets the same head everywhere. An engine's ``load_model(worker)``
+typically starts with::
+
+    model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
+
+or, for an engine that loads weights itself, ``resolve_model_path(worker.model_args
+.model_name_or_path, worker.base_dir)`` for the HF directory and ``torch_dtype`` for the dtype.
+
+Importing this module is cheap (no torch, no transformers); each function imports what it needs
+when called. The names below are kept stable for plugins: ``DTYPES``, ``HEAD_WEIGHT``,
+:func:`torch_dtype`, :func:`resolve_model_path`, :func:`load_tokenizer`, :func:`load_causal_lm`,
+:func:`load_model_with_head`.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +28,7 @@ from posttrain.presets import is_preset, preset_path
 if TYPE_CHECKING:
     from posttrain.config.sections import ModelArgs
 
+# ``ModelArgs.dtype`` (and a strategy's dtype options) -> the torch dtype's name.
 DTYPES = {
     "fp32": "float32",
     "float32": "float32",
@@ -22,13 +40,23 @@ DTYPES = {
 
 
 def torch_dtype(name: str):
+    """The ``torch.dtype`` of a dtype name of :data:`DTYPES` (``"fp32"``, ``"bf16"``, ...);
+    ``KeyError`` for any other (``ModelArgs.dtype`` is validated to be one)."""
     import torch
 
     return getattr(torch, DTYPES[name])
 
 
 def resolve_model_path(name_or_path: str, base_dir: str = ".") -> str:
-    """A preset's built directory, a local directory (relative to the workflow), or a hub id."""
+    """Where to load ``name_or_path`` from (as ``ModelArgs.model_name_or_path`` gives it).
+
+    ``"preset:KEY"``: the preset's HF directory, built on first use under ``$POSTTRAIN_CACHE``
+    (atomically: ranks may ask at once). A path that exists, absolute or relative to
+    ``base_dir`` (pass ``worker.base_dir``, the workflow's directory): that path. Anything else
+    is returned unchanged, as a hub id for transformers to download. Never raises for a path
+    that does not exist (``posttrain validate`` reported it); imports torch only to build a
+    preset.
+    """
     if is_preset(name_or_path):
         return preset_path(name_or_path)
     local = name_or_path if os.path.isabs(name_or_path) else os.path.join(base_dir, name_or_path)
@@ -36,6 +64,11 @@ def resolve_model_path(name_or_path: str, base_dir: str = ".") -> str:
 
 
 def load_tokenizer(model_args: ModelArgs, base_dir: str = "."):
+    """The role's tokenizer: from ``tokenizer_name_or_path``, else ``model_name_or_path``
+    (resolved as by :func:`resolve_model_path`), of the class it was saved with, with its pad
+    token set to EOS when it has none. The driver decodes rollouts and builds reward-model
+    batches with this same tokenizer, so a backend must use it (not its engine's own) wherever
+    token ids meet text."""
     from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
     path = resolve_model_path(
@@ -56,6 +89,9 @@ def load_tokenizer(model_args: ModelArgs, base_dir: str = "."):
 
 
 def load_causal_lm(model_args: ModelArgs, base_dir: str = ".", device: str = "cpu"):
+    """An ``AutoModelForCausalLM`` of ``model_args`` (its dtype, ``trust_remote_code`` and
+    ``attn_implementation``) on ``device``, in eval mode as transformers returns it, loaded
+    without progress bars (they would fill the rank logs)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model_args.model_name_or_path, base_dir)
@@ -75,10 +111,13 @@ HEAD_WEIGHT = "score.weight"
 
 
 def load_model_with_head(model_args: ModelArgs, head: str, base_dir: str = ".", device="cpu"):
-    """The model a role runs: a causal LM (``head="lm"``), a value model (``"value"``: a
-    critic, one bias-free linear output per token, no dropout) or a reward model (``"score"``:
-    a sequence classifier with one label). A value head the weights lack starts at zero, so
-    every backend starts a critic alike (and at V = 0)."""
+    """The model a role runs, by its head (``worker.head``): a causal LM (``"lm"``, as
+    :func:`load_causal_lm`), a value model (``"value"``: a critic; an
+    ``AutoModelForTokenClassification`` with one bias-free output per token, named
+    :data:`HEAD_WEIGHT`, and no dropout) or a reward model (``"score"``: an
+    ``AutoModelForSequenceClassification`` with one label). A value head the weights lack
+    starts at zero, so every backend starts a critic alike (and at V = 0). On ``device``, in
+    eval mode; ``ValueError`` for another head."""
     if head == "lm":
         return load_causal_lm(model_args, base_dir, device)
     from transformers import (

@@ -17,6 +17,7 @@ import attrs
 import pluggy
 
 from posttrain import hookspecs
+from posttrain.engine_hooks import EngineHooks, warn_misnamed_engine_functions
 from posttrain.errors import PluginError
 from posttrain.strategy import KNOWN_PROVIDERS, StrategySpec
 
@@ -125,6 +126,8 @@ class PluginHost:
 
     def _register(self, plugin: object, name: str, info: PluginInfo) -> None:
         self.pm.register(plugin, name=name)
+        if isinstance(plugin, EngineHooks):
+            warn_misnamed_engine_functions(plugin, name)
         self.plugins.append(info)
         self._strategies = None
 
@@ -135,7 +138,11 @@ class PluginHost:
         if self._strategies is None:
             found: dict[str, StrategySpec] = {}
             for impl in self.pm.hook.posttrain_add_strategies.get_hookimpls():
-                for spec in impl.function() or []:
+                try:
+                    declared = impl.function() or []
+                except PluginError as exc:  # a declaration refused as it was made: say whose
+                    raise PluginError(f"plugin '{impl.plugin_name}': {exc}") from exc
+                for spec in declared:
                     spec = attrs.evolve(spec, plugin=impl.plugin_name)
                     if spec.name in found:
                         raise PluginError(

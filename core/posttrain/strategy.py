@@ -2,18 +2,68 @@
 
 from __future__ import annotations
 
+import difflib
+
 import attrs
+
+from posttrain.errors import PluginError
+
+KINDS = ("train", "infer", "rollout")
+
+
+def _check_kind(_instance, _attribute, value) -> None:
+    # A misspelt kind would make every role refuse the strategy with a puzzling message, and the
+    # conformance kit skip the tests of the kind meant: refuse it where it is written.
+    if value not in KINDS:
+        close = difflib.get_close_matches(str(value), KINDS, n=1, cutoff=0.6)
+        hint = f" (did you mean '{close[0]}'?)" if close else ""
+        raise PluginError(
+            f"Capabilities.kind must be 'train', 'infer' or 'rollout', not {value!r}{hint}"
+        )
 
 
 @attrs.frozen(kw_only=True)
 class Capabilities:
-    """What a strategy can do; the core validates workflows against it.
+    """What a strategy can do; the core validates workflows against it, and the conformance kit
+    (:mod:`posttrain.testing`) picks its tests by it and checks it against the hooks the
+    strategy implements.
+
+    ``kind`` says which worker hooks the core calls for the strategy, and so which roles it can
+    fill (``posttrain validate`` refuses the others):
+
+    ``"train"``
+        A trainer: ``actor_train``, ``critic`` (with ``"value"`` in ``heads``) and
+        ``reference``. The core calls ``setup_parallel``, ``load_model``, ``train_step``,
+        ``compute_logprobs`` (old-policy and reference log-probs), ``export_weights`` (the
+        source of every weight sync), the checkpoint hooks (``save_checkpoint`` or
+        ``begin_checkpoint``/``finish_checkpoint``, ``load_checkpoint``: checkpoints hold the
+        trained roles), ``export_hf`` (``posttrain export-hf``), ``compute_values`` (a critic),
+        ``release_memory``/``resume_memory`` (devices shared with another role) and
+        ``shutdown_worker``.
+    ``"rollout"``
+        A generation engine: ``actor_infer``, ``reference`` and ``reward`` (with ``"score"`` in
+        ``heads``). The core calls ``setup_parallel``, ``load_model``, ``generate``,
+        ``import_weights`` (the target of every weight sync; ``weight_receiver`` for an engine
+        that receives ``broadcast`` buckets itself), ``compute_logprobs`` (reference),
+        ``compute_scores`` (reward), ``release_memory``/``resume_memory`` and
+        ``shutdown_worker``. It is not checkpointed: a resumed run syncs the trainer's weights
+        into it.
+    ``"infer"``
+        A forward-only model that keeps the weights it loaded (no generation, no weight
+        import): ``reference`` and ``reward`` (with ``"score"`` in ``heads``). The core calls
+        ``setup_parallel``, ``load_model``, ``compute_logprobs`` (reference),
+        ``compute_scores`` (reward), ``release_memory``/``resume_memory`` and
+        ``shutdown_worker``.
+
+    So an engine that generates is a ``"rollout"`` strategy even when it is "for inference":
+    declared ``"infer"``, it is never asked to generate. Any other value is a
+    :class:`~posttrain.errors.PluginError` when the ``Capabilities`` is made.
 
     ``parallel_dims`` names the ``strategy_config`` fields whose product with the data-parallel
     size must equal the role's device count (e.g. ``("tensor_model_parallel_size",)``).
     """
 
-    kind: str  # "train", "infer" or "rollout"
+    kind: str = attrs.field(validator=_check_kind)  # "train", "infer" or "rollout"
     parallel_dims: tuple[str, ...] = ()
     dtypes: tuple[str, ...] = ("fp32", "bf16", "fp16")
     colocation: bool = True
@@ -24,6 +74,7 @@ class Capabilities:
     shares_process: bool = False
     import_transports: tuple[str, ...] = ()  # for rollout: transports it can import through
     exports_hf_weights: bool = False  # for trainers: can feed weight sync
+    # Answers posttrain_compute_logprobs; a reference role needs it.
     computes_logprobs: bool = True
     # Model heads it can load (``WorkerContext.head``): "lm" (causal LM), "value" (a critic's
     # per-token value head; a trainer with it trains critics), "score" (a reward model's

@@ -294,3 +294,36 @@ def test_excluded_plugin_error_in_validate_output(
         "plugins[0]: plugin 'fake_ok' is installed but excluded by POSTTRAIN_PLUGINS=someone_else "
         "(add 'fake_ok' to POSTTRAIN_PLUGINS, or unset it to load every plugin)"
     ) in " ".join(err.split())
+
+
+def test_a_misspelt_kind_is_refused_where_it_is_written():
+    with pytest.raises(PluginError, match=r"not 'inference' \(did you mean 'infer'\?\)"):
+        Capabilities(kind="inference")
+    with pytest.raises(PluginError, match=r"'train', 'infer' or 'rollout', not 'generator'$"):
+        Capabilities(kind="generator")
+
+
+class ContractFakeBadKind:
+    @hookimpl
+    def posttrain_add_strategies(self):
+        return [
+            StrategySpec(
+                name="contract_fake_bad_kind",
+                config_class=ContractFakeDupConfig,
+                capabilities=Capabilities(kind="training"),
+            )
+        ]
+
+
+def test_a_plugin_declaring_an_unknown_kind_is_named(monkeypatch, tmp_path):
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    host = create_plugin_host(extra_plugins=[ContractFakeBadKind()])
+    with pytest.raises(PluginError) as info:
+        host.strategies()
+    assert str(info.value) == (
+        "plugin 'ContractFakeBadKind': Capabilities.kind must be 'train', 'infer' or "
+        "'rollout', not 'training' (did you mean 'train'?)"
+    )
+    report = ErrorReport()  # and `posttrain validate` reports it
+    build_workflow({"trainer": {"max_steps": 1}}, host, report, base_dir=str(tmp_path))
+    assert [i.path for i in report.errors if "'training'" in i.message] == ["plugins"]

@@ -215,5 +215,5 @@ def resume_memory(worker, tags: list[str]) -> bool:
     return True
 
 
-def shutdown(worker) -> bool:
+def shutdown_worker(worker) -> bool:
     return True

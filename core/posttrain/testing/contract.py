@@ -1,10 +1,11 @@
 """Contract tests for one strategy, run on its real engine through the local launcher.
 
-Which tests apply follows the strategy's declared capabilities: rollout engines generate and
-import weights; trainers train, export weights and checkpoint; every strategy that computes
-log-probs must agree with a plain transformers forward pass on the same weights; trainers that
-load a value head (``Capabilities.heads``) pass the critic contract too (values, checkpoints and
-value-loss training of a ``critic`` role).
+Which tests apply follows the strategy's declared capabilities, and a first test checks them
+against the hooks the strategy implements (:mod:`posttrain.testing.capabilities`): rollout
+engines generate and import weights; trainers train, export weights and checkpoint; every
+strategy that computes log-probs must agree with a plain transformers forward pass on the same
+weights; trainers that load a value head (``Capabilities.heads``) pass the critic contract too
+(values, checkpoints and value-loss training of a ``critic`` role).
 """
 
 from __future__ import annotations
@@ -313,6 +314,19 @@ class StrategyContract:
             pytest.skip(f"{self.strategy} is a {self.kind(spec_and_config)} strategy")
 
     # -- every strategy --------------------------------------------------------------------
+
+    def test_declared_capabilities_match_implemented_hooks(self, spec_and_config, request):
+        """The capabilities the kit and the core go by agree with the hooks the strategy
+        implements; otherwise the tests of what it does are skipped (an engine that generates,
+        declared ``kind="infer"``) or fail far from the cause."""
+        from posttrain.plugin_host import create_plugin_host
+        from posttrain.testing.capabilities import check_capabilities
+
+        problems = check_capabilities(
+            spec_and_config[0], create_plugin_host(), lambda: request.getfixturevalue("start")()
+        )
+        if problems:
+            pytest.fail("\n".join(problems), pytrace=False)
 
     def test_setup_reports_data_parallel_coordinates(self, start):
         group = start()

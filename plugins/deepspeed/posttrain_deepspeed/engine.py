@@ -720,7 +720,7 @@ def resume_memory(worker, tags: list[str]) -> bool:
     return True
 
 
-def shutdown(worker) -> bool:
+def shutdown_worker(worker) -> bool:
     engine = worker.model
     destroy = getattr(engine, "destroy", None)
     if destroy is not None:

@@ -623,7 +623,7 @@ def resume_memory(worker, tags: list[str]) -> bool:
     return True
 
 
-def shutdown(worker) -> bool:
+def shutdown_worker(worker) -> bool:
     worker.state.clear()
     worker.model = None
     if dist.is_initialized():

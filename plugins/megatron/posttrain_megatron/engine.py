@@ -43,7 +43,7 @@ __all__ = [
     "resume_memory",
     "save_checkpoint",
     "setup_parallel",
-    "shutdown",
+    "shutdown_worker",
     "train_step",
 ]
 
@@ -137,7 +137,7 @@ def resume_memory(worker, tags: list[str]) -> bool:
     return True
 
 
-def shutdown(worker) -> bool:
+def shutdown_worker(worker) -> bool:
     from megatron.core import parallel_state as ps
 
     worker.state.clear()

@@ -282,7 +282,7 @@ def _warn_no_release(worker) -> None:
     log.warning("%s: release/resume memory keeps the engine as it is", reason)
 
 
-def shutdown(worker) -> bool:
+def shutdown_worker(worker) -> bool:
     engine = worker.state.pop(_ENGINE, None)
     if engine is not None:
         try:

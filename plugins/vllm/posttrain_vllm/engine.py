@@ -454,7 +454,7 @@ def _warn_no_sleep(worker) -> None:
     log.warning("%s: release/resume memory keeps the engine as it is", reason)
 
 
-def shutdown(worker) -> bool:
+def shutdown_worker(worker) -> bool:
     llm = worker.state.pop(_ENGINE, None)
     if llm is not None:
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
