@@ -127,9 +127,9 @@ def test_broken_environments_score_zero_and_the_others_go_on(engine, caplog):
     assert out.metrics["env/errors"] == 4 and out.metrics["env/timeouts"] == 2
     log = caplog.text
     for sample in (0, 1):
-        assert f"step 7 prompt 1 sample {sample}: step 1 raised RuntimeError" in log
-        assert f"step 7 prompt 2 sample {sample}: step 1 did not answer within 0.5s" in log
-        assert f"step 7 prompt 3 sample {sample}: step 1 answered garbage" in log
+        assert f"step 7 prompt 1 sample {sample}: turn 1: step() raised RuntimeError" in log
+        assert f"step 7 prompt 2 sample {sample}: turn 1: step() did not answer within 0.5s" in log
+        assert f"step 7 prompt 3 sample {sample}: turn 1: step() answered garbage" in log
     # The healthy episodes went on to their third turn; the broken ones stopped at their second.
     assert [len(m) > 0 for m in out.samples.loss_mask] == [True] * 8
     assert out.metrics["env/turns_mean"] == (3 * 2 + 2 * 6) / 8

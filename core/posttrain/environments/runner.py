@@ -147,14 +147,14 @@ class EpisodeRunner:
 
         outcomes = call_all([lambda e=e: start(e) for e in episodes], self.config.step_timeout_s)
         for episode, outcome in zip(episodes, outcomes):
-            if self._failed(episode, "reset", outcome, counts):
+            if self._failed(episode, "reset()", outcome, counts):
                 continue
             episode.env, first = outcome.value
             if first is None:
                 continue
             problem = observation_problem(first, self.vocab_size)
             if problem is not None:
-                self._fail(episode, f"reset answered garbage ({problem})", "errors", counts)
+                self._fail(episode, f"reset() answered garbage ({problem})", "errors", counts)
                 continue
             ids = self.encoder.text_ids(first) if isinstance(first, str) else list(first)
             episode.context += ids
@@ -193,12 +193,13 @@ class EpisodeRunner:
         self, episode: _Episode, turn: ModelTurn, outcome: Outcome, counts: Counter[str]
     ) -> None:
         """Take one environment step's answer into its episode."""
-        if self._failed(episode, f"step {turn.index}", outcome, counts):
+        if self._failed(episode, f"turn {turn.index}: step()", outcome, counts):
             return
         step = outcome.value
         problem = step_problem(step, self.vocab_size)
         if problem is not None:
-            self._fail(episode, f"step {turn.index} answered garbage ({problem})", "errors", counts)
+            message = f"turn {turn.index}: step() answered garbage ({problem})"
+            self._fail(episode, message, "errors", counts)
             return
         position = len(episode.response) - 1
         episode.earn(float(step.reward), position)

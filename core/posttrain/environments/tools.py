@@ -54,7 +54,6 @@ class ToolCall:
 class CallSyntax:
     """How calls are written and how results come back."""
 
-    name: str
     open: str
     close: str  # ends a call turn: the environment's stop string
     role: ObservationRole
@@ -105,7 +104,6 @@ def _parse_hermes(body: str, tools: dict[str, Tool]) -> ToolCall:
 
 SYNTAXES = {
     "hermes": CallSyntax(
-        name="hermes",
         open="<tool_call>",
         close="</tool_call>",
         role="tool",
@@ -116,7 +114,6 @@ SYNTAXES = {
         "its result comes back as a tool message. Answer without a call when done.",
     ),
     "compact": CallSyntax(
-        name="compact",
         open="<call>",
         close="</call>",
         role=None,
