@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from posttrain.config.report import ErrorReport
     from posttrain.config.workflow import Workflow
     from posttrain.doctor import EnvCheck
+    from posttrain.environments.protocol import EnvironmentSpec
     from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
     from posttrain.strategy import StrategySpec
     from posttrain.weight_sync.transport import WeightTransport
@@ -525,4 +526,25 @@ def posttrain_run_finished(run_dir: str, history: list[dict[str, float]]) -> Non
     """Notify that a run ended normally; ``history`` holds every step's metrics.
 
     Called on the driver once. The core's plotting plugin writes the reward/KL/entropy PNG here.
+    """
+
+
+# --------------------------------------------------------------------------------------------
+# Environments (driver)
+# --------------------------------------------------------------------------------------------
+
+
+@hookspec
+def posttrain_add_environments() -> dict[str, EnvironmentSpec]:
+    """Declare environments for multi-turn episodes: ``{name: EnvironmentSpec}``.
+
+    Called on the driver when a workflow is validated (``environment.name`` must name one; its
+    ``environment.kwargs`` are structured into the spec's ``config_class``) and when a run
+    starts its first episodes. The spec's factory builds one
+    :class:`posttrain.environments.protocol.Environment` per episode on the driver; tools are
+    environments too (:class:`posttrain.environments.tools.ToolEnvironment`). Must not import
+    heavy packages: ``posttrain validate`` calls it (a ``"module:attr"`` factory is imported
+    only when a run needs it). The core's ``trylast`` implementation provides ``calculator``.
+    Not firstresult: the host merges every plugin's dict; a name declared by two plugins is an
+    error naming both.
     """

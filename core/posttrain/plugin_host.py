@@ -26,6 +26,7 @@ BUILTIN_PLUGINS = (
     "posttrain.builtin.hf_infer_plugin:plugin",
     "posttrain.builtin.rewards",
     "posttrain.builtin.algorithms",
+    "posttrain.builtin.environments",
     "posttrain.builtin.transports",
     "posttrain.builtin.plotting",
     "posttrain.builtin.checks",

@@ -57,17 +57,36 @@ class RolloutSamples:
     prompt_ids: list[list[int]]
     response_ids: list[list[int]]
     response_logprobs: list[list[float]]
+    # Per response token: 1 where the policy sampled it, 0 where an environment inserted it
+    # (multi-turn episodes; those tokens are not trained on). None: the policy sampled all.
+    loss_mask: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
 
+    def loss_masks(self) -> list[list[int]]:
+        """``loss_mask``, with all ones where it is None."""
+        if self.loss_mask is not None:
+            return self.loss_mask
+        return [[1] * len(r) for r in self.response_ids]
+
+    def select(self, rows: list[int]) -> RolloutSamples:
+        return RolloutSamples(
+            prompt_ids=[self.prompt_ids[r] for r in rows],
+            response_ids=[self.response_ids[r] for r in rows],
+            response_logprobs=[self.response_logprobs[r] for r in rows],
+            loss_mask=None if self.loss_mask is None else [self.loss_mask[r] for r in rows],
+        )
+
     @classmethod
     def concat(cls, parts: Iterable[RolloutSamples]) -> RolloutSamples:
         parts = list(parts)
+        masked = any(part.loss_mask is not None for part in parts)
         return cls(
             prompt_ids=[p for part in parts for p in part.prompt_ids],
             response_ids=[r for part in parts for r in part.response_ids],
             response_logprobs=[lp for part in parts for lp in part.response_logprobs],
+            loss_mask=[m for part in parts for m in part.loss_masks()] if masked else None,
         )
 
 
@@ -75,7 +94,8 @@ class RolloutSamples:
 class SequenceBatch:
     """A padded batch of token sequences with per-token tensors ([B, T]) and per-sample ones ([B]).
 
-    Required keys: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on response tokens).
+    Required keys: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the response
+    tokens the policy sampled; 0 on the prompt, padding and tokens an environment inserted).
     """
 
     tensors: dict[str, torch.Tensor]
@@ -155,10 +175,18 @@ def build_sequence_batch(
     response_ids: list[list[int]],
     pad_token_id: int,
     response_logprobs: list[list[float]] | None = None,
+    loss_mask: list[list[int]] | None = None,
+    turn_rewards: list[list[float]] | None = None,
 ) -> SequenceBatch:
-    """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`; with
-    ``response_logprobs`` (the rollout's), also ``rollout_logprobs`` laid out like
-    ``posttrain_compute_logprobs``'s answer (position t holds the log-prob of token t)."""
+    """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`.
+
+    With ``response_logprobs`` (the rollout's), also ``rollout_logprobs`` laid out like
+    ``posttrain_compute_logprobs``'s answer (position t holds the log-prob of token t). A
+    ``loss_mask`` (:attr:`RolloutSamples.loss_mask`) is ANDed into ``response_mask``, so the
+    tokens environments inserted count for nothing downstream (loss, KL, entropy, advantages,
+    values). ``turn_rewards`` (per response token: each turn's reward on its last model token)
+    become the ``turn_rewards`` tensor that token-level advantage estimators read.
+    """
     import torch
 
     lengths = [len(p) + len(r) for p, r in zip(prompt_ids, response_ids)]
@@ -166,22 +194,32 @@ def build_sequence_batch(
     batch = len(lengths)
     input_ids = torch.full((batch, width), pad_token_id, dtype=torch.long)
     attention_mask = torch.zeros((batch, width), dtype=torch.long)
-    response_mask = torch.zeros((batch, width), dtype=torch.float32)
     for i, (p, r) in enumerate(zip(prompt_ids, response_ids)):
         input_ids[i, : len(p) + len(r)] = torch.tensor(p + r, dtype=torch.long)
         attention_mask[i, : len(p) + len(r)] = 1
-        response_mask[i, len(p) : len(p) + len(r)] = 1.0
+    if loss_mask is None:
+        loss_mask = [[1] * len(r) for r in response_ids]
     tensors = {
         "input_ids": input_ids,
         "attention_mask": attention_mask,
-        "response_mask": response_mask,
+        "response_mask": _response_tensor(prompt_ids, loss_mask, width),
     }
     if response_logprobs is not None:
-        rollout = torch.zeros((batch, width), dtype=torch.float32)
-        for i, (p, lps) in enumerate(zip(prompt_ids, response_logprobs)):
-            rollout[i, len(p) : len(p) + len(lps)] = torch.tensor(lps, dtype=torch.float32)
-        tensors["rollout_logprobs"] = rollout
+        tensors["rollout_logprobs"] = _response_tensor(prompt_ids, response_logprobs, width)
+    if turn_rewards is not None:
+        tensors["turn_rewards"] = _response_tensor(prompt_ids, turn_rewards, width)
     return SequenceBatch(tensors)
+
+
+def _response_tensor(prompt_ids: list[list[int]], values: list[list[float]], width: int):
+    """Per-response-token values in a float32 [rows, width] tensor, at their tokens' positions
+    (0 on the prompt and the padding)."""
+    import torch
+
+    out = torch.zeros((len(prompt_ids), width), dtype=torch.float32)
+    for i, (p, row) in enumerate(zip(prompt_ids, values)):
+        out[i, len(p) : len(p) + len(row)] = torch.tensor(row, dtype=torch.float32)
+    return out
 
 
 @attrs.define

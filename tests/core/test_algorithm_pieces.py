@@ -52,6 +52,24 @@ def test_token_rewards_put_the_score_on_the_last_token_and_kl_on_every_token():
     assert float(plain.sum()) == 3.0
 
 
+def test_turn_rewards_stay_on_their_turns_and_environment_tokens_are_skipped():
+    # One response: model, model | environment, environment | model, model.
+    batch = build_sequence_batch(
+        [[1]],
+        [[5, 5, 6, 6, 5, 5]],
+        pad_token_id=0,
+        loss_mask=[[1, 1, 0, 0, 1, 1]],
+        turn_rewards=[[0, 0.5, 0, 0, 0, 1.0]],
+    )
+    # The score is the turns' 1.5 plus 0.25 from a reward model, which goes on the last token.
+    rewards = adv.token_rewards(batch, torch.tensor([1.75]), AlgorithmConfig())
+    assert rewards[0].tolist() == [0, 0, 0.5, 0, 0, 0, 1.25]
+    returns = adv.discounted_returns(rewards, batch.response_mask, gamma=0.5)
+    # The environment's tokens neither earn nor discount: 0.5 + 0.5 * (0 + 0.5 * 1.25) on the
+    # first turn's last token.
+    assert returns[0].tolist() == [0, 0.40625, 0.8125, 0, 0, 0.625, 1.25]
+
+
 def test_gae_against_the_recursion():
     batch = response_batch([3, 1])
     values = torch.zeros_like(batch.response_mask)

@@ -76,6 +76,22 @@ def test_empty_response_has_no_response_tokens():
     assert batch.attention_mask.tolist() == [[1, 1], [1, 1]]
 
 
+def test_loss_mask_and_turn_rewards_lie_on_their_response_tokens():
+    # Row 0: model, model, environment, model; row 1: one model token.
+    batch = build_sequence_batch(
+        [[1, 2], [3]],
+        [[4, 5, 6, 7], [8]],
+        pad_token_id=0,
+        response_logprobs=[[-0.1, -0.2, 0.0, -0.3], [-0.4]],
+        loss_mask=[[1, 1, 0, 1], [1]],
+        turn_rewards=[[0.0, 0.5, 0.0, 1.0], [2.0]],
+    )
+    assert batch.response_mask.tolist() == [[0, 0, 1, 1, 0, 1], [0, 1, 0, 0, 0, 0]]
+    assert batch.attention_mask.tolist() == [[1] * 6, [1, 1, 0, 0, 0, 0]]
+    assert batch["turn_rewards"].tolist() == [[0, 0, 0, 0.5, 0, 1], [0, 2, 0, 0, 0, 0]]
+    assert batch["rollout_logprobs"][0, 4] == 0.0
+
+
 def test_select_and_with_tensors():
     batch = _batch()
     picked = batch.select([2, 0])
@@ -145,6 +161,14 @@ def test_rollout_samples_concat():
     assert out.prompt_ids == [[1], [4], [5]]
     assert out.response_ids == [[2, 3], [6], []]
     assert out.response_logprobs == [[-0.1, -0.2], [-1], []]
+    assert out.loss_mask is None
+    # A part from environment episodes keeps its mask; the others' are all ones.
+    c = RolloutSamples(
+        prompt_ids=[[7]], response_ids=[[8, 9]], response_logprobs=[[-1, 0]], loss_mask=[[1, 0]]
+    )
+    mixed = RolloutSamples.concat([a, c])
+    assert mixed.loss_mask == [[1, 1], [1, 0]]
+    assert mixed.select([1]).loss_mask == [[1, 0]]
 
 
 # -- bucketize ---------------------------------------------------------------------------------

@@ -30,15 +30,24 @@ def sequence_scores(batch: SequenceBatch, scores: torch.Tensor, algorithm: Any) 
 
 
 def token_rewards(batch: SequenceBatch, scores: torch.Tensor, algorithm: Any) -> torch.Tensor:
-    """The score on each row's last response token, minus the per-token KL penalty."""
+    """The score on each row's last response token, minus the per-token KL penalty.
+
+    With ``turn_rewards`` in the batch (multi-turn episodes with per-turn rewards), each turn's
+    reward stays on the turn's last model token and the rest of the score (a reward model's
+    part) goes on the last one, so a row's rewards still add up to its score.
+    """
     import torch
 
     mask = batch.response_mask.float()
     rewards = torch.zeros_like(mask)
+    scores = scores.float()
+    if "turn_rewards" in batch.tensors:
+        rewards = batch["turn_rewards"].float() * mask
+        scores = scores - rewards.sum(dim=1)
     last = last_response_index(mask)
     has_response = mask.sum(dim=1) > 0
     rows = torch.arange(len(mask))[has_response]
-    rewards[rows, last[has_response]] = scores[has_response].float()
+    rewards[rows, last[has_response]] += scores[has_response]
     if _kl_in_reward(algorithm, batch):
         rewards = rewards - algorithm.kl_coef * batch["token_kl"] * mask
     return rewards

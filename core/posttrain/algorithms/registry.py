@@ -36,9 +36,12 @@ class Advantages:
 class AdvantageEstimator:
     """``estimate(batch, scores, algorithm) -> Advantages``.
 
-    ``batch`` holds ``response_mask``, ``values`` (when ``needs_values``) and ``token_kl`` (the
-    per-token KL of the old policy from the reference, when a reference role runs); ``scores``
-    are the sequence rewards, one per row, samples of one prompt adjacent (``group_size`` each).
+    ``batch`` holds ``response_mask``, ``values`` (when ``needs_values``), ``token_kl`` (the
+    per-token KL of the old policy from the reference, when a reference role runs) and
+    ``turn_rewards`` (multi-turn episodes with ``environment.reward: turn``: each turn's reward
+    on its last model token, part of the row's score); ``scores`` are the sequence rewards, one
+    per row, samples of one prompt adjacent (``group_size`` each). ``response_mask`` is 0 on
+    tokens an environment inserted: estimators skip them as they skip the prompt.
     """
 
     estimate: Callable[[SequenceBatch, torch.Tensor, Any], Advantages]

@@ -252,10 +252,10 @@ def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
                 f"checkpoint directory not found: {display_path(path)}",
                 "use 'auto', 'never' or an existing checkpoint-N directory",
             )
-    if not wf.reward.function and wf.reward.strategy_args is None:
+    if not wf.reward.function and wf.reward.strategy_args is None and not wf.environment.name:
         report.error(
             "reward",
-            "no reward: reward.function is null and there is no reward model",
+            "no reward: reward.function is null and there is no reward model or environment",
             "set reward.function (e.g. exact_match), or reward.strategy_args and model_args",
         )
     if wf.reward.function and ":" in wf.reward.function:

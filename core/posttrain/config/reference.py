@@ -22,6 +22,7 @@ from posttrain.builtin.hf_infer_plugin import HFInferConfig
 from posttrain.config import sections
 from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
+from posttrain.environments.calculator import CalculatorConfig
 
 HEADER = """\
 # Workflow configuration reference
@@ -228,6 +229,13 @@ def generate() -> str:
     )
     lines.append(f"### {HFInferConfig.__name__} (`strategy_name: hf_infer`)\n")
     lines += _class_table(HFInferConfig)
+    lines.append("\n## Environment configs\n")
+    lines.append(
+        "`environment.kwargs` is checked against the config class of the environment named in "
+        "`environment.name`; each plugin documents its own. The built-in one:\n"
+    )
+    lines.append(f"### {CalculatorConfig.__name__} (`environment.name: calculator`)\n")
+    lines += _class_table(CalculatorConfig)
     return "\n".join(lines) + "\n"
 
 

@@ -222,6 +222,32 @@ class RewardConfig:
 
 
 @attrs.frozen(kw_only=True)
+class EnvironmentConfig:
+    """Multi-turn episodes: the model acts over several turns in an environment (tools, games).
+
+    The environment's rewards take the place of reward.function's score (reward.function then
+    scores the final answers a tool environment hands over); a reward model still adds its own.
+    """
+
+    # An environment a plugin declares (posttrain_add_environments), e.g. calculator; null:
+    # single-turn rollouts.
+    name: str | None = None
+    # The environment's own settings, checked against its config class once it is known.
+    kwargs: Any = attrs.field(factory=dict)
+    # Model turns per episode; the last one is still scored.
+    max_turns: int = attrs.field(default=4, validator=at_least(1))
+    # Tokens of the whole response, the model's and the environment's; an episode that reaches
+    # it ends there (env/truncated). Each turn is also capped by generating_args.max_new_tokens.
+    max_total_tokens: int = attrs.field(default=512, validator=at_least(1))
+    # Longest an environment call may take; an episode whose call overruns, raises or answers
+    # garbage scores 0 (env/timeouts, env/errors) and the run goes on.
+    step_timeout_s: float = attrs.field(default=10.0, validator=greater_than(0))
+    # episode: one reward per episode, the sum of its turns'; turn: token-level advantage
+    # estimators (reinforce_plus_plus, gae) also see each turn's reward on the turn's last token.
+    reward: Literal["episode", "turn"] = "episode"
+
+
+@attrs.frozen(kw_only=True)
 class TrainerConfig:
     max_steps: int = attrs.field(default=100, validator=at_least(1))
     save_steps: int = attrs.field(
@@ -281,6 +307,7 @@ class Workflow:
     reference: RoleConfig | None = None
     critic: RoleConfig | None = None
     reward: RewardConfig = attrs.field(factory=RewardConfig)
+    environment: EnvironmentConfig = attrs.field(factory=EnvironmentConfig)
     trainer: TrainerConfig = attrs.field(factory=TrainerConfig)
     cluster: ClusterConfig = attrs.field(factory=ClusterConfig)
     plugins: list[str] = attrs.field(factory=list)

@@ -97,6 +97,9 @@ def build_workflow(
         from posttrain.algorithms.checks import check_algorithm
 
         check_algorithm(workflow, host.hook, report)
+    from posttrain.environments.validation import check_environment
+
+    workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)
     return workflow, report
 
 

@@ -7,6 +7,7 @@ run the strategies' hooks on the ranks.
 
 from __future__ import annotations
 
+import functools
 import importlib.metadata
 import os
 import time
@@ -22,6 +23,8 @@ from posttrain.checkpoint.manifest import Manifest
 from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.data import PromptSampler, load_prompts
+from posttrain.environments.registry import environment_specs
+from posttrain.environments.runner import EpisodeRunner
 from posttrain.errors import UserError
 from posttrain.launcher.base import GroupSpec, Launcher, WorkerGroup
 from posttrain.paths import display_path
@@ -376,6 +379,8 @@ class Trainer:
             samples.response_ids,
             self.tokenizer.pad_token_id,
             samples.response_logprobs,
+            loss_mask=samples.loss_mask,
+            turn_rewards=scored.turn_rewards,
         )
         with timer.phase("logprobs"):
             batch, kl_metrics = self._logprobs(batch)
@@ -428,6 +433,8 @@ class Trainer:
         """Draw the prompts of step ``index`` (``round_``: its dynamic-sampling round), roll
         them out and score them."""
         picked = [self.prompts[i] for i in sampler.next(self.wf.algorithm.rollout_batch_size)]
+        if self.wf.environment.name:
+            return self._run_episodes(picked, index, round_, timer)
         with timer.phase("rollout"):
             samples = self._rollout([p.ids for p in picked], index, round_)
         with timer.phase("reward"):
@@ -436,14 +443,57 @@ class Trainer:
             prompts=picked, samples=samples, rewards=rewards, reward_metrics=metrics
         )
 
+    def _run_episodes(self, picked, index: int, round_: int, timer: PhaseTimer) -> ScoredGroups:
+        """Multi-turn episodes in the workflow's environment (``environment.name``): their
+        rewards take the place of the rule function's score."""
+        with timer.phase("rollout"):
+            self.sharing.activate("actor_infer")
+            seed = self._rollout_seed(index, round_)
+            episodes = self._episode_runner.run(
+                picked,
+                self.wf.algorithm.group_size,
+                # Each turn samples with a seed of its own, as rounds do.
+                lambda contexts, sampling, turn: self._generate(
+                    contexts, sampling, seed + turn * 7919
+                ),
+                self._sampling(),
+                f"step {index}" + (f" round {round_}" if round_ else ""),
+            )
+        with timer.phase("reward"):
+            rewards, metrics = self._rewards(picked, episodes.samples, episodes.rewards)
+        turn_rewards = None
+        if self.wf.environment.reward == "turn":
+            weight = self.wf.reward.function_weight
+            turn_rewards = [[weight * r for r in row] for row in episodes.turn_rewards]
+        return ScoredGroups(
+            prompts=picked,
+            samples=episodes.samples,
+            rewards=rewards,
+            reward_metrics={**episodes.metrics, **metrics},
+            turn_rewards=turn_rewards,
+        )
+
+    @functools.cached_property
+    def _episode_runner(self) -> EpisodeRunner:
+        """The environment's episode runner, made for the first step (reward.function scores
+        the answers environments hand over)."""
+        env = self.wf.environment
+        spec = environment_specs(self.host.hook)[env.name]
+        return EpisodeRunner(spec, env, self.tokenizer, self.rule_rewards)
+
     def _rollout(
         self, prompt_ids: list[tuple[int, ...]], index: int, round_: int
     ) -> RolloutSamples:
         self.sharing.activate("actor_infer")
-        infer = self.groups["actor_infer"]
+        sampling = attrs.evolve(self._sampling(), n=self.wf.algorithm.group_size)
+        seed = self._rollout_seed(index, round_)
+        return self._generate([list(p) for p in prompt_ids], sampling, seed)
+
+    def _sampling(self) -> SamplingParams:
+        """The workflow's sampling settings, for one sample per prompt."""
         gen = self.wf.actor_infer.generating_args
-        sampling = SamplingParams(
-            n=self.wf.algorithm.group_size,
+        return SamplingParams(
+            n=1,
             temperature=gen.temperature if gen else 1.0,
             top_p=gen.top_p if gen else 1.0,
             top_k=gen.top_k if gen else -1,
@@ -451,31 +501,41 @@ class Trainer:
             stop_token_ids=tuple(gen.stop_token_ids) if gen else (),
             stop=tuple(gen.stop_strings) if gen else (),
         )
+
+    def _rollout_seed(self, index: int, round_: int) -> int:
+        """The seed of step ``index``'s rollout (``round_``: its dynamic-sampling round)."""
+        return self.wf.trainer.seed * 1_000_003 + index * 1009 + round_ * 131
+
+    def _generate(
+        self, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+    ) -> RolloutSamples:
+        infer = self.groups["actor_infer"]
         dp = infer.dp_size
         # Contiguous shares, the first len % dp one prompt longer (ROLL's 64 prompts over 12
-        # engines); concatenated in order, sample i still belongs to prompt i // group_size.
+        # engines); concatenated in order, sample i still belongs to prompt i // sampling.n.
         per, extra = divmod(len(prompt_ids), dp)
         bounds = [i * per + min(i, extra) for i in range(dp + 1)]
-        seed = self.wf.trainer.seed * 1_000_003 + index * 1009 + round_ * 131
         requests = [
             GenerationRequest(
-                prompt_ids=[list(p) for p in prompt_ids[bounds[i] : bounds[i + 1]]],
-                sampling=sampling,
-                seed=seed + i,
+                prompt_ids=prompt_ids[bounds[i] : bounds[i + 1]], sampling=sampling, seed=seed + i
             )
             for i in range(dp)
         ]
         return RolloutSamples.concat(infer.call_dp("generate", requests))
 
-    def _rewards(self, picked, samples: RolloutSamples):
-        """``function_weight`` x the rule-based function + ``model_weight`` x the reward
-        model's score, per sample."""
+    def _rewards(self, picked, samples: RolloutSamples, env_rewards: list[float] | None = None):
+        """``function_weight`` x the rule-based function (or, with an environment, its
+        episodes' rewards ``env_rewards``) + ``model_weight`` x the reward model's score, per
+        sample."""
         import torch
 
         cfg = self.wf.reward
         metrics: dict[str, float] = {}
         total = torch.zeros(len(samples), dtype=torch.float32)
-        if self.rule_rewards is not None:
+        scores = None
+        if env_rewards is not None:
+            scores = torch.tensor(env_rewards, dtype=torch.float32)
+        elif self.rule_rewards is not None:
             n = self.wf.algorithm.group_size
             items = [
                 (text, picked[i // n].answer, picked[i // n].text)
@@ -483,9 +543,10 @@ class Trainer:
             ]
             results = self.rule_rewards(items)
             scores = torch.tensor(results.scores, dtype=torch.float32)
-            total += cfg.function_weight * scores
             metrics["reward/errors"] = float(results.errors)
             metrics["reward/timeouts"] = float(results.timeouts)
+        if scores is not None:
+            total += cfg.function_weight * scores
             if "reward" in self.groups:
                 metrics["reward/function_mean"] = float(scores.mean())
         if "reward" in self.groups:

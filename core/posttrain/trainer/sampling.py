@@ -28,38 +28,43 @@ class ScoredGroups:
     samples: RolloutSamples
     rewards: torch.Tensor
     reward_metrics: dict[str, float] = attrs.field(factory=dict)
+    # Per response token, multi-turn episodes with environment.reward: turn (each turn's
+    # reward on its last model token, part of ``rewards``); None otherwise.
+    turn_rewards: list[list[float]] | None = None
 
     def select(self, groups: list[int], group_size: int) -> ScoredGroups:
         rows = [g * group_size + k for g in groups for k in range(group_size)]
+        turn_rewards = self.turn_rewards
         return ScoredGroups(
             prompts=[self.prompts[g] for g in groups],
-            samples=RolloutSamples(
-                prompt_ids=[self.samples.prompt_ids[r] for r in rows],
-                response_ids=[self.samples.response_ids[r] for r in rows],
-                response_logprobs=[self.samples.response_logprobs[r] for r in rows],
-            ),
+            samples=self.samples.select(rows),
             rewards=self.rewards[rows],
             reward_metrics=self.reward_metrics,
+            turn_rewards=None if turn_rewards is None else [turn_rewards[r] for r in rows],
         )
 
     @classmethod
     def concat(cls, parts: list[ScoredGroups]) -> ScoredGroups:
         import torch
 
+        # Every round of a step runs the same environment: all have turn rewards, or none.
+        per_turn = parts[0].turn_rewards is not None
         return cls(
             prompts=[p for part in parts for p in part.prompts],
             samples=RolloutSamples.concat(part.samples for part in parts),
             rewards=torch.cat([part.rewards for part in parts]),
             reward_metrics=_mean_metrics([part.reward_metrics for part in parts]),
+            turn_rewards=[r for part in parts for r in part.turn_rewards] if per_turn else None,
         )
 
 
 def _mean_metrics(parts: list[dict[str, float]]) -> dict[str, float]:
-    """Counts (``reward/errors``, ``reward/timeouts``) add up over rounds; the rest average."""
+    """Counts (``reward/errors``, ``env/truncated``, ...) add up over rounds; the rest
+    average."""
     out: dict[str, float] = {}
     for key in {k for part in parts for k in part}:
         values = [part[key] for part in parts if key in part]
-        counted = key.endswith(("errors", "timeouts"))
+        counted = key.endswith(("errors", "timeouts", "truncated", "turn_limited"))
         out[key] = sum(values) if counted else sum(values) / len(values)
     return out
 

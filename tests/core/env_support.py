@@ -1,0 +1,63 @@
+"""Environments for the environment tests only: scripted turns, and ones that break on purpose.
+
+Also a plugin module (``posttrain_add_environments``), so a host or a workflow's ``plugins:`` list
+can declare them by name. The prompts' answers pick the breakage, so one batch of episodes holds
+healthy and broken ones side by side.
+"""
+
+from __future__ import annotations
+
+import threading
+
+from posttrain import hookimpl
+from posttrain.environments.protocol import EnvironmentSpec, EnvStep, ModelTurn
+
+# What Broken does for a prompt whose answer is the key.
+RAISES, HANGS, GARBAGE = "1", "2", "3"
+# Hung calls wait on this instead of sleeping, so a test can let their threads go.
+RELEASE_HUNG = threading.Event()
+
+
+class Countdown:
+    """Answers every turn with ``observation`` and ``reward``; after ``turns`` turns it is done
+    and hands over the prompt's answer (which reward.function then scores 1). ``turns: 0``:
+    never done."""
+
+    def __init__(self, config: dict):
+        self.turns = config.get("turns", 3)
+        self.observation = config.get("observation", "=5")
+        self.reward = config.get("reward", 0.25)
+        self.answer = ""
+
+    def reset(self, prompt) -> str | None:
+        self.answer = prompt.answer
+        return None
+
+    def step(self, turn: ModelTurn) -> EnvStep:
+        if self.turns and turn.index + 1 == self.turns:
+            return EnvStep(reward=self.reward, done=True, answer=self.answer)
+        return EnvStep(observation=self.observation, reward=self.reward, tool_calls=1, role=None)
+
+
+class Broken(Countdown):
+    """A Countdown whose second step raises, hangs or answers garbage, by the prompt's answer."""
+
+    def step(self, turn: ModelTurn) -> EnvStep:
+        if turn.index == 1 and self.answer == RAISES:
+            raise RuntimeError("the environment crashed")
+        if turn.index == 1 and self.answer == HANGS:
+            RELEASE_HUNG.wait(60)
+        if turn.index == 1 and self.answer == GARBAGE:
+            return EnvStep(reward=float("nan"))
+        return super().step(turn)
+
+
+SPECS = {
+    "countdown": EnvironmentSpec(factory=Countdown, description="scripted turns (tests)"),
+    "broken": EnvironmentSpec(factory=Broken, description="breaks by answer (tests)"),
+}
+
+
+@hookimpl
+def posttrain_add_environments():
+    return SPECS

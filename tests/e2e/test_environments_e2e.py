@@ -1,0 +1,68 @@
+"""A short run with an environment: multi-turn episodes with per-turn rewards train through
+``posttrain run``, and environments that raise, hang or answer garbage score 0 without stopping
+it."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import textwrap
+from pathlib import Path
+
+import pytest
+from conftest import posttrain_cmd, read_metrics, run_env
+
+CORE_TESTS = Path(__file__).resolve().parents[1] / "core"
+
+WORKFLOW = """\
+model_args: {model_name_or_path: preset:tiny-qwen2, dtype: fp32}
+data: {path: data.jsonl}
+plugins: [env_support]                 # tests/core/env_support.py: the broken environment
+# REINFORCE++ whitens over the batch: the healthy episodes' rewards against the failed ones' 0
+algorithm: {name: reinforce_plus_plus, group_size: 2, rollout_batch_size: 4}
+environment:
+  name: broken                         # answer 1 raises, 2 hangs, 3 answers garbage
+  kwargs: {turns: 2}
+  reward: turn                         # each turn's reward on its last token
+  max_turns: 3
+  max_total_tokens: 16
+  step_timeout_s: 1
+actor_train:
+  strategy_args: {strategy_name: fsdp2_train, strategy_config: {}}
+  device_mapping: [0]
+  training_args: {learning_rate: 1.0e-3, per_device_train_batch_size: 8}
+actor_infer:
+  strategy_args: {strategy_name: hf_infer}
+  device_mapping: [0]
+  generating_args: {max_new_tokens: 3, temperature: 1.0}
+reward: {function: exact_match}
+trainer: {max_steps: 2, save_final: false, output_dir: run, logger: [jsonl], progress: false}
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_run_with_a_broken_environment_goes_on(tmp_path, e2e_cache):
+    (tmp_path / "workflow.yaml").write_text(textwrap.dedent(WORKFLOW))
+    records = [{"prompt": f"0+{a}=", "answer": str(a)} for a in range(4)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    env = run_env()
+    env["PYTHONPATH"] = os.pathsep.join([str(CORE_TESTS), env["PYTHONPATH"]])
+    proc = subprocess.run(
+        posttrain_cmd("run", str(tmp_path / "workflow.yaml")),
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=110,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    metrics = read_metrics(tmp_path / "run")
+    assert [m["step"] for m in metrics] == [1, 2]
+    for m in metrics:
+        # Every step holds the 4 prompts x 2 samples: those of answers 1 and 3 fail (errors),
+        # those of answer 2 hang past step_timeout_s; answer 0's finish their 2 turns.
+        assert (m["env/errors"], m["env/timeouts"]) == (4, 2)
+        assert m["env/turns_mean"] == pytest.approx((2 * 2 + 6 * 2) / 8)
+        assert m["actor/grad_norm"] > 0  # the model's tokens of the episodes trained
+    assert "step 1 prompt" in proc.stderr and "the episode scores 0" in proc.stderr
