@@ -30,12 +30,39 @@ def synthetic_single_digit_addition(max_sum: int = 9) -> list[dict[str, str]]:
     ]
 
 
-SYNTHETIC_TASKS = {"single_digit_addition": synthetic_single_digit_addition}
+def multi_digit_problem(rng: random.Random) -> dict[str, str]:
+    """A product of two 2-digit numbers or a sum of two 3-digit numbers, with equal odds.
+
+    Both need carries across several digits, which a 1-2 layer model cannot compute by itself
+    but can copy from a calculator's result; answers have 3 or 4 digits.
+    """
+    if rng.random() < 0.5:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return {"prompt": f"{a}*{b}=", "answer": str(a * b)}
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
+
+
+def synthetic_multi_digit_arithmetic(count: int = 1024, seed: int = 0) -> list[dict[str, str]]:
+    """``count`` distinct problems of ``multi_digit_problem``, the same ones on every machine."""
+    rng = random.Random(seed)
+    records: dict[str, dict[str, str]] = {}
+    while len(records) < count:
+        record = multi_digit_problem(rng)
+        records.setdefault(record["prompt"], record)
+    return list(records.values())
+
+
+# task name -> records, given the data.synthetic section
+SYNTHETIC_TASKS = {
+    "single_digit_addition": lambda synthetic: synthetic_single_digit_addition(synthetic.max_sum),
+    "multi_digit_arithmetic": lambda synthetic: synthetic_multi_digit_arithmetic(),
+}
 
 
 def read_records(cfg: DataConfig, base_dir: str) -> list[dict]:
     if cfg.synthetic is not None:
-        records = SYNTHETIC_TASKS[cfg.synthetic.task](cfg.synthetic.max_sum)
+        records = SYNTHETIC_TASKS[cfg.synthetic.task](cfg.synthetic)
         return (
             records
             if cfg.synthetic.num_prompts is None

@@ -11,6 +11,7 @@ from posttrain.data import (
     PromptSampler,
     load_prompts,
     read_records,
+    synthetic_multi_digit_arithmetic,
     synthetic_single_digit_addition,
 )
 from posttrain.errors import UserError
@@ -57,6 +58,23 @@ def test_single_digit_addition_has_55_correct_problems():
         assert int(a) + int(b) == int(r["answer"]) <= 9
         assert 0 <= int(a) <= 9 and 0 <= int(b) <= 9
     assert len(synthetic_single_digit_addition(max_sum=18)) == 100
+
+
+def test_multi_digit_arithmetic_is_fixed_and_correct(tmp_path):
+    cfg = DataConfig(synthetic=SyntheticData(task="multi_digit_arithmetic"))
+    records = read_records(cfg, str(tmp_path))
+    assert records == synthetic_multi_digit_arithmetic()  # the same problems on every call
+    assert len({r["prompt"] for r in records}) == len(records) == 1024
+    kinds = {"*": 0, "+": 0}
+    for r in records:
+        op = "*" if "*" in r["prompt"] else "+"
+        a, b = map(int, r["prompt"].removesuffix("=").split(op))
+        digits = 2 if op == "*" else 3
+        assert 10 ** (digits - 1) <= min(a, b) <= max(a, b) < 10**digits
+        assert r["answer"] == str(a * b if op == "*" else a + b)
+        kinds[op] += 1
+    assert min(kinds.values()) > 400  # both kinds, about half each
+    assert records[0] == {"prompt": "876+530=", "answer": "1406"}
 
 
 def test_synthetic_num_prompts_cycles(tmp_path):

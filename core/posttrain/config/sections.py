@@ -99,7 +99,7 @@ class RoleConfig:
 
 @attrs.frozen(kw_only=True)
 class SyntheticData:
-    task: Literal["single_digit_addition"] = "single_digit_addition"
+    task: Literal["single_digit_addition", "multi_digit_arithmetic"] = "single_digit_addition"
     max_sum: int = attrs.field(default=9, validator=at_least(0))
     # default: every problem of the task once per epoch
     num_prompts: int | None = attrs.field(default=None, validator=at_least(1))
