@@ -139,6 +139,7 @@ def test_example_plugin_through_entry_point(example_venv):
     assert out["hooks"] == [
         "posttrain_add_advantage_estimators",
         "posttrain_add_cli_commands",
+        "posttrain_add_environments",
         "posttrain_add_reward_functions",
         "posttrain_checkpoint_files",
         "posttrain_restore_checkpoint_files",
@@ -171,6 +172,9 @@ def _run(python, work, run_dir, max_steps: int):
         "trainer.logger": "[console,jsonl,tensorboard]",
         "algorithm.rollout_batch_size": 4,
         "algorithm.group_size": 4,
+        # The plugin's environment: each sample is an episode of up to 3 guesses.
+        "environment.name": "guess_digit",
+        "environment.max_turns": 3,
     }
     sets = [arg for k, v in overrides.items() for arg in ("--set", f"{k}={v}")]
     quickstart = str(REPO / "examples" / "quickstart.yaml")
@@ -187,14 +191,20 @@ def _tensorboard_scalars(run_dir, tag: str) -> dict[int, float]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-def test_example_plugin_metrics_and_checkpoint_files_in_a_run(example_venv):
-    """The plugin's metric reaches every logger; its checkpoint file is checksummed, comes
-    back on resume, and a corrupted or an added file makes resume refuse the checkpoint."""
+def test_example_plugin_environment_metrics_and_checkpoint_files_in_a_run(example_venv):
+    """The plugin's environment runs episodes; its metric reaches every logger; its checkpoint
+    file is checksummed, comes back on resume, and a corrupted or an added file makes resume
+    refuse the checkpoint."""
     python, work = example_venv
     run_dir = work / "run"
     proc = _run(python, work, run_dir, max_steps=2)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "example/syncs 2" in proc.stdout  # the console line
+    first = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    # Episodes of the plugin's environment: some took more than one guess, none broke.
+    assert all(1.0 <= m["env/turns_mean"] <= 3.0 for m in first)
+    assert any(m["env/turns_mean"] > 1.0 for m in first)
+    assert all(m["env/errors"] == 0 for m in first)
     assert "done: 2 steps this run (steps 1-2)" in proc.stdout
     manifest = json.loads((run_dir / "checkpoint-2" / "manifest.json").read_text())
     contributed = "plugin_files/example/sync_times.json"

@@ -1,4 +1,5 @@
-"""At the end of a run, plot reward, KL and entropy over steps into ``RUN_DIR/curves.png``."""
+"""At the end of a run, plot reward, KL and entropy over steps into ``RUN_DIR/curves.png``; with
+an environment, also the share of episodes that called a tool."""
 
 from __future__ import annotations
 
@@ -7,6 +8,8 @@ import os
 from posttrain import hookimpl
 
 CURVES = (("reward/mean", "reward"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"))
+# Shown only when the run measured them.
+OPTIONAL_CURVES = (("env/tool_call_rate", "tool-call rate"),)
 
 
 @hookimpl(trylast=True)
@@ -18,8 +21,9 @@ def posttrain_run_finished(run_dir, history):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, len(CURVES), figsize=(4 * len(CURVES), 3.2))
-    for ax, (key, title) in zip(axes, CURVES):
+    curves = [*CURVES, *((k, t) for k, t in OPTIONAL_CURVES if any(k in h for h in history))]
+    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.2))
+    for ax, (key, title) in zip(axes, curves):
         points = [(h["step"], h[key]) for h in history if key in h]
         if points:
             ax.plot(*zip(*points), linewidth=1.5)

@@ -11,7 +11,8 @@ It implements four hooks:
 * ``posttrain_step_metrics``: ``example/syncs`` (weight syncs timed so far, this run and the runs
   it resumed) and ``time/example_sync`` (seconds of the step's syncs, shown with the phases);
 * ``posttrain_checkpoint_files`` / ``posttrain_restore_checkpoint_files``: the timings travel in
-  every checkpoint as ``example/sync_times.json`` and come back on resume, so the count goes on.
+  every checkpoint as ``example/sync_times.json`` and come back on resume, so the count goes on;
+* ``posttrain_add_environments``: ``guess_digit``, a multi-turn environment (higher/lower hints).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import time
 
 from posttrain import hookimpl
 from posttrain.algorithms.registry import AdvantageEstimator
+from posttrain.environments.protocol import EnvironmentSpec
 from posttrain_example_plugin.advantages import sign_advantages
 
 TIMINGS_ENV = "POSTTRAIN_EXAMPLE_TIMINGS_DIR"
@@ -39,6 +41,17 @@ def posttrain_add_reward_functions():
 @hookimpl
 def posttrain_add_advantage_estimators():
     return {"sign": AdvantageEstimator(estimate=sign_advantages, min_group_size=2)}
+
+
+@hookimpl
+def posttrain_add_environments():
+    # The factory is imported when a run uses it: this module stays cheap.
+    return {
+        "guess_digit": EnvironmentSpec(
+            factory="posttrain_example_plugin.guess:GuessDigit",
+            description="guess a digit; wrong guesses get a + (higher) or - (lower) hint",
+        )
+    }
 
 
 def timings_path() -> str:
