@@ -584,13 +584,18 @@ def test_every_number_in_the_workflow_declares_its_range():
     assert missing == [], "give these a validator from posttrain.config.ranges"
 
 
-def test_async_rollout_needs_devices_of_its_own(fake_train_host, model_dir, tmp_path):
+def test_async_rollout_needs_its_own_devices_and_a_correction(fake_train_host, model_dir, tmp_path):
     raw = _valid_raw(str(model_dir))
     raw["algorithm"]["max_staleness"] = 1
     _, report = _build(raw, fake_train_host, tmp_path)
-    (message,) = _errors(report)["actor_infer.device_mapping"]
+    errors = _errors(report)
+    (message,) = errors["actor_infer.device_mapping"]
     assert "shares devices [0, 1] with actor_train" in message
     assert "algorithm.max_staleness: 0" in message
+    (message,) = errors["algorithm.tis_cap"]
+    assert "set algorithm.tis_cap (e.g. 2.0)" in message
+
+    raw["algorithm"]["tis_cap"] = 2.0
 
     raw["actor_train"]["device_mapping"] = [0]
     raw["actor_infer"]["device_mapping"] = [1]

@@ -278,6 +278,14 @@ def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
     """Rollout that runs while the trainer learns needs devices and processes of its own."""
     if not wf.algorithm.max_staleness:
         return
+    if wf.algorithm.tis_cap is None:
+        report.error(
+            "algorithm.tis_cap",
+            f"algorithm.max_staleness is {wf.algorithm.max_staleness}, but tis_cap is null: "
+            "the loss would ignore that an older policy sampled the batch",
+            "set algorithm.tis_cap (e.g. 2.0): each token's loss is then weighted by "
+            "min(p_trainer / p_rollout, tis_cap)",
+        )
     roles = wf.roles()
     producer = {d for name in PRODUCER_ROLES if name in roles for d in roles[name].device_mapping}
     for name, role in roles.items():
