@@ -4,8 +4,8 @@ The same workflow runs twice in one invocation; the table gives the steady step 
 hour, each side's idle time per step and the final reward, and the ratios async / sync.
 
     python benchmarks/async_rollout.py                       # CPU: the quickstart's tiny task
-    python benchmarks/async_rollout.py --device cuda --shape qwen2-1.5b --max-new-tokens 128 \
-        --steps 12 --rollout-batch-size 32                   # 2 GPUs, a 1.5B-shaped model
+    python benchmarks/async_rollout.py --device cuda --shape qwen2-1.5b --max-new-tokens 64 \
+        --steps 12 --rollout-batch-size 16                   # 2 GPUs, a 1.5B-shaped model
 
 ``--shape`` builds a randomly initialised Qwen2 of that shape (benchmarks/shapes.py) with the
 quickstart's tokenizer: it measures speed, not learning. Without it the quickstart's preset
@@ -39,7 +39,14 @@ def overrides(args, model: str | None) -> list[str]:
         *args.set,
     ]
     if model:
-        sets.append(f"model_args.model_name_or_path={model}")
+        # A billion-parameter shape: every sample of a step generated in one batch, and train
+        # micro-batches that fit one GPU with the vocabulary's logits (measured on an H100).
+        sets += [
+            f"model_args.model_name_or_path={model}",
+            "actor_infer.infer_batch_size=128",
+            "reference.infer_batch_size=128",
+            "actor_train.training_args.per_device_train_batch_size=16",
+        ]
         if args.device == "cuda":
             sets.append("model_args.dtype=bf16")
     return sets
