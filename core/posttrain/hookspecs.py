@@ -122,11 +122,12 @@ def posttrain_add_policy_losses() -> dict[str, PolicyLossTerm]:
 def posttrain_add_algorithms() -> dict[str, AlgorithmPreset]:
     """Declare algorithm presets: ``{name: AlgorithmPreset}``.
 
-    Called on the driver when a workflow is validated. ``algorithm.name`` picks a preset: the
-    advantage estimator and policy loss it uses unless ``algorithm.advantage_estimator`` /
-    ``algorithm.policy_loss`` name others, and whether it trains a critic. The core's
-    ``trylast`` implementation provides ``grpo``, ``ppo``, ``reinforce_plus_plus``, ``rloo``,
-    and ``gspo``. Not firstresult.
+    Called on the driver when a workflow is validated, and on every rank of ``actor_train``
+    when it builds the loss of a train step (the preset names the policy loss).
+    ``algorithm.name`` picks a preset: the advantage estimator and policy loss it uses unless
+    ``algorithm.advantage_estimator`` / ``algorithm.policy_loss`` name others, and whether it
+    trains a critic. The core's ``trylast`` implementation provides ``grpo``, ``ppo``,
+    ``reinforce_plus_plus``, ``rloo``, and ``gspo``. Not firstresult.
     """
 
 
