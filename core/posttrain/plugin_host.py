@@ -18,7 +18,7 @@ import pluggy
 
 from posttrain import hookspecs
 from posttrain.engine_hooks import EngineHooks, warn_misnamed_engine_functions
-from posttrain.errors import PluginError
+from posttrain.errors import PluginError, UserError
 from posttrain.strategy import KNOWN_PROVIDERS, StrategySpec
 
 ENTRY_POINT_GROUP = "posttrain"
@@ -170,6 +170,23 @@ class PluginHost:
         if plugin is None:
             return []
         return sorted(c.name for c in self.pm.get_hookcallers(plugin) or [])
+
+
+def declared_by_name(hook_caller, what: str) -> dict:
+    """Every plugin's ``{name: declaration}`` from a collecting ``posttrain_add_*`` hook (e.g.
+    ``hook.posttrain_add_environments``), merged; a name two plugins declare is an error naming
+    both (``what`` says what the names are: "environment", "reward function")."""
+    merged: dict = {}
+    owners: dict[str, str] = {}
+    for impl in hook_caller.get_hookimpls():
+        for name, declaration in (impl.function() or {}).items():
+            if name in owners:
+                raise UserError(
+                    f"{what} '{name}' is declared by two plugins: "
+                    f"'{owners[name]}' and '{impl.plugin_name}'"
+                )
+            merged[name], owners[name] = declaration, impl.plugin_name
+    return merged
 
 
 def _load_entry_point_plugins(host: PluginHost) -> None:

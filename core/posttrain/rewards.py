@@ -10,6 +10,7 @@ import re
 from collections.abc import Callable
 
 from posttrain.errors import UserError
+from posttrain.plugin_host import declared_by_name
 
 RewardFn = Callable[..., float]
 
@@ -35,17 +36,7 @@ def numeric_match(
 
 def reward_function_names(hook) -> dict[str, str]:
     """Every registered reward name; one name declared by two plugins is an error naming both."""
-    names: dict[str, str] = {}
-    owners: dict[str, str] = {}
-    for impl in hook.posttrain_add_reward_functions.get_hookimpls():
-        for name, target in (impl.function() or {}).items():
-            if name in owners:
-                raise UserError(
-                    f"reward function '{name}' is declared by two plugins: "
-                    f"'{owners[name]}' and '{impl.plugin_name}'"
-                )
-            names[name], owners[name] = target, impl.plugin_name
-    return names
+    return declared_by_name(hook.posttrain_add_reward_functions, "reward function")
 
 
 def resolve_reward_function(spec: str, hook) -> RewardFn:

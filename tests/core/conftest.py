@@ -81,3 +81,22 @@ def write_workflow(tmp_path):
         return str(path)
 
     return write
+
+
+@pytest.fixture(scope="session")
+def hf_infer_worker(tiny_model_path):
+    """hf_infer's rollout engine on preset:tiny-qwen2, loaded in this process once: for tests
+    that call the engine's functions directly."""
+    from posttrain.builtin import hf_infer
+    from posttrain.builtin.hf_infer_plugin import HFInferConfig
+    from posttrain.config.sections import ModelArgs
+    from posttrain.worker import WorkerContext
+
+    worker = WorkerContext(
+        role="actor_infer",
+        strategy_name="hf_infer",
+        config=HFInferConfig(),
+        model_args=ModelArgs(model_name_or_path=tiny_model_path),
+    )
+    worker.model = hf_infer.load_model(worker)
+    return worker

@@ -10,7 +10,7 @@ import pytest
 import torch
 from env_support import HANGS, RAISES, RELEASE_HUNG, SPECS
 
-from posttrain.config.sections import EnvironmentConfig, ModelArgs
+from posttrain.config.sections import EnvironmentConfig
 from posttrain.data import Prompt
 from posttrain.environments.runner import EpisodeRunner
 from posttrain.protocol import GenerationRequest, SamplingParams, build_sequence_batch
@@ -22,19 +22,8 @@ SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    from posttrain.builtin import hf_infer
-    from posttrain.builtin.hf_infer_plugin import HFInferConfig
-    from posttrain.worker import WorkerContext
-
-    worker = WorkerContext(
-        role="actor_infer",
-        strategy_name="hf_infer",
-        config=HFInferConfig(),
-        model_args=ModelArgs(model_name_or_path=tiny_model_path),
-    )
-    worker.model = hf_infer.load_model(worker)
-    return worker
+def engine(hf_infer_worker):
+    return hf_infer_worker
 
 
 class Recorder:

@@ -26,19 +26,10 @@ def test_stop_string_start(text, stop, start):
     assert stop_string_start(text, stop) == start
 
 
-def test_hf_infer_stops_with_the_token_completing_a_stop_string(tiny_model_path):
+def test_hf_infer_stops_with_the_token_completing_a_stop_string(hf_infer_worker):
     from posttrain.builtin import hf_infer
-    from posttrain.builtin.hf_infer_plugin import HFInferConfig
-    from posttrain.config.sections import ModelArgs
-    from posttrain.worker import WorkerContext
 
-    worker = WorkerContext(
-        role="actor_infer",
-        strategy_name="hf_infer",
-        config=HFInferConfig(),
-        model_args=ModelArgs(model_name_or_path=tiny_model_path),
-    )
-    worker.model = hf_infer.load_model(worker)
+    worker = hf_infer_worker
     tokenizer = worker.state["tokenizer"]
 
     def generate(stop):

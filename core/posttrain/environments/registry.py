@@ -8,21 +8,12 @@ from typing import Any
 
 from posttrain.environments.protocol import Environment, EnvironmentSpec
 from posttrain.errors import UserError
+from posttrain.plugin_host import declared_by_name
 
 
 def environment_specs(hook) -> dict[str, EnvironmentSpec]:
     """Every declared environment; one name declared by two plugins is an error naming both."""
-    specs: dict[str, EnvironmentSpec] = {}
-    owners: dict[str, str] = {}
-    for impl in hook.posttrain_add_environments.get_hookimpls():
-        for name, spec in (impl.function() or {}).items():
-            if name in owners:
-                raise UserError(
-                    f"environment '{name}' is declared by two plugins: "
-                    f"'{owners[name]}' and '{impl.plugin_name}'"
-                )
-            specs[name], owners[name] = spec, impl.plugin_name
-    return specs
+    return declared_by_name(hook.posttrain_add_environments, "environment")
 
 
 def environment_factory(name: str, spec: EnvironmentSpec) -> Callable[[Any], Environment]:
