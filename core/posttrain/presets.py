@@ -97,7 +97,7 @@ PRESETS: dict[str, Preset] = {
         ),
     ),
 }
-_VERSION = "v1"  # bump when a preset's construction changes, so caches are rebuilt
+_VERSION = "v2"  # bump when a preset's construction changes, so caches are rebuilt
 
 
 def is_preset(name: str | None) -> bool:
@@ -140,18 +140,35 @@ def _dir_name(key: str) -> str:
     return f"{key}-{_VERSION}" + (f"-{recipe}{RECIPES[recipe].version}" if recipe else "")
 
 
+# Qwen2's pre-tokenizer pattern (transformers' Qwen2Tokenizer): the presets' tokenizers use
+# Qwen2's whole pipeline, because transformers 5's AutoTokenizer rebuilds any model_type qwen2
+# directory's tokenizer as a Qwen2Tokenizer from its vocabulary. With the same pipeline, every way
+# of loading a preset or an exported model (load_tokenizer, AutoTokenizer, an engine's own
+# loader) encodes alike: one character, one token; a character outside the vocabulary has no
+# token and is dropped, as Qwen2Tokenizer drops it.
+QWEN2_PRETOKENIZE_REGEX = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"""
+    r"""\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+
+
 def build_tokenizer(added_tokens: tuple[str, ...] = ()):
-    """A word-level tokenizer over the arithmetic alphabet: one character, one token; each of
-    ``added_tokens`` is one token too."""
-    from tokenizers import AddedToken, Regex, Tokenizer, models, pre_tokenizers
+    """A byte-level BPE tokenizer without merges over the arithmetic alphabet: one character,
+    one token; each of ``added_tokens`` is one token too."""
+    from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
+    from tokenizers import pre_tokenizers as pre
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + ARITH_ALPHABET)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
-    from tokenizers import decoders
-
-    tok.decoder = decoders.Fuse()
+    byte_level = pre.ByteLevel(add_prefix_space=False, use_regex=False)
+    # The byte-level alphabet's name of each character (" " is "Ġ").
+    alphabet = [byte_level.pre_tokenize_str(c)[0][0] for c in ARITH_ALPHABET]
+    vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS + alphabet)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token=None, fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre.Sequence(
+        [pre.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated"), byte_level]
+    )
+    tok.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token="<pad>",

@@ -39,7 +39,8 @@ def chat_tokenizer():
 
 
 def _ids(tok, text: str) -> tuple[int, ...]:
-    return tuple(tok.convert_tokens_to_ids(list(text)))
+    """One token per character (a space is the byte-level "Ġ")."""
+    return tuple(tok.convert_tokens_to_ids([c.replace(" ", "Ġ") for c in text]))
 
 
 def _write_jsonl(path, records) -> None:
