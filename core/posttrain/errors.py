@@ -44,3 +44,7 @@ class WorkerError(PosttrainError):
 
 class CheckpointError(UserError):
     """A checkpoint is incomplete, corrupted or does not match the workflow."""
+
+
+class RunInterrupted(KeyboardInterrupt):
+    """A run stopped by Ctrl-C; the message says what a rerun resumes from (exit code 130)."""

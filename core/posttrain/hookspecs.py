@@ -503,7 +503,7 @@ def posttrain_step_metrics(step: int, metrics: Mapping[str, float]) -> dict[str,
     (``metrics``, read-only: rewards, losses, ``time/<phase>`` seconds of each phase, ...), and
     before the step enters the history and reaches ``posttrain_log_metrics``. Return
     ``{name: number}``: the metrics are added to the step, so every logger (console line,
-    ``metrics.jsonl``, TensorBoard) receives them and checkpoints keep them in the history.
+    ``metrics.jsonl``, TensorBoard) receives them and the run's history keeps them.
     Name a timing ``time/<phase>`` (seconds) to have it shown beside the core's phases. A name
     the core or another plugin already reported, or a value that is not a real number, is an
     error naming the plugin. Not firstresult: every plugin's dict is merged.

@@ -3,25 +3,26 @@
 
 from __future__ import annotations
 
-import json
 import os
 
 from posttrain import hookimpl
+from posttrain.step_log import StepLog
 
-# The one-line summary shows these, in this order, when present.
+# The one-line summary shows these, in this order, when present: short enough for 80 columns.
+# Everything else (each phase's time, every metric) is in metrics.jsonl and TensorBoard, and a
+# terminal shows the phases as progress bars.
 CONSOLE_KEYS = (
     ("reward/mean", "reward", "{:.3f}"),
-    ("actor/kl", "kl", "{:.4f}"),
-    ("actor/entropy", "entropy", "{:.3f}"),
+    ("actor/kl", "kl", "{:.3g}"),
+    ("actor/entropy", "ent", "{:.3g}"),
     ("actor/clip_frac", "clip", "{:.3f}"),
-    ("perf/tokens_per_s", "tok/s", "{:.0f}"),
-    ("time/step", "step_s", "{:.2f}"),
 )
 
 
 class ConsoleLogger:
-    """``contributed``: names of the metrics plugins add (``posttrain_step_metrics``), shown
-    after the core's; the trainer fills the set as they appear."""
+    """One line per step: ``step 12/400 reward 0.531 kl 0.0012 ent 2.84 clip 0.000 | 0.17s
+    7.5k tok/s``, then the metrics plugins add (``posttrain_step_metrics``; ``contributed``: their
+    names, which the trainer fills as they appear)."""
 
     def __init__(self, console, max_steps: int, contributed: set[str] | frozenset = frozenset()):
         self.console = console
@@ -36,52 +37,35 @@ class ConsoleLogger:
             for key, label, fmt in CONSOLE_KEYS
             if key in metrics
         ]
-        parts += [
+        if "time/step" in metrics:
+            parts.append(f"| {metrics['time/step']:.2f}s")
+        if "perf/tokens_per_s" in metrics:
+            parts.append(f"{_thousands(metrics['perf/tokens_per_s'])} tok/s")
+        contributed = [
             f"{key} {metrics[key]:.4g}"
             for key in sorted(self.contributed)
             if key in metrics and not key.startswith("time/")
         ]
-        phases = [
-            f"{k.split('/', 1)[1]} {v:.2f}s"
-            for k, v in metrics.items()
-            if k.startswith("time/") and k != "time/step"
-        ]
-        if phases:
-            parts.append("[" + ", ".join(phases) + "]")
-        self.console.print(" | ".join(parts), highlight=False, markup=False)
+        if contributed:
+            parts.append("| " + " ".join(contributed))
+        self.console.print(" ".join(parts), highlight=False, markup=False)
+
+
+def _thousands(value: float) -> str:
+    return f"{value / 1000:.1f}k" if value >= 1000 else f"{value:.0f}"
 
 
 class JsonlLogger:
     """Appends a line per step to ``metrics.jsonl``. ``start_step``: the step the run starts
-    after (a resumed run's checkpoint, else 0); lines an earlier run in this directory wrote for
-    later steps (a killed run's) are dropped first, so that the file holds each step once."""
+    after (a resumed run's checkpoint, else 0); what an earlier run in this directory logged
+    beyond it is dropped (:class:`~posttrain.step_log.StepLog`)."""
 
     def __init__(self, run_dir: str, start_step: int = 0):
-        self.path = os.path.join(run_dir, "metrics.jsonl")
-        if os.path.exists(self.path):
-            self._drop_after(start_step)
-
-    def _drop_after(self, step: int) -> None:
-        with open(self.path, encoding="utf-8") as f:
-            lines = f.readlines()
-        # A line cut short by a kill is not JSON: it and everything after it goes.
-        kept = []
-        for line in lines:
-            try:
-                if json.loads(line)["step"] > step:
-                    continue
-            except (json.JSONDecodeError, KeyError, TypeError):
-                break
-            kept.append(line)
-        tmp = self.path + ".tmp"
-        with open(tmp, "w", encoding="utf-8") as f:
-            f.writelines(kept)
-        os.replace(tmp, self.path)
+        self.log = StepLog(os.path.join(run_dir, "metrics.jsonl"), start_step)
 
     @hookimpl
     def posttrain_log_metrics(self, step, metrics, run_dir):
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.log.append({"step": step, **metrics})
 
 
 class TensorboardLogger:

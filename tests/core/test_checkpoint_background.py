@@ -44,7 +44,7 @@ def test_finalize_reads_back_only_files_without_a_digest(tmp_path, monkeypatch):
         f.write(hashed)
     with open(os.path.join(tmp, "actor_train", "metadata.json"), "wb") as f:
         f.write(unhashed)
-    known = manager.write_driver_state(tmp, b'{"step": 7}')
+    known = manager.write_driver_files(tmp, b'{"step": 7}', b"workflow: {}")
     known["actor_train/hashed.bin"] = hashlib.sha256(hashed).hexdigest()
     read = []
     real = manifest.sha256_file

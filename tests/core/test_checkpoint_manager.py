@@ -26,7 +26,7 @@ def test_saved_checkpoint_has_manifest_with_checksums(tmp_path):
     path = save(tmp_path, 3)
     manifest = verify(path)
     assert manifest.step == 3
-    assert set(manifest.files) == {"actor_train/weights.bin", "driver_state.json"}
+    assert set(manifest.files) == {"actor_train/weights.bin", "driver_state.json", "workflow.yaml"}
     assert manager.latest_checkpoint(str(tmp_path)) == path
     state = manager.load_driver_state(path)[1]
     assert state["step"] == 3

@@ -220,8 +220,8 @@ def test_example_plugin_environment_metrics_and_checkpoint_files_in_a_run(exampl
     assert [m["example/syncs"] for m in lines] == [1.0, 2.0, 4.0]
     assert all(m["time/example_sync"] > 0 for m in lines)
     assert _tensorboard_scalars(run_dir, "example/syncs") == {1: 1.0, 2: 2.0, 3: 4.0}
-    history = json.loads((run_dir / "checkpoint-3" / "driver_state.json").read_text())["history"]
-    assert [m["step"] for m in history] == [1, 2, 3]  # the checkpoint's own step included
+    history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in history] == [1, 2, 3]
 
     saved = run_dir / "checkpoint-3" / contributed
     good = saved.read_bytes()

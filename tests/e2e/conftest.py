@@ -90,8 +90,9 @@ def kill_after_checkpoint(
     assert not (run_dir / f"checkpoint-{last_step}").exists(), "killed too late to test anything"
 
 
-def read_metrics(run_dir: Path) -> list[dict]:
-    with open(run_dir / "metrics.jsonl") as f:
+def read_metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
+    """The records of a step log of the run (``history.jsonl``: the run's own history)."""
+    with open(run_dir / name) as f:
         return [json.loads(line) for line in f]
 
 

@@ -11,6 +11,7 @@ from typing import Any
 
 from posttrain.checkpoint.digests import FileDigests
 from posttrain.checkpoint.manifest import Manifest, checksum_tree, verify
+from posttrain.checkpoint.record import RECORD
 from posttrain.errors import CheckpointError
 from posttrain.paths import display_path
 
@@ -59,11 +60,13 @@ def temp_dir(run_dir: str, step: int) -> str:
     return tmp
 
 
-def write_driver_state(tmp: str, driver_state: bytes) -> dict[str, str]:
-    """The driver's state (serialised when the save began), hashed while written."""
+def write_driver_files(tmp: str, driver_state: bytes, record: bytes) -> dict[str, str]:
+    """The driver's state (serialised when the save began) and the run's workflow record
+    (:mod:`posttrain.checkpoint.record`), hashed while written."""
     digests = FileDigests(tmp)
-    with digests.open(os.path.join(tmp, DRIVER_STATE)) as f:
-        f.write(driver_state)
+    for name, content in ((DRIVER_STATE, driver_state), (RECORD, record)):
+        with digests.open(os.path.join(tmp, name)) as f:
+            f.write(content)
     return digests.relative()
 
 
@@ -110,12 +113,13 @@ def save_checkpoint(
     driver_state: dict[str, Any],
     versions: dict[str, str],
     total_limit: int | None = None,
+    record: bytes = b"",
 ) -> str:
     """A synchronous save: ``save_roles(tmp_dir)`` writes every role's part and returns their
     layouts; the files it wrote are checksummed by reading them back."""
     tmp = temp_dir(run_dir, step)
     roles = save_roles(tmp)
-    known = write_driver_state(tmp, json.dumps(driver_state).encode())
+    known = write_driver_files(tmp, json.dumps(driver_state).encode(), record)
     return finalize_checkpoint(run_dir, step, tmp, roles, versions, total_limit, known)[0]
 
 

@@ -26,8 +26,10 @@ _POLL_S = 0.01
 
 class CheckpointSaver:
     """Saves the trained roles of a run. ``groups`` maps each trained role to its worker group
-    and ``strategies`` to its strategy name; ``saved`` is called (on the finaliser thread for
-    background saves) with ``(path, manifest)`` once a checkpoint is complete."""
+    and ``strategies`` to its strategy name; ``record`` is the run's workflow record
+    (:mod:`posttrain.checkpoint.record`), written into every checkpoint; ``saved`` is called (on
+    the finaliser thread for background saves) with ``(path, manifest)`` once a checkpoint is
+    complete."""
 
     def __init__(
         self,
@@ -38,8 +40,10 @@ class CheckpointSaver:
         total_limit: int | None,
         background: bool,
         saved: Callable[[str, Any], None],
+        record: bytes,
     ):
         self.run_dir = run_dir
+        self.record = record
         self.groups = groups
         self.strategies = strategies
         self.versions = versions
@@ -75,7 +79,7 @@ class CheckpointSaver:
             markers += [(role_dir, rank) for rank, a in enumerate(answers) if a["background"]]
             if markers and markers[-1][0] == role_dir:
                 self._waiting_roles[role] = role_dir
-        known = manager.write_driver_state(tmp, state)
+        known = manager.write_driver_files(tmp, state, self.record)
         known.update(contributed.write(tmp, plugin_files))
         self.stats = {"stall_s": time.perf_counter() - start}
         if not markers:

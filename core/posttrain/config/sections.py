@@ -264,6 +264,9 @@ class TrainerConfig:
         factory=lambda: ["console", "jsonl"]
     )
     resume: str = "never"  # "never", "auto", or a checkpoint directory
+    # A resume whose workflow defines another run than the checkpoint's (algorithm, data, model,
+    # roles and their devices, rewards, environment, seed) is refused unless this is set.
+    allow_resume_changes: bool = False
     seed: int = 42
     weight_sync_bucket_mb: int = attrs.field(default=256, validator=at_least(1))
     progress: bool = True

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import importlib
 import os
+import signal
 import sys
 import traceback
 from typing import Any
 
 from posttrain.launcher.base import GroupSpec
+from posttrain.references import import_beside
 
 START_CALL = -1  # the call id of a rank's start-up answer
 
@@ -30,6 +32,8 @@ class RankServer:
             import torch
 
             torch.set_num_threads(threads)
+        for spec in specs:
+            import_beside(spec.base_dir)  # as the driver: modules the workflow names
         host = create_plugin_host()
         plugins = list(dict.fromkeys(p for spec in specs for p in spec.plugins))
         problems = host.load_workflow_plugins(plugins)
@@ -88,6 +92,9 @@ def serve(
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     os.environ.update(env)
+    # Ctrl-C in a terminal reaches every process of the run: the driver's, which stops the ranks
+    # in order and says how to resume; a rank dying of it first would be reported as a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import torch.multiprocessing  # noqa: F401  (registers tensor sharing for the pipe)
 
     try:

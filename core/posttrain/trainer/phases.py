@@ -19,9 +19,21 @@ PHASES = (
 
 
 class PhaseTimer:
-    def __init__(self, console, total_steps: int, start_step: int, show: bool):
+    """Times the phases of each step. On a terminal (``show``) each phase has a progress bar:
+    steps done out of ``total_steps``, or, for the phases of ``counted`` (``{phase: (done,
+    total)}``, e.g. the checkpoint's saves), runs done out of the runs the whole run makes."""
+
+    def __init__(
+        self,
+        console,
+        total_steps: int,
+        start_step: int,
+        show: bool,
+        counted: dict[str, tuple[int, int]] | None = None,
+    ):
         self.times: dict[str, float] = {}
         self.progress = None
+        self.step = start_step
         if show and console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
 
@@ -34,8 +46,13 @@ class PhaseTimer:
                 transient=True,
             )
             self.total_steps, self.start_step = total_steps, start_step
+            self.counted = counted or {}
             self.tasks: dict = {}  # a bar per phase, from the phase's first run
             self.progress.start()
+
+    def at_step(self, step: int) -> None:
+        """The step whose phases run next."""
+        self.step = step
 
     @contextmanager
     def phase(self, name: str):
@@ -46,11 +63,16 @@ class PhaseTimer:
             elapsed = time.perf_counter() - start
             self.times[name] = self.times.get(name, 0.0) + elapsed
             if self.progress is not None:
-                if name not in self.tasks:
-                    self.tasks[name] = self.progress.add_task(
-                        name, total=self.total_steps, completed=self.start_step, secs=""
-                    )
-                self.progress.update(self.tasks[name], advance=1, secs=f"{elapsed:.2f}s")
+                self._show(name, elapsed)
+
+    def _show(self, name: str, elapsed: float) -> None:
+        done, total = self.counted.get(name, (self.start_step, self.total_steps))
+        if name not in self.tasks:
+            self.tasks[name] = self.progress.add_task(name, total=total, completed=done, secs="")
+        if name in self.counted:
+            self.progress.update(self.tasks[name], advance=1, secs=f"{elapsed:.2f}s")
+        else:  # a phase may run more than once a step (dynamic sampling's rounds)
+            self.progress.update(self.tasks[name], completed=self.step, secs=f"{elapsed:.2f}s")
 
     def pop(self) -> dict[str, float]:
         out, self.times = self.times, {}

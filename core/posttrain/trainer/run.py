@@ -14,18 +14,18 @@ import time
 from typing import Any
 
 import attrs
-import yaml
 
 from posttrain.algorithms.registry import advantage_estimator
 from posttrain.checkpoint import manager as ckpt
 from posttrain.checkpoint import plugin_files
 from posttrain.checkpoint.manifest import Manifest
+from posttrain.checkpoint.record import checkpoint_record, run_changes, workflow_record
 from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.data import PromptSampler, load_prompts
 from posttrain.environments.registry import environment_specs
 from posttrain.environments.runner import EpisodeRunner
-from posttrain.errors import UserError
+from posttrain.errors import CheckpointError, RunInterrupted, UserError
 from posttrain.launcher.base import GroupSpec, Launcher, WorkerGroup
 from posttrain.paths import display_path
 from posttrain.protocol import (
@@ -38,6 +38,7 @@ from posttrain.protocol import (
 )
 from posttrain.reward_pool import RuleRewards
 from posttrain.rewards import resolve_reward_function, reward_function_names
+from posttrain.step_log import StepLog
 from posttrain.trainer.batches import AsyncBatches, ProducedBatch, SynchronousBatches
 from posttrain.trainer.phases import PHASES, PhaseTimer
 from posttrain.trainer.placement import TimeSharing, colocated
@@ -46,7 +47,11 @@ from posttrain.trainer.sampling import ScoredGroups, collect_groups
 
 # Roles whose state a checkpoint must hold (rollout and reference are rebuilt from them).
 TRAINED_ROLES = ("actor_train", "critic")
+# The run directory's record of the workflow its latest run ran (each checkpoint has its own).
 WORKFLOW_COPY = "workflow.yaml"
+# Every step's metrics, the driver's own record: a resumed run reads back the steps before its
+# checkpoint from here (checkpoints do not copy the history).
+HISTORY = "history.jsonl"
 
 
 def resolve_device(workflow: Workflow) -> str:
@@ -139,9 +144,10 @@ def package_versions(host) -> dict[str, str]:
 
 @attrs.define
 class DriverState:
+    """What a checkpoint holds of the driver: the step and the data position."""
+
     step: int = 0
     sampler: dict[str, int] = attrs.field(factory=dict)
-    history: list[dict[str, float]] = attrs.field(factory=list)
 
 
 class Trainer:
@@ -160,16 +166,18 @@ class Trainer:
         # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
         self._saver: CheckpointSaver | None = None
         self.steps_run = 0  # steps this run (a resumed run starts after its checkpoint's)
+        self.history: list[dict[str, float]] = []  # every step's metrics, the run's first on
+        self.record = workflow_record(workflow, source)
+        # Set when the checkpoint to resume from is at trainer.max_steps already.
+        self.nothing_to_run = False
         self.batches: SynchronousBatches | AsyncBatches | None = None
         # Names of the metrics plugins add (posttrain_step_metrics): the console shows them.
         self.contributed_metric_names: set[str] = set()
 
     # -- set-up ----------------------------------------------------------------------------
 
-    def _prepare_run_dir(self) -> str | None:
-        """Create the run directory; return the checkpoint to resume from, if any."""
-        os.makedirs(self.run_dir, exist_ok=True)
-        ckpt.remove_stale_temporaries(self.run_dir)
+    def _checkpoint_to_resume(self) -> str | None:
+        """The checkpoint ``trainer.resume`` names, if any (nothing is written yet)."""
         resume = self.wf.trainer.resume
         if resume == "auto":
             return ckpt.latest_checkpoint(self.run_dir)
@@ -177,10 +185,21 @@ class Trainer:
             return resume if os.path.isabs(resume) else os.path.join(self.wf.base_dir, resume)
         return None
 
-    def _save_workflow_copy(self) -> None:
-        data = {"source": self.source, "base_dir": self.wf.base_dir}
-        with open(os.path.join(self.run_dir, WORKFLOW_COPY), "w", encoding="utf-8") as f:
-            yaml.safe_dump({"run": data, "workflow": _plain(self.wf)}, f, sort_keys=False)
+    def _prepare_run_dir(self) -> None:
+        """Create the run directory, clear what a crash left half-written, record the workflow
+        and open the history (a resumed run keeps its steps up to the checkpoint's)."""
+        os.makedirs(self.run_dir, exist_ok=True)
+        ckpt.remove_stale_temporaries(self.run_dir)
+        with open(os.path.join(self.run_dir, WORKFLOW_COPY), "wb") as f:
+            f.write(self.record)
+        self._history_log = StepLog(os.path.join(self.run_dir, HISTORY), self.state.step)
+        self.history = self._history_log.records
+        missing = self.state.step - len(self.history)
+        if missing > 0:
+            self.console.print(
+                f"note: {display_path(self._history_log.path)} lacks {missing} of the "
+                f"{self.state.step} steps before the checkpoint; curves.png will miss them"
+            )
 
     def _register_loggers(self) -> None:
         from posttrain.loggers import ConsoleLogger, JsonlLogger, TensorboardLogger
@@ -213,21 +232,25 @@ class Trainer:
             what = " + ".join(
                 f"{name} ({roles[name].strategy_args.strategy_name})" for name in members
             )
-            shared = "shared " if len(members) > 1 else ""
-            self.console.print(
-                f"started {what}: {roles[members[0]].num_ranks} {shared}rank processes "
-                f"({time.perf_counter() - t0:.1f}s)"
-            )
+            ranks = roles[members[0]].num_ranks
+            count = f"{ranks} rank process{'es' if ranks > 1 else ''}"
+            shared = ", shared" if len(members) > 1 else ""
+            self.console.print(f"started {what}: {count}{shared} ({time.perf_counter() - t0:.1f}s)")
 
     # -- the loop --------------------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
         from posttrain.models import load_tokenizer
 
-        resume_from = self._prepare_run_dir()
+        resume_from = self._checkpoint_to_resume()
         # Verified before any process starts: a checkpoint that cannot be used is refused fast.
         checkpoint = self._verified_checkpoint(resume_from) if resume_from else None
-        self._save_workflow_copy()
+        if checkpoint is not None:
+            self.state = DriverState(step=checkpoint[2]["step"], sampler=checkpoint[2]["sampler"])
+            if self.state.step >= self.wf.trainer.max_steps:
+                self.nothing_to_run = True  # and the run directory stays as it is
+                return self.history
+        self._prepare_run_dir()
         infer_role = self.wf.actor_infer
         self.tokenizer = load_tokenizer(infer_role.model_args, self.wf.base_dir)
         self.prompts = load_prompts(self.wf.data, self.wf.base_dir, self.tokenizer)
@@ -248,17 +271,53 @@ class Trainer:
             self._loop()
             if self._saver is not None:
                 self._saver.wait()  # the run ends when its last checkpoint is complete
+        except KeyboardInterrupt:
+            self._closed()  # a save in flight stays incomplete, and is never resumed from
+            raise RunInterrupted(self._resume_hint()) from None
         finally:
-            if self.batches is not None:
-                self.batches.close()
-            if self.rule_rewards is not None:
-                self.rule_rewards.close()
-            if self._saver is not None:
-                self._saver.close()
-            if self.launcher is not None:
-                self.launcher.shutdown()
-        self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.state.history)
-        return self.state.history
+            self._closed()
+        self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.history)
+        return self.history
+
+    def _closed(self) -> None:
+        """Stop everything the run started, once: the producer, the reward pool, the saver (a
+        save still in flight is left incomplete), the rank processes."""
+        if self.batches is not None:
+            self.batches.close()
+            self.batches = None
+        if self.rule_rewards is not None:
+            self.rule_rewards.close()
+            self.rule_rewards = None
+        if self._saver is not None:
+            self._saver.close()
+            self._saver = None
+        if self.launcher is not None:
+            self.launcher.shutdown()
+            self.launcher = None
+
+    def _resume_hint(self) -> str:
+        """What a rerun of an interrupted run does: from which checkpoint, redoing which steps."""
+        done = self.history[-1]["step"] if self.history else self.state.step
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is None:
+            return f"after step {done}, with no checkpoint yet: a rerun starts over at step 1"
+        saved = Manifest.read(latest).step
+        rerun = (
+            "rerun the same command"
+            if self.wf.trainer.resume == "auto"
+            else "rerun with --set trainer.resume=auto"
+        )
+        redo = ""
+        if done > saved:
+            redo = (
+                f", redoing step {done}"
+                if done == saved + 1
+                else f", redoing steps {saved + 1}-{done}"
+            )
+        return (
+            f"after step {done}; the last complete checkpoint is {display_path(latest)}: "
+            f"{rerun} to continue from step {saved}{redo}"
+        )
 
     def _make_transport(self):
         train, infer = self.groups["actor_train"], self.groups["actor_infer"]
@@ -276,22 +335,32 @@ class Trainer:
         return transports[name](bucket_bytes=self.wf.trainer.weight_sync_bucket_mb << 20)
 
     def _verified_checkpoint(self, path: str) -> tuple[str, Manifest, dict[str, Any]]:
-        """The checkpoint to resume from, its files checked against its manifest."""
+        """The checkpoint to resume from, its files checked against its manifest and its
+        workflow against this one."""
         manifest, state = ckpt.load_driver_state(path)
         for role in manifest.roles:
             if role not in self.wf.roles():
                 raise UserError(
                     f"checkpoint {display_path(path)} holds role '{role}' that this workflow lacks"
                 )
+        record = checkpoint_record(path)
+        changes = run_changes(record["workflow"], self.wf) if record else []
+        if changes and not self.wf.trainer.allow_resume_changes:
+            shown = "\n".join(f"  {c}" for c in changes[:12])
+            if len(changes) > 12:
+                shown += f"\n  ... and {len(changes) - 12} more"
+            raise CheckpointError(
+                f"{display_path(path)} was saved by a different run; resuming it would change "
+                f"what that run is:\n{shown}\n"
+                "write this run elsewhere (--set trainer.output_dir=runs/NEW), or resume with "
+                "these changes (--set trainer.allow_resume_changes=true)"
+            )
         return path, manifest, state
 
     def _resume(self, checkpoint: tuple[str, Manifest, dict[str, Any]], sampler) -> None:
-        path, manifest, state = checkpoint
+        path, manifest, _ = checkpoint
         for role in manifest.roles:
             self.groups[role].call("load_checkpoint", os.path.join(path, role))
-        self.state = DriverState(
-            step=state["step"], sampler=state["sampler"], history=state["history"]
-        )
         sampler.load_state(self.state.sampler)
         self.host.hook.posttrain_restore_checkpoint_files(
             step=self.state.step, files=plugin_files.read(path, manifest.files)
@@ -327,10 +396,19 @@ class Trainer:
 
     def _loop(self) -> None:
         t = self.wf.trainer
-        timer = PhaseTimer(self.console, t.max_steps, self.state.step, t.progress)
+        saves = [step for step in range(1, t.max_steps + 1) if self._saves_at(step)]
+        saved = sum(step <= self.state.step for step in saves)
+        timer = PhaseTimer(
+            self.console,
+            t.max_steps,
+            self.state.step,
+            t.progress,
+            counted={"checkpoint": (saved, len(saves))},
+        )
         try:
             while self.state.step < t.max_steps:
                 self.state.step += 1
+                timer.at_step(self.state.step)
                 step_start = time.perf_counter()
                 calls_before = self.launcher.driver_calls()
                 batch = self.batches.next(self.state.step, timer)
@@ -343,13 +421,12 @@ class Trainer:
                 added = contributed_metrics(self.host, self.state.step, metrics)
                 self.contributed_metric_names.update(added)
                 metrics.update(added)
-                # In the history before the save, so that the checkpoint of a step holds the
-                # step's metrics (the save's own time is added after it, to the live copy).
-                self.state.history.append(metrics)
+                # In the history before the save, so that a resume from the checkpoint of a
+                # step finds the step's metrics (the save's own time is added after it, to the
+                # live copy).
+                self._history_log.append(metrics)
                 self.steps_run += 1
-                if (t.save_steps and self.state.step % t.save_steps == 0) or (
-                    t.save_final and self.state.step == t.max_steps
-                ):
+                if self._saves_at(self.state.step):
                     with timer.phase("checkpoint"):
                         self._checkpoint()
                     self._time_step(metrics, timer, step_start, calls_before, tokens)
@@ -358,6 +435,12 @@ class Trainer:
                 )
         finally:
             timer.stop()
+
+    def _saves_at(self, step: int) -> bool:
+        t = self.wf.trainer
+        return bool(t.save_steps and step % t.save_steps == 0) or (
+            t.save_final and step == t.max_steps
+        )
 
     def _time_step(self, metrics, timer: PhaseTimer, start: float, calls_before: int, tokens):
         """The step's timings so far: each phase, the whole step, and the driver's own work
@@ -688,12 +771,9 @@ class Trainer:
                 saved=lambda path, manifest: self.host.hook.posttrain_checkpoint_saved(
                     checkpoint_dir=path, manifest=manifest
                 ),
+                record=self.record,
             )
-        state = {
-            "step": self.state.step,
-            "sampler": self.state.sampler,
-            "history": self.state.history,
-        }
+        state = attrs.asdict(self.state)
         files = plugin_files.collect(self.host, self.state.step, self.run_dir)
         self._saver.save(self.state.step, state, files)
 
@@ -744,17 +824,6 @@ def rollout_mismatch(rollout, trainer, mask) -> dict[str, float]:
     }
 
 
-def _plain(value: Any) -> Any:
-    """The workflow as plain YAML data (strategy configs included)."""
-    if attrs.has(type(value)):
-        return {f.name: _plain(getattr(value, f.name)) for f in attrs.fields(type(value))}
-    if isinstance(value, dict):
-        return {str(k): _plain(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [_plain(v) for v in value]
-    return value
-
-
 def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> list[dict]:
     from rich.console import Console
 
@@ -762,10 +831,18 @@ def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> li
     trainer = Trainer(workflow, host, console, source=source)
     console.print(f"run directory: {display_path(trainer.run_dir)}")
     history = trainer.run()
+    if trainer.nothing_to_run:
+        steps = workflow.trainer.max_steps
+        console.print(
+            f"nothing to run: the checkpoint to resume is at step {trainer.state.step} and "
+            f"trainer.max_steps is {steps}; raise it to train on (--set "
+            f"trainer.max_steps={max(steps, trainer.state.step) * 2}); the run directory is "
+            "unchanged"
+        )
+        return history
     first = trainer.state.step - trainer.steps_run + 1
-    ran = f"steps {first}-{trainer.state.step}" if trainer.steps_run else "nothing left to run"
     console.print(
-        f"done: {trainer.steps_run} steps this run ({ran}); curves at "
+        f"done: {trainer.steps_run} steps this run (steps {first}-{trainer.state.step}); curves at "
         f"{display_path(os.path.join(trainer.run_dir, 'curves.png'))}"
     )
     return history
