@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import textwrap
 import traceback
@@ -25,15 +26,50 @@ def _console(stderr: bool = False):
 
 
 def _parse_overrides(items: list[str]) -> dict:
+    """``--set KEY=VALUE`` items; each value is parsed as YAML, and a relative path given for
+    a path setting is made absolute against the current directory (:func:`_from_cwd`)."""
     import yaml
 
     out = {}
     for item in items or []:
-        key, sep, value = item.partition("=")
+        key, sep, text = item.partition("=")
+        key = key.strip()
         if not sep or not key:
             raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.max_steps=10")
-        out[key.strip()] = yaml.safe_load(value)
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            raise UserError(
+                f"--set {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]}); "
+                f"quote it: --set '{key}=\"{text}\"'"
+            ) from None
+        out[key] = _from_cwd(key, value)
     return out
+
+
+# Settings that hold a path. Given with --set, a relative path is meant from where the command
+# is typed, not from the workflow file's directory (where the file's own paths resolve).
+_PATH_KEYS = ("trainer.output_dir", "data.path")
+_MODEL_PATH_KEYS = ("model_name_or_path", "tokenizer_name_or_path")
+
+
+def _from_cwd(key: str, value):
+    if not isinstance(value, str) or not value or os.path.isabs(value):
+        return value
+    if key in _PATH_KEYS or (key == "trainer.resume" and value not in ("auto", "never")):
+        return os.path.abspath(value)
+    if key.rsplit(".", 1)[-1] in _MODEL_PATH_KEYS and os.path.exists(value):
+        return os.path.abspath(value)  # else a preset or a hub id
+    return value
+
+
+SET_HELP = (
+    "override a workflow value, e.g. --set trainer.max_steps=10 (repeatable). VALUE is parsed "
+    "as YAML: 10 is a number, [0,1] a list, null nothing; quote a string that YAML would read "
+    "otherwise, e.g. --set 'key=\"-\"'. Paths in the workflow file resolve against the file's "
+    "directory; a relative path given here (trainer.output_dir, trainer.resume, data.path, "
+    "*.model_name_or_path) resolves against the current directory"
+)
 
 
 def _load(args, host):
@@ -65,9 +101,22 @@ def cmd_plugins(args, host) -> int:
     return EXIT_OK if not host.failures else EXIT_USER
 
 
+# What a plugin adds, by kind: the collecting hook that declares it (a mapping of names).
+CONTRIBUTION_HOOKS = {
+    "algorithms": "posttrain_add_algorithms",
+    "advantage_estimators": "posttrain_add_advantage_estimators",
+    "policy_losses": "posttrain_add_policy_losses",
+    "reward_functions": "posttrain_add_reward_functions",
+    "environments": "posttrain_add_environments",
+    "weight_transports": "posttrain_add_weight_transports",
+}
+
+
 def _plugin_listing(host) -> list[dict]:
-    """Every plugin with its distribution, version, strategies and hooks (full hook names)."""
+    """Every plugin with its distribution, version, what it adds by kind (strategies,
+    algorithms, rewards, environments, transports, commands) and its hooks (full names)."""
     strategies = host.strategies()
+    contributions = _contributions(host)
     return [
         {
             "name": info.name,
@@ -75,11 +124,31 @@ def _plugin_listing(host) -> list[dict]:
             "distribution": info.distribution or None,
             "version": info.version or None,
             "strategies": sorted(s.name for s in strategies.values() if s.plugin == info.name),
+            **{kind: sorted(found.get(info.name, ())) for kind, found in contributions.items()},
             "hooks": [] if info.error else host.hooks_of(info.name),
             "error": info.error or None,
         }
         for info in host.plugins
     ]
+
+
+def _contributions(host) -> dict[str, dict[str, list[str]]]:
+    """``{kind: {plugin name: [names it declares]}}``; declarations are cheap (no engine is
+    imported), so they are asked of every plugin."""
+    found: dict[str, dict[str, list[str]]] = {}
+    for kind, hook_name in CONTRIBUTION_HOOKS.items():
+        found[kind] = {
+            impl.plugin_name: list(impl.function() or {})
+            for impl in getattr(host.hook, hook_name).get_hookimpls()
+        }
+    commands: dict[str, list[str]] = {}
+    for impl in host.hook.posttrain_add_cli_commands.get_hookimpls():
+        # Each plugin adds its subcommands to a parser of its own, to read their names.
+        subparsers = argparse.ArgumentParser(add_help=False).add_subparsers()
+        impl.function(subparsers=subparsers)
+        commands[impl.plugin_name] = list(subparsers.choices)
+    found["commands"] = commands
+    return found
 
 
 def _print_plugin_blocks(console, listing: list[dict]) -> None:
@@ -106,8 +175,9 @@ def _print_plugin_blocks(console, listing: list[dict]) -> None:
             # Unwrapped: the error is one message, searched for as a whole.
             console.print(f"  failed to load: {plugin['error']}", style="red", markup=False)
             continue
-        if plugin["strategies"]:
-            console.print(wrapped("strategies", plugin["strategies"]), markup=False)
+        for kind in ("strategies", *CONTRIBUTION_HOOKS, "commands"):
+            if plugin[kind]:
+                console.print(wrapped(kind.replace("_", " "), plugin[kind]), markup=False)
         hooks = [h.removeprefix("posttrain_") for h in plugin["hooks"]]
         console.print(wrapped("hooks", hooks), markup=False)
 
@@ -171,13 +241,16 @@ def build_parser(host) -> argparse.ArgumentParser:
 
     def workflow_command(name: str, handler, help_: str):
         p = sub.add_parser(name, help=help_)
-        p.add_argument("workflow", help="workflow YAML file")
+        p.add_argument(
+            "workflow",
+            help="workflow YAML file; relative paths in it resolve against its directory",
+        )
         p.add_argument(
             "--set",
             action="append",
             default=[],
             metavar="KEY=VALUE",
-            help="override a workflow value, e.g. --set trainer.max_steps=10",
+            help=SET_HELP,
         )
         p.set_defaults(handler=handler)
 
@@ -236,8 +309,8 @@ def main(argv: list[str] | None = None) -> int:
     except WorkerError as exc:
         err.print(f"[red]error[/red]: {exc}\n{exc.remote_traceback}")
         return EXIT_INTERNAL
-    except KeyboardInterrupt:
-        err.print("interrupted")
+    except KeyboardInterrupt as exc:
+        err.print(f"interrupted {exc}".strip(), markup=False)
         return 130
     except Exception:
         traceback.print_exc()

@@ -19,6 +19,7 @@ import pluggy
 from posttrain import hookspecs
 from posttrain.engine_hooks import EngineHooks, warn_misnamed_engine_functions
 from posttrain.errors import PluginError, UserError
+from posttrain.references import WHERE_MODULES_ARE
 from posttrain.strategy import KNOWN_PROVIDERS, StrategySpec
 
 ENTRY_POINT_GROUP = "posttrain"
@@ -106,9 +107,7 @@ class PluginHost:
                     (
                         index,
                         f"plugin '{name}' is neither installed nor importable ({exc})",
-                        f"install {hint}"
-                        if hint
-                        else "install the package that provides it, or give a module path",
+                        f"install {hint}" if hint else WHERE_MODULES_ARE,
                     )
                 )
                 continue

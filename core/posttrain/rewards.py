@@ -5,12 +5,18 @@ A reward function is called once per sample: ``fn(completion, answer, prompt, **
 
 from __future__ import annotations
 
-import importlib
 import re
 from collections.abc import Callable
 
+from posttrain.config.report import did_you_mean
 from posttrain.errors import UserError
 from posttrain.plugin_host import declared_by_name
+from posttrain.references import (
+    WHERE_MODULES_ARE,
+    load_reference,
+    missing_module,
+    split_reference,
+)
 
 RewardFn = Callable[..., float]
 
@@ -43,20 +49,38 @@ def resolve_reward_function(spec: str, hook) -> RewardFn:
     """A registered name (``exact_match``) or ``module:function``; a clear UserError otherwise."""
     names = reward_function_names(hook)
     target = names.get(spec, spec)
-    module_name, sep, attr = target.partition(":")
-    if not sep or not module_name or not attr:
+    if split_reference(target) is None:
         raise UserError(
             f"reward.function: '{spec}' is neither a registered reward "
             f"({', '.join(sorted(names))}) nor of the form 'module:function'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(
-            f"reward.function: cannot import module '{module_name}' ({exc}); "
-            "is it on PYTHONPATH or next to the workflow file?"
-        ) from None
-    fn = getattr(module, attr, None)
+    fn = load_reference(target, "reward.function")
     if not callable(fn):
-        raise UserError(f"reward.function: module '{module_name}' has no function '{attr}'")
+        raise UserError(f"reward.function: '{target}' is not a function")
     return fn
+
+
+def check_reward_function(function: str | None, hook, report) -> None:
+    """Report a ``reward.function`` that names no registered reward, or a module that cannot
+    be found (before anything starts, without importing it)."""
+    if not function:
+        return
+    try:
+        names = reward_function_names(hook)
+    except UserError as exc:  # two plugins declare one name
+        report.error("plugins", str(exc))
+        return
+    reference = split_reference(names.get(function, function))
+    if reference is None:
+        close = did_you_mean(function, names)
+        hint = f"{close} " if close.startswith("did you mean") else ""
+        report.error(
+            "reward.function",
+            f"'{function}' is neither a registered reward nor of the form 'module:function'",
+            f"{hint}registered: {', '.join(sorted(names))}",
+        )
+        return
+    problem = missing_module(reference[0])
+    if problem:
+        owner = f" (registered as '{function}')" if function in names else ""
+        report.error("reward.function", problem + owner, WHERE_MODULES_ARE)

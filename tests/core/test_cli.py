@@ -253,3 +253,71 @@ def test_paths_print_resolved(tmp_path, monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "examples/w.yaml: " in err and "/../" not in err, err
     assert "data.path: file not found: data/missing.jsonl" in err, err
+
+
+def test_set_paths_resolve_against_the_current_directory(tmp_path, monkeypatch, capsys):
+    """The file's own paths resolve against its directory; a path typed with --set against the
+    directory it was typed in (README: ``--set trainer.output_dir=runs/quickstart_async`` from
+    the repository's root)."""
+    from posttrain.cli import _parse_overrides
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "model").mkdir()
+    overrides = _parse_overrides(
+        [
+            "trainer.output_dir=runs/a",
+            "trainer.resume=auto",
+            "data.path=data/x.jsonl",
+            "actor_train.model_args.model_name_or_path=model",
+            "model_args.model_name_or_path=Qwen/Qwen2.5-0.5B",  # a hub id: no such directory
+            "algorithm.name=grpo",
+            "trainer.max_steps=5",
+            "reward.kwargs.lower=-",
+        ]
+    )
+    assert overrides == {
+        "trainer.output_dir": str(tmp_path / "runs" / "a"),
+        "trainer.resume": "auto",
+        "data.path": str(tmp_path / "data" / "x.jsonl"),
+        "actor_train.model_args.model_name_or_path": str(tmp_path / "model"),
+        "model_args.model_name_or_path": "Qwen/Qwen2.5-0.5B",
+        "algorithm.name": "grpo",
+        "trainer.max_steps": 5,
+        "reward.kwargs.lower": [None],  # YAML: a "-" alone is a list of one empty item
+    }
+    assert main(["validate", "w.yaml", "--set", "a=[1,"]) == EXIT_USER
+    err = capsys.readouterr().err
+    assert "not valid YAML" in err and "quote it" in err and "Traceback" not in err
+
+
+def test_run_help_explains_paths_and_yaml_values(capsys):
+    with pytest.raises(SystemExit):
+        main(["run", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert "parsed as YAML" in text
+    assert "resolve against the file's directory" in text
+    assert "resolves against the current directory" in text
+
+
+def test_plugins_list_what_each_plugin_adds_by_kind(capsys, monkeypatch):
+    import json
+
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    assert main(["plugins", "--json"]) == EXIT_OK
+    plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
+    algorithms = plugins["posttrain.builtin.algorithms"]
+    assert algorithms["algorithms"] == ["grpo", "gspo", "ppo", "reinforce_plus_plus", "rloo"]
+    assert algorithms["advantage_estimators"] == ["gae", "grpo", "reinforce_plus_plus", "rloo"]
+    assert algorithms["policy_losses"] == ["gspo", "ppo"]
+    assert plugins["posttrain.builtin.rewards"]["reward_functions"] == [
+        "exact_match",
+        "numeric_match",
+    ]
+    assert plugins["posttrain.builtin.environments"]["environments"] == ["calculator"]
+    transports = plugins["posttrain.builtin.transports"]["weight_transports"]
+    assert transports == ["broadcast", "in_process", "shared_memory"]
+    assert plugins["posttrain.builtin.checks"]["commands"] == []
+    assert main(["plugins"]) == EXIT_OK
+    blocks = _plugin_blocks(capsys.readouterr().out)
+    assert "environments: calculator" in blocks["posttrain.builtin.environments"]
+    assert "policy losses: gspo, ppo" in blocks["posttrain.builtin.algorithms"]

@@ -15,6 +15,7 @@ from posttrain.config.report import ErrorReport
 from posttrain.config.workflow import build_workflow
 from posttrain.errors import PluginError
 from posttrain.plugin_host import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, create_plugin_host
+from posttrain.references import WHERE_MODULES_ARE
 from posttrain.strategy import Capabilities, StrategySpec
 
 FAKE_EP_MODULE = "posttrain_contract_fake_ep"
@@ -221,9 +222,7 @@ def test_missing_workflow_plugin_gets_an_install_hint(monkeypatch, tmp_path):
     assert "neither installed nor importable" in by_path["plugins[0]"].message
     assert by_path["plugins[0]"].hint.startswith("install posttrain-sglang")
     assert "pip install ./plugins/sglang" in by_path["plugins[0]"].hint
-    assert by_path["plugins[1]"].hint == (
-        "install the package that provides it, or give a module path"
-    )
+    assert by_path["plugins[1]"].hint == WHERE_MODULES_ARE
 
 
 def test_extra_plugin_strategy_is_tagged_with_its_plugin(

@@ -81,7 +81,7 @@ def test_module_function_spec(tmp_path, monkeypatch, hook):
     monkeypatch.syspath_prepend(str(tmp_path))
     fn = resolve_reward_function("my_reward_mod_xyz:length_reward", hook)
     assert fn("abcd", "4", "p", scale=0.5) == 2.0
-    with pytest.raises(UserError, match="has no function 'NOT_CALLABLE'"):
+    with pytest.raises(UserError, match="'my_reward_mod_xyz:NOT_CALLABLE' is not a function"):
         resolve_reward_function("my_reward_mod_xyz:NOT_CALLABLE", hook)
 
 
@@ -97,7 +97,7 @@ def test_missing_module(hook):
 
 
 def test_missing_function(hook):
-    with pytest.raises(UserError, match=r"module 'posttrain\.rewards' has no function 'nope'"):
+    with pytest.raises(UserError, match=r"module 'posttrain\.rewards' has no 'nope'"):
         resolve_reward_function("posttrain.rewards:nope", hook)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 
@@ -258,16 +257,6 @@ def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
             "no reward: reward.function is null and there is no reward model or environment",
             "set reward.function (e.g. exact_match), or reward.strategy_args and model_args",
         )
-    if wf.reward.function and ":" in wf.reward.function:
-        module = wf.reward.function.split(":", 1)[0]
-        if importlib.util.find_spec(module.split(".")[0]) is None and not os.path.exists(
-            os.path.join(wf.base_dir, module.split(".")[0] + ".py")
-        ):
-            report.error(
-                "reward.function",
-                f"module '{module}' cannot be found",
-                "put it next to the workflow or on PYTHONPATH",
-            )
 
 
 # Roles the asynchronous producer uses (the rest run on the loop's thread meanwhile).

@@ -36,6 +36,19 @@ a value outside it is an error. `posttrain validate WORKFLOW.yaml` checks a file
 
 Top-level `model_args` are defaults for every role; a role's own `model_args` override them.
 `<role>` is one of: {roles}.
+
+**Paths.** A relative path in the file (`trainer.output_dir`, `trainer.resume`, `data.path`,
+`model_name_or_path`, ...) resolves against the directory of the workflow file, wherever the
+command is typed: `examples/quickstart.yaml`'s `output_dir: ../runs/quickstart` is
+`runs/quickstart` at the repository's root. Python modules the workflow names (`plugins:`, a
+`reward.function` of the form `"module:function"`, an environment's factory) are imported from
+that directory too, as a script's directory is for `python script.py`.
+
+**Overrides.** `posttrain run|validate WORKFLOW --set KEY=VALUE` sets a dotted key (repeatable).
+VALUE is parsed as YAML: `10` is a number, `[0,1]` a list, `null` nothing, `-` a list item; quote
+a string YAML would read otherwise (`--set 'key="-"'`). A relative path given with `--set` for
+`trainer.output_dir`, `trainer.resume`, `data.path` or a `model_name_or_path` /
+`tokenizer_name_or_path` that exists resolves against the current directory, where it was typed.
 """
 
 # Fields that are not YAML keys.

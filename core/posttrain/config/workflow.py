@@ -14,6 +14,7 @@ from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Work
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
 from posttrain.paths import display_path
+from posttrain.references import import_beside
 from posttrain.strategy import KNOWN_PROVIDERS
 
 if TYPE_CHECKING:
@@ -67,6 +68,7 @@ def build_workflow(
         return None, report
     raw = _apply_overrides(raw, overrides or {}, report)
     raw = _merge_model_args(raw)
+    import_beside(base_dir)  # the modules the workflow names may lie next to it
 
     plugin_names = raw.get("plugins") or []
     if isinstance(plugin_names, list):
@@ -97,6 +99,10 @@ def build_workflow(
         from posttrain.algorithms.checks import check_algorithm
 
         check_algorithm(workflow, host.hook, report)
+    if "reward" not in report.failed_sections:
+        from posttrain.rewards import check_reward_function
+
+        check_reward_function(workflow.reward.function, host.hook, report)
     from posttrain.environments.validation import check_environment
 
     workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)

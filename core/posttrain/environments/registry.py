@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable
 from typing import Any
 
 from posttrain.environments.protocol import Environment, EnvironmentSpec
 from posttrain.errors import UserError
 from posttrain.plugin_host import declared_by_name
+from posttrain.references import load_reference
 
 
 def environment_specs(hook) -> dict[str, EnvironmentSpec]:
@@ -20,18 +20,7 @@ def environment_factory(name: str, spec: EnvironmentSpec) -> Callable[[Any], Env
     """The spec's factory, imported now when it is given as ``"module:attr"``."""
     if callable(spec.factory):
         return spec.factory
-    module_name, sep, attr = spec.factory.partition(":")
-    if not sep or not module_name or not attr:
-        raise UserError(
-            f"environment '{name}': factory '{spec.factory}' is not of the form 'module:attr'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise UserError(
-            f"environment '{name}': cannot import module '{module_name}' ({exc})"
-        ) from None
-    factory = getattr(module, attr, None)
+    factory = load_reference(spec.factory, f"environment '{name}': factory")
     if not callable(factory):
-        raise UserError(f"environment '{name}': module '{module_name}' has no factory '{attr}'")
+        raise UserError(f"environment '{name}': factory '{spec.factory}' is not callable")
     return factory

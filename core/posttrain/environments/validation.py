@@ -12,6 +12,7 @@ from posttrain.config.report import ErrorReport, did_you_mean
 from posttrain.config.sections import GeneratingArgs, Workflow
 from posttrain.environments.registry import environment_specs
 from posttrain.errors import UserError
+from posttrain.references import WHERE_MODULES_ARE, missing_module, split_reference
 
 
 def check_environment(wf: Workflow, raw: Any, hook, strategies, report: ErrorReport) -> Workflow:
@@ -48,6 +49,7 @@ def check_environment(wf: Workflow, raw: Any, hook, strategies, report: ErrorRep
             f"{hint}available: {', '.join(sorted(specs)) or 'none'}",
         )
         return wf
+    _check_factory(name, spec, report)
     kwargs = kwargs if kwargs is not None else {}
     if spec.config_class is not None:
         config = structure_into(kwargs, spec.config_class, "environment.kwargs", report)
@@ -60,6 +62,28 @@ def check_environment(wf: Workflow, raw: Any, hook, strategies, report: ErrorRep
         return wf
     wf = attrs.evolve(wf, environment=attrs.evolve(wf.environment, kwargs=config))
     return _with_stop_strings(wf, spec.stops(config), strategies, report)
+
+
+def _check_factory(name: str, spec, report: ErrorReport) -> None:
+    """A factory given as ``"module:attr"`` must name a module that can be found (it is
+    imported when the first episode starts)."""
+    if callable(spec.factory):
+        return
+    reference = split_reference(spec.factory)
+    if reference is None:
+        report.error(
+            "environment.name",
+            f"environment '{name}' names factory '{spec.factory}', not of the form 'module:attr'",
+            "fix the plugin that declares it (posttrain_add_environments)",
+        )
+        return
+    problem = missing_module(reference[0])
+    if problem:
+        report.error(
+            "environment.name",
+            f"environment '{name}' has factory '{spec.factory}', whose {problem}",
+            WHERE_MODULES_ARE,
+        )
 
 
 def _with_stop_strings(wf: Workflow, stops, strategies, report: ErrorReport) -> Workflow:
