@@ -246,12 +246,13 @@ def commands(block: Block) -> list[list[str]]:
 
 def named_paths(block: Block) -> list[str]:
     """Repository paths a shell block names (`./x`, `a/b`, `x.yaml`) that do not exist; the
-    virtual environments (`.venv-*`) its commands create are left out."""
+    virtual environments (`.venv-*`) its commands create and the run directories (`runs/...`)
+    its runs write are left out."""
     missing = []
     for word in (w for words in commands(block) for w in words):
         word = re.sub(r"\[[^\]]*\]$", "", word)  # "./core[test]": an install's extras
         looks_like_path = "/" in word or re.search(r"\.(ya?ml|py|sh|toml|json)$", word)
-        skipped = word.startswith(("-", ".venv", "http")) or "=" in word
+        skipped = word.startswith(("-", ".venv", "http", "runs/")) or "=" in word
         if looks_like_path and not skipped and not (REPO / word).exists():
             missing.append(word)
     return missing

@@ -4,7 +4,7 @@
   through the broadcast path into SGLang's scheduler; checks the run's metrics and logs.
 * The full run learns single-digit addition: about 6 minutes on 2 CPU cores, more than the
   plugin's CI budget, so opt in with ``POSTTRAIN_SGLANG_E2E=1``. Its wall time is printed next to
-  the reward so it can be set against the hf_infer quickstart's (tests/e2e/test_quickstart.py).
+  the reward so it can be set against the hf_infer quickstart's (tests/e2e/test_readme_commands.py).
 """
 
 from __future__ import annotations

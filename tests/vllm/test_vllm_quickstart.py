@@ -3,7 +3,7 @@
 The first 50 steps always run (~30 s): rollouts come from the vLLM engine, so the reward can
 only leave chance if every weight sync reaches it. The whole run (~1 min on 2 CPU cores) is
 opt-in with ``POSTTRAIN_VLLM_E2E=1``; it prints its wall time next to the reward so it can be
-set against the hf_infer quickstart's (tests/e2e/test_quickstart.py).
+set against the hf_infer quickstart's (tests/e2e/test_readme_commands.py).
 """
 
 from __future__ import annotations
