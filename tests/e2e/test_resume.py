@@ -158,5 +158,5 @@ def test_sigkill_during_background_saves_then_resume(tmp_path, uninterrupted):
         assert resumed_at(killed.stdout) == (before[-1] if before else None)
         complete_checkpoints(run_dir)
     resumed = run(run_dir, "--set", "trainer.save_total_limit=2")
-    assert resumed_at(resumed.stdout) == 10
+    assert re.search(r"nothing to run: \S+checkpoint-10 is at step 10", resumed.stdout)
     assert_same_run(run_dir, uninterrupted)

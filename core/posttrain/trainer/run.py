@@ -168,8 +168,8 @@ class Trainer:
         self.steps_run = 0  # steps this run (a resumed run starts after its checkpoint's)
         self.history: list[dict[str, float]] = []  # every step's metrics, the run's first on
         self.record = workflow_record(workflow, source)
-        # Set when the checkpoint to resume from is at trainer.max_steps already.
-        self.nothing_to_run = False
+        # The checkpoint to resume from, when it is at trainer.max_steps already.
+        self.nothing_to_run: str | None = None
         self.batches: SynchronousBatches | AsyncBatches | None = None
         # Names of the metrics plugins add (posttrain_step_metrics): the console shows them.
         self.contributed_metric_names: set[str] = set()
@@ -248,7 +248,7 @@ class Trainer:
         if checkpoint is not None:
             self.state = DriverState(step=checkpoint[2]["step"], sampler=checkpoint[2]["sampler"])
             if self.state.step >= self.wf.trainer.max_steps:
-                self.nothing_to_run = True  # and the run directory stays as it is
+                self.nothing_to_run = checkpoint[0]  # and the run directory stays as it is
                 return self.history
         self._prepare_run_dir()
         infer_role = self.wf.actor_infer
@@ -834,10 +834,10 @@ def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> li
     if trainer.nothing_to_run:
         steps = workflow.trainer.max_steps
         console.print(
-            f"nothing to run: the checkpoint to resume is at step {trainer.state.step} and "
-            f"trainer.max_steps is {steps}; raise it to train on (--set "
-            f"trainer.max_steps={max(steps, trainer.state.step) * 2}); the run directory is "
-            "unchanged"
+            f"nothing to run: {display_path(trainer.nothing_to_run)} is at step "
+            f"{trainer.state.step} and trainer.max_steps is {steps}; raise it to train on "
+            f"(--set trainer.max_steps={max(steps, trainer.state.step) * 2}); the run directory "
+            "is unchanged"
         )
         return history
     first = trainer.state.step - trainer.steps_run + 1
