@@ -62,7 +62,7 @@ def generate(model, tokenizer, seqs: list[list[int]], stops: list[int], max_new:
 
 def rollout(model, tokenizer, prompts: list[str]) -> list[tuple[str, str | None]]:
     """(decoded response, the call's expression or None) per prompt."""
-    from posttrain.warm_start import CALL, END_CALL, END_RESULT, RESULT
+    from posttrain.tasks.warm_start import CALL, END_CALL, END_RESULT, RESULT
 
     call_id, end_call_id = tokenizer.convert_tokens_to_ids([CALL, END_CALL])
     eos = tokenizer.eos_token_id
@@ -86,7 +86,7 @@ def rollout(model, tokenizer, prompts: list[str]) -> list[tuple[str, str | None]
 
 
 def final_answer(response: str) -> str:
-    from posttrain.warm_start import END_RESULT
+    from posttrain.tasks.warm_start import END_RESULT
 
     return response.rsplit(END_RESULT, 1)[-1].strip()
 
@@ -101,13 +101,13 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
+    from posttrain.backends.models import load_causal_lm, load_tokenizer
     from posttrain.config.sections import ModelArgs
-    from posttrain.data import synthetic_multi_digit_arithmetic
-    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.tasks.data import synthetic_multi_digit_arithmetic
 
     with tempfile.TemporaryDirectory() as cache:
         os.environ["POSTTRAIN_CACHE"] = cache  # a fresh build, timed
-        from posttrain.presets import preset_path
+        from posttrain.tasks.presets import preset_path
 
         start = time.perf_counter()
         path = preset_path("preset:tiny-qwen2-calculator")

@@ -35,7 +35,7 @@ def build_model(shape: str, out_dir: str, dtype: str) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from posttrain.presets import build_tokenizer
+    from posttrain.tasks.presets import build_tokenizer
 
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
     with torch.device("cpu"):
@@ -73,7 +73,7 @@ def disk_copy_rate(checkpoint: str, scratch: str) -> float:
 
 def measure(args, model_dir: str, strategy: str) -> dict:
     from posttrain.checkpoint.saver import CheckpointSaver
-    from posttrain.launcher.local import LocalLauncher
+    from posttrain.launch.local import LocalLauncher
 
     raw, model_dtype = strategy_config(strategy, args.dtype)
     run_dir = tempfile.mkdtemp(prefix=f"ckpt-{strategy}-", dir=args.dir)

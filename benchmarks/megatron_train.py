@@ -175,7 +175,7 @@ def _init_dist(dev) -> None:
 def _megatron_worker(args, dev):
     """A megatron_train worker on one device through the plugin's own path (random init)."""
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
-    from posttrain.worker import WorkerContext
+    from posttrain.launch.worker import WorkerContext
     from posttrain_megatron import bridge as plugin_bridge
     from posttrain_megatron import engine
     from posttrain_megatron.config import MegatronTrainConfig

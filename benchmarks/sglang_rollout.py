@@ -57,8 +57,8 @@ def build_100m(path: str, tokenizer_from: str) -> int:
 def make_worker(model_path: str, base_dir: str, infer_batch_size: int, kv_tokens: int):
     from posttrain.config.converter import CONVERTER
     from posttrain.config.sections import ModelArgs
-    from posttrain.plugin_host import create_plugin_host
-    from posttrain.worker import WorkerContext, WorkerRuntime
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
     host = create_plugin_host()
     # A KV cache that holds the whole batch: with less, SGLang retracts and recomputes requests,
@@ -206,7 +206,7 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="sglang-bench-")
     os.environ.setdefault("POSTTRAIN_CACHE", os.path.join(tmp, "cache"))
-    from posttrain.presets import preset_path
+    from posttrain.tasks.presets import preset_path
 
     tiny = preset_path("preset:tiny-qwen2")
     models = [("tiny-qwen2 (preset)", tiny)]

@@ -35,7 +35,7 @@ def build_model(shape: str, out_dir: str) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from posttrain.presets import build_tokenizer
+    from posttrain.tasks.presets import build_tokenizer
 
     config = Qwen2Config(
         **SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=shape != "qwen2-1.5b"
@@ -67,7 +67,7 @@ def parse_strategy(text: str) -> tuple[str, dict]:
 
 def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
     """Seconds per step (the first left out) and peak GiB per rank of one strategy."""
-    from posttrain.launcher.local import LocalLauncher
+    from posttrain.launch.local import LocalLauncher
 
     raw, model_dtype = {"micro_batch_size": args.batch, **extra}, "fp32"
     if args.dtype != "fp32":

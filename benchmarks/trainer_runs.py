@@ -26,8 +26,8 @@ def trainer_group(
         StrategyArgs,
         TrainingArgs,
     )
-    from posttrain.launcher.base import GroupSpec
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.launch.base import GroupSpec
 
     spec = create_plugin_host().strategies()[strategy]
     role = RoleConfig(

@@ -25,7 +25,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 
 def exact_match(completions, answer, **_):
-    """posttrain.rewards.exact_match: 1.0 when the stripped completion equals the answer."""
+    """posttrain's exact_match: 1.0 when the stripped completion equals the answer."""
     return [1.0 if c.strip() == str(a).strip() else 0.0 for c, a in zip(completions, answer)]
 
 

@@ -46,8 +46,8 @@ def build_100m(path: str, tokenizer_from: str) -> int:
 def make_worker(model_path: str, base_dir: str, infer_batch_size: int):
     from posttrain.config.converter import CONVERTER
     from posttrain.config.sections import ModelArgs
-    from posttrain.plugin_host import create_plugin_host
-    from posttrain.worker import WorkerContext, WorkerRuntime
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
     host = create_plugin_host()
     config = CONVERTER.structure({}, host.strategies()["vllm"].config_class)
@@ -131,7 +131,7 @@ def main() -> int:
 
     tmp = tempfile.mkdtemp(prefix="vllm-bench-")
     os.environ.setdefault("POSTTRAIN_CACHE", os.path.join(tmp, "cache"))
-    from posttrain.presets import preset_path
+    from posttrain.tasks.presets import preset_path
 
     small = preset_path("preset:small-qwen2")
     models = [("small-qwen2 (preset)", small)]

@@ -6,8 +6,8 @@ run: per-step time, start-up, and steps and time to a rolling reward threshold, 
         [--repeats 3] [--trl-python .venv-trl/bin/python] [--set KEY=VALUE ...]
 
 Both sides start from the same locally built model: a ~0.5M-parameter Qwen2 over the arithmetic
-alphabet (posttrain.presets' builder, hidden 128, 2 layers), given a short supervised warm start
-(plain torch, deterministic) that teaches the format more than the sums: after "a+b=" it emits
+alphabet (posttrain.tasks.presets' builder, hidden 128, 2 layers), given a short supervised warm
+start (plain torch, deterministic) that teaches the format more than the sums: after "a+b=" it emits
 a digit, the right one a little more often than the others (see ``warm_start``). Then GRPO on
 the 55 problems of ``single_digit_addition`` with the ``exact_match`` reward: 8 prompts x 8
 samples = 64 completions and one optimizer step per RL step, lr 1e-4, temperature 1, one new
@@ -55,8 +55,8 @@ def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -
     from transformers import AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    from posttrain.data import synthetic_single_digit_addition
-    from posttrain.presets import Preset, build_preset, build_tokenizer
+    from posttrain.tasks.data import synthetic_single_digit_addition
+    from posttrain.tasks.presets import Preset, build_preset, build_tokenizer
 
     preset = Preset(
         hidden_size=128,
@@ -388,7 +388,7 @@ def main() -> int:
         f"{info['sft_seconds']:.1f} s, P(digit) {info['p_digit']:.3f}, expected reward "
         f"{info['expected_reward']:.3f} -> {model_dir}"
     )
-    from posttrain.data import synthetic_single_digit_addition
+    from posttrain.tasks.data import synthetic_single_digit_addition
 
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in synthetic_single_digit_addition()))

@@ -28,9 +28,9 @@ from posttrain.config.sections import (
     StrategyArgs,
     TrainingArgs,
 )
-from posttrain.launcher.base import GroupSpec
-from posttrain.launcher.local import LocalLauncher
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.launch.base import GroupSpec
+from posttrain.launch.local import LocalLauncher
 from posttrain.weight_sync.transport import InProcessTransport, SharedMemoryTransport
 
 
@@ -39,8 +39,8 @@ def build_model(shape: str, out_dir: str, dtype: str) -> int:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from posttrain.models import torch_dtype
-    from posttrain.presets import build_tokenizer
+    from posttrain.backends.models import torch_dtype
+    from posttrain.tasks.presets import build_tokenizer
 
     config = Qwen2Config(**SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=True)
     with torch.device("cpu"):

@@ -20,11 +20,11 @@ from posttrain.config.sections import (
     StrategyArgs,
     TrainingArgs,
 )
-from posttrain.launcher.base import GroupSpec
-from posttrain.launcher.local import LocalLauncher
-from posttrain.plugin_host import create_plugin_host
-from posttrain.presets import preset_path
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.launch.base import GroupSpec
+from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import concat_tensor_rows
+from posttrain.tasks.presets import preset_path
 from posttrain.testing.contract import (
     max_sample_logprob_diff,
     samples_batch,

@@ -30,6 +30,8 @@ def _parse_overrides(items: list[str]) -> dict:
     a path setting is made absolute against the current directory (:func:`_from_cwd`)."""
     import yaml
 
+    from posttrain.config.yaml_loader import load_yaml_value
+
     out = {}
     for item in items or []:
         key, sep, text = item.partition("=")
@@ -37,7 +39,7 @@ def _parse_overrides(items: list[str]) -> dict:
         if not sep or not key:
             raise UserError(f"--set {item!r}: expected KEY=VALUE, e.g. trainer.max_steps=10")
         try:
-            value = yaml.safe_load(text)
+            value = load_yaml_value(text)
         except yaml.YAMLError as exc:
             raise UserError(
                 f"--set {item!r}: the value is not valid YAML ({str(exc).splitlines()[0]}); "
@@ -185,7 +187,7 @@ def _print_plugin_blocks(console, listing: list[dict]) -> None:
 def cmd_doctor(args, host) -> int:
     from rich.table import Table
 
-    from posttrain.doctor import run_check
+    from posttrain.host.doctor import run_check
 
     console = _console()
     table = Table(title="posttrain doctor")
@@ -222,14 +224,14 @@ def cmd_run(args, host) -> int:
 
 
 def cmd_export_hf(args, host) -> int:
-    from posttrain.trainer.export import export_checkpoint_to_hf
+    from posttrain.checkpoint.export_hf import export_checkpoint_to_hf
 
     export_checkpoint_to_hf(args.checkpoint, args.output, host, console=_console(), role=args.role)
     return EXIT_OK
 
 
 def build_parser(host) -> argparse.ArgumentParser:
-    from posttrain import __version__
+    from posttrain.version import __version__
 
     parser = argparse.ArgumentParser(
         prog="posttrain",
@@ -291,7 +293,7 @@ def _show_warnings(err, caught: list[warnings.WarningMessage]) -> None:
 def main(argv: list[str] | None = None) -> int:
     err = _console(stderr=True)
     try:
-        from posttrain.plugin_host import create_plugin_host
+        from posttrain.host.plugin_host import create_plugin_host
 
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("default", PluginWarning)

@@ -17,7 +17,7 @@ class PluginError(UserError):
 
 class PluginWarning(UserWarning):
     """A plugin loads, but part of it looks like a mistake that would fail silently (e.g. an
-    engine function that :class:`~posttrain.engine_hooks.EngineHooks` never calls)."""
+    engine function that :class:`~posttrain.host.engine_hooks.EngineHooks` never calls)."""
 
 
 class WorkerError(PosttrainError):

@@ -25,15 +25,17 @@ if TYPE_CHECKING:
     from posttrain.algorithms.registry import AdvantageEstimator, AlgorithmPreset, PolicyLossTerm
     from posttrain.checkpoint.manifest import Manifest
     from posttrain.config.report import ErrorReport
-    from posttrain.config.workflow import Workflow
-    from posttrain.doctor import EnvCheck
-    from posttrain.environments.protocol import EnvironmentSpec
+    from posttrain.config.sections import Workflow
+    from posttrain.host.doctor import EnvCheck
+    from posttrain.host.strategy import StrategySpec
+    from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
-    from posttrain.strategy import StrategySpec
+    from posttrain.rollout.environments.protocol import EnvironmentSpec
     from posttrain.weight_sync.transport import WeightTransport
-    from posttrain.worker import WorkerContext
 
 hookspec = pluggy.HookspecMarker("posttrain")
+# Marks a plugin's implementation of a hook (re-exported as ``posttrain.hookimpl``).
+hookimpl = pluggy.HookimplMarker("posttrain")
 
 
 # --------------------------------------------------------------------------------------------
@@ -46,7 +48,7 @@ def posttrain_add_strategies() -> list[StrategySpec]:
     """Declare the strategies this plugin provides.
 
     Called by the plugin host once per process (driver and every worker) right after the plugins
-    are loaded. Return a list of :class:`posttrain.strategy.StrategySpec`, each with its
+    are loaded. Return a list of :class:`posttrain.StrategySpec`, each with its
     ``strategy_config`` class (an attrs class, ``frozen=True, kw_only=True``) and its capabilities
     (parallel dimensions, dtypes, colocation, weight-sync transports). Must not import engines:
     ``posttrain validate`` calls it. Two plugins declaring one name is an error naming both.
@@ -67,7 +69,7 @@ def posttrain_add_strategies() -> list[StrategySpec]:
     Every kind gets ``setup_parallel``, ``load_model``, ``release_memory``/``resume_memory``
     (devices shared with another role) and ``shutdown_worker``. An engine that generates is
     therefore ``"rollout"``, not ``"infer"``; the conformance kit fails a strategy whose declared
-    capabilities and implemented hooks disagree. :class:`posttrain.strategy.Capabilities` has
+    capabilities and implemented hooks disagree. :class:`posttrain.Capabilities` has
     the details.
     """
 
@@ -96,7 +98,7 @@ def posttrain_add_advantage_estimators() -> dict[str, AdvantageEstimator]:
     """Declare advantage estimators: ``{name: AdvantageEstimator}``.
 
     Called on the driver when a workflow is validated and before a run's first step. An
-    :class:`posttrain.algorithms.registry.AdvantageEstimator` turns a step's rewards (and the
+    :class:`posttrain.AdvantageEstimator` turns a step's rewards (and the
     critic's values, when it says it needs them) into per-token advantages and, for a critic,
     returns. ``algorithm.advantage_estimator`` names one; the core's ``trylast`` implementation
     provides ``grpo``, ``rloo``, ``reinforce_plus_plus`` and ``gae``. Not firstresult: the host
@@ -110,7 +112,7 @@ def posttrain_add_policy_losses() -> dict[str, PolicyLossTerm]:
 
     Called on the driver when a workflow is validated and on every rank of ``actor_train``
     when it builds the loss of a train step. A
-    :class:`posttrain.algorithms.registry.PolicyLossTerm` maps log-probs, old log-probs and
+    :class:`posttrain.PolicyLossTerm` maps log-probs, old log-probs and
     advantages to a per-token loss; the core adds the KL and entropy terms, the rollout
     correction weights and the aggregation. ``algorithm.policy_loss`` names one; the core's
     ``trylast`` implementation provides ``ppo`` (clipped, with dual-clip) and ``gspo``
@@ -137,8 +139,8 @@ def posttrain_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
 
     Called on the driver while the argument parser is built. Add a parser with
     ``subparsers.add_parser(...)`` and ``set_defaults(handler=fn)``; the CLI calls
-    ``fn(args, host) -> int`` (``host`` is the :class:`posttrain.plugin_host.PluginHost`) and
-    exits with its return value. Raise :class:`posttrain.errors.UserError` for user mistakes.
+    ``fn(args, host) -> int`` (``host`` is the :class:`posttrain.host.plugin_host.PluginHost`) and
+    exits with its return value. Raise :class:`posttrain.UserError` for user mistakes.
     Not firstresult.
     """
 
@@ -169,7 +171,7 @@ def posttrain_validate_workflow(
 def posttrain_environment_checks() -> list[EnvCheck]:
     """Return environment checks for ``posttrain doctor``.
 
-    Called on the driver. Each :class:`posttrain.doctor.EnvCheck` names a package, the version
+    Called on the driver. Each :class:`posttrain.EnvCheck` names a package, the version
     range the plugin was tested with and how to find the installed version. Not firstresult.
     """
 
@@ -183,7 +185,7 @@ def posttrain_plan_processes(
     Called on the driver by ``posttrain run`` before any process starts (and by ``posttrain
     validate``, to show the layout). Return a list of role-name tuples covering every role of
     the workflow once; the roles of one tuple are hosted by the same rank processes, each rank
-    holding one :class:`~posttrain.worker.WorkerContext` per role, so they must have the same
+    holding one :class:`~posttrain.WorkerContext` per role, so they must have the same
     ``device_mapping``. The core's trylast implementation groups roles with equal device
     mappings whose strategies all declare ``Capabilities.shares_process`` (unless
     ``cluster.colocation`` is ``separate``). A strategy plugin whose strategies cannot share a
@@ -222,7 +224,7 @@ def posttrain_generate(worker: WorkerContext, request: GenerationRequest) -> Rol
     """Generate completions with the log-prob of every sampled token.
 
     Called on every rank of a rollout role with this rank's share of the prompts (token ids).
-    Return :class:`posttrain.protocol.RolloutSamples` (``n`` samples per prompt, in prompt
+    Return :class:`posttrain.RolloutSamples` (``n`` samples per prompt, in prompt
     order). firstresult: return None for strategies you do not own.
     """
 
@@ -378,14 +380,14 @@ def posttrain_begin_checkpoint(worker: WorkerContext, path: str) -> dict | None:
     ``posttrain_save_checkpoint``, when ``trainer.async_save`` is on. The training loop waits
     only for this call, so: copy the state to host buffers (allocated at the first save and
     reused; a save that would not fit in host memory is refused here, with figures, before
-    anything is copied: :class:`posttrain.checkpoint.host_buffers.HostBuffers` does both), start
+    anything is copied: :class:`posttrain.HostBuffers` does both), start
     writing files under ``path`` in the background, and return the layout metadata for the
     manifest at once (as ``posttrain_save_checkpoint`` does).
 
     Completion convention: when every file this rank writes under ``path`` is complete and
     fsynced, the rank writes its completion marker (:mod:`posttrain.checkpoint.background`:
     ``BackgroundSave`` does it, with the sha256 of each file computed while writing through
-    :class:`posttrain.checkpoint.digests.FileDigests`). The driver renames the checkpoint into
+    :class:`posttrain.FileDigests`). The driver renames the checkpoint into
     place only once every rank's marker is there; a marker carrying an error fails the save.
     Files a marker does not list are checksummed by the driver reading them back. Never modify
     a file after the marker is written.
@@ -542,8 +544,8 @@ def posttrain_add_environments() -> dict[str, EnvironmentSpec]:
     Called on the driver when a workflow is validated (``environment.name`` must name one; its
     ``environment.kwargs`` are structured into the spec's ``config_class``) and when a run
     starts its first episodes. The spec's factory builds one
-    :class:`posttrain.environments.protocol.Environment` per episode on the driver; tools are
-    environments too (:class:`posttrain.environments.tools.ToolEnvironment`). Must not import
+    :class:`posttrain.Environment` per episode on the driver; tools are
+    environments too (:class:`posttrain.ToolEnvironment`). Must not import
     heavy packages: ``posttrain validate`` calls it (a ``"module:attr"`` factory is imported
     only when a run needs it). The core's ``trylast`` implementation provides ``calculator``.
     Not firstresult: the host merges every plugin's dict; a name declared by two plugins is an

@@ -9,7 +9,7 @@ import attrs
 import pytest
 
 from posttrain import hookimpl
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain.host.strategy import Capabilities, StrategySpec
 
 CONTRACT_FAKE_TRAIN = "contract_fake_train"
 
@@ -56,7 +56,7 @@ def contract_fake_train_plugin():
 def fake_train_host(monkeypatch, contract_fake_train_plugin):
     """A plugin host with built-ins and the fake train strategy; entry points are not loaded so
     the result does not depend on which plugins happen to be installed."""
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     return create_plugin_host(extra_plugins=[contract_fake_train_plugin])
@@ -87,10 +87,10 @@ def write_workflow(tmp_path):
 def hf_infer_worker(tiny_model_path):
     """hf_infer's rollout engine on preset:tiny-qwen2, loaded in this process once: for tests
     that call the engine's functions directly."""
-    from posttrain.builtin import hf_infer
-    from posttrain.builtin.hf_infer_plugin import HFInferConfig
+    from posttrain.backends import hf_infer
+    from posttrain.backends.hf_infer_plugin import HFInferConfig
     from posttrain.config.sections import ModelArgs
-    from posttrain.worker import WorkerContext
+    from posttrain.launch.worker import WorkerContext
 
     worker = WorkerContext(
         role="actor_infer",

@@ -10,7 +10,7 @@ from __future__ import annotations
 import threading
 
 from posttrain import hookimpl
-from posttrain.environments.protocol import EnvironmentSpec, EnvStep, ModelTurn
+from posttrain.rollout.environments.protocol import EnvironmentSpec, EnvStep, ModelTurn
 
 # What Broken does for a prompt whose answer is the key.
 RAISES, HANGS, GARBAGE = "1", "2", "3"

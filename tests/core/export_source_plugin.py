@@ -10,7 +10,7 @@ from __future__ import annotations
 import attrs
 
 from posttrain import hookimpl
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain.host.strategy import Capabilities, StrategySpec
 
 STRATEGY = "contract_fake_export"
 _SEED = "contract_fake_export_seed"
@@ -70,7 +70,7 @@ def posttrain_setup_parallel(worker):
 def posttrain_load_model(worker):
     if not _mine(worker):
         return None
-    from posttrain.models import load_causal_lm
+    from posttrain.backends.models import load_causal_lm
 
     return load_causal_lm(worker.model_args, worker.base_dir, worker.device).eval()
 

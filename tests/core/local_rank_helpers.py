@@ -9,9 +9,9 @@ import sys
 
 
 def hf_infer_spec(model_path: str, run_dir: str, ranks: int = 1):
-    from posttrain.builtin.hf_infer_plugin import HFInferConfig
+    from posttrain.backends.hf_infer_plugin import HFInferConfig
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, RoleConfig, StrategyArgs
-    from posttrain.launcher.base import GroupSpec
+    from posttrain.launch.base import GroupSpec
 
     return GroupSpec(
         role="actor_infer",
@@ -50,7 +50,7 @@ def driver(model_path: str, run_dir: str, mode: str) -> None:
     (``kill``) or return without shutting them down (``exit``)."""
     import time
 
-    from posttrain.launcher.local import LocalLauncher
+    from posttrain.launch.local import LocalLauncher
 
     group = LocalLauncher(start_timeout_s=120).start_group(hf_infer_spec(model_path, run_dir, 2))
     pids = group.call("run_function", "local_rank_helpers:pid")

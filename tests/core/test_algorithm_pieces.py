@@ -16,7 +16,7 @@ from posttrain.algorithms.value_loss import ValueLoss
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import AlgorithmConfig
 from posttrain.config.workflow import build_workflow
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
 from posttrain.protocol import SequenceBatch, build_sequence_batch
 
 

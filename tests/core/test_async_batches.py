@@ -1,4 +1,4 @@
-"""The asynchronous batch source's bookkeeping (see posttrain.trainer.batches): batches come in
+"""The asynchronous batch source's bookkeeping (see posttrain.rollout.batches): batches come in
 step order, never more than ``max_staleness`` policy versions old, weight syncs happen between
 generations, and a producer's failure reaches the loop."""
 
@@ -8,8 +8,8 @@ import threading
 
 import pytest
 
-from posttrain.trainer.batches import AsyncBatches
-from posttrain.trainer.phases import PhaseTimer
+from posttrain.rollout.batches import AsyncBatches
+from posttrain.trainer.phase_timer import PhaseTimer
 
 
 class Recorder:

@@ -20,7 +20,7 @@ def broken_venv(tmp_path_factory):
 
 CHECK_HOST = r"""
 import json
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
 
 host = create_plugin_host()
 print(json.dumps({
@@ -45,7 +45,7 @@ def test_plugins_command_names_the_broken_plugin(broken_venv):
     assert "Traceback" not in output
     # The other plugins still load and answer.
     assert "hf_infer" in proc.stdout
-    assert "posttrain.builtin.rewards" in proc.stdout
+    assert "posttrain.rewards.builtin" in proc.stdout
     # Every command warns about it on stderr.
     assert "plugin 'broken' failed to load" in proc.stderr
 
@@ -60,7 +60,7 @@ def test_plugin_host_records_failure_and_keeps_others(broken_venv):
     assert out["failures"] == [["broken", "entry point", "posttrain-broken-plugin", ERROR]]
     assert "broken" not in out["loaded"]
     assert "hf_infer" in out["strategies"]
-    assert out["hf_infer_plugin"] == "posttrain.builtin.hf_infer_plugin"
+    assert out["hf_infer_plugin"] == "posttrain.backends.hf_infer_plugin"
 
 
 @pytest.mark.slow

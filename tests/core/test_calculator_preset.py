@@ -10,8 +10,8 @@ import attrs
 import pytest
 import torch
 
-from posttrain import presets
-from posttrain.warm_start import CALL, END_CALL, END_RESULT, RECIPES, RESULT, TOOL_TAGS
+from posttrain.tasks import presets
+from posttrain.tasks.warm_start import CALL, END_CALL, END_RESULT, RECIPES, RESULT, TOOL_TAGS
 
 EPISODE = f"37*48={CALL}37*48{END_CALL}{RESULT}1776{END_RESULT}1776"
 
@@ -72,9 +72,9 @@ def test_build_is_reproducible_and_a_changed_recipe_gets_a_new_cache_dir(tmp_pat
 @pytest.mark.timeout(180)
 def test_warm_started_model_calls_the_tool_sometimes_and_copies_its_result(posttrain_cache):
     """Greedy and exact probabilities, not samples: the same verdict on every machine."""
+    from posttrain.backends.models import load_causal_lm, load_tokenizer
     from posttrain.config.sections import ModelArgs
-    from posttrain.data import synthetic_multi_digit_arithmetic
-    from posttrain.models import load_causal_lm, load_tokenizer
+    from posttrain.tasks.data import synthetic_multi_digit_arithmetic
 
     args = ModelArgs(model_name_or_path=presets.preset_path("preset:tiny-qwen2-calculator"))
     tokenizer, model = load_tokenizer(args), load_causal_lm(args).eval()

@@ -15,8 +15,9 @@ import pytest
 
 from posttrain import hookimpl
 from posttrain.config.sections import ModelArgs
-from posttrain.plugin_host import ENTRY_POINT_GROUP, create_plugin_host
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain.host.plugin_host import ENTRY_POINT_GROUP, create_plugin_host
+from posttrain.host.strategy import Capabilities, StrategySpec
+from posttrain.launch.worker import WorkerContext
 from posttrain.testing import StrategyContract
 from posttrain.testing.capabilities import (
     USES,
@@ -25,7 +26,6 @@ from posttrain.testing.capabilities import (
     implemented,
     mismatches,
 )
-from posttrain.worker import WorkerContext
 
 
 @attrs.frozen(kw_only=True)
@@ -129,8 +129,8 @@ def mismatched_entry_point(tmp_path, monkeypatch):
             """\
             import attrs
             from posttrain import hookimpl
-            from posttrain.engine_hooks import EngineHooks
-            from posttrain.strategy import Capabilities, StrategySpec
+            from posttrain.host.engine_hooks import EngineHooks
+            from posttrain.host.strategy import Capabilities, StrategySpec
 
             @attrs.frozen(kw_only=True)
             class Config:

@@ -23,7 +23,7 @@ def _quickstart(host, **overrides):
 
 
 def test_a_record_round_trips_and_neutral_changes_are_not_changes():
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     host = create_plugin_host()  # the quickstart names fsdp2_train
     saved = yaml.safe_load(workflow_record(_quickstart(host), "q.yaml"))
@@ -44,7 +44,7 @@ def test_a_record_round_trips_and_neutral_changes_are_not_changes():
 
 
 def test_changes_that_define_another_run_are_listed_by_path():
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     host = create_plugin_host()
     saved = yaml.safe_load(workflow_record(_quickstart(host), "q.yaml"))["workflow"]

@@ -159,7 +159,7 @@ def test_plugins_fits_80_columns_and_names_every_hook_in_full(capsys, monkeypatc
     monkeypatch.setenv("COLUMNS", "80")  # what a pipe gets, and a narrow terminal
     assert main(["plugins"]) == EXIT_OK
     out = capsys.readouterr().out
-    from posttrain.plugin_host import BUILTIN_PLUGINS, create_plugin_host
+    from posttrain.host.plugin_host import BUILTIN_PLUGINS, create_plugin_host
 
     assert all(len(line) <= 80 for line in out.splitlines()), out
     assert "…" not in out
@@ -170,7 +170,7 @@ def test_plugins_fits_80_columns_and_names_every_hook_in_full(capsys, monkeypatc
         # The hook list may wrap, never between the letters of a name.
         listed = blocks[name].split("hooks:", 1)[1].replace(",", " ").split()
         assert listed == [h.removeprefix("posttrain_") for h in host.hooks_of(name)]
-    assert "strategies: hf_infer" in blocks["posttrain.builtin.hf_infer_plugin"]
+    assert "strategies: hf_infer" in blocks["posttrain.backends.hf_infer_plugin"]
 
 
 def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
@@ -181,7 +181,7 @@ def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert main(["plugins", "--json"]) == EXIT_OK
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
-    hf = plugins["posttrain.builtin.hf_infer_plugin"]
+    hf = plugins["posttrain.backends.hf_infer_plugin"]
     assert [hf["source"], hf["distribution"], hf["version"]] == [
         "builtin",
         "posttrain",
@@ -189,7 +189,7 @@ def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
     ]
     assert hf["strategies"] == ["hf_infer"]
     assert "posttrain_generate" in hf["hooks"] and hf["error"] is None
-    assert plugins["posttrain.builtin.rewards"]["strategies"] == []
+    assert plugins["posttrain.rewards.builtin"]["strategies"] == []
 
 
 def test_plugins_with_installed_entry_points_imports_no_torch():
@@ -224,9 +224,9 @@ def test_preset_build_and_model_load_draw_no_progress_bars(tmp_path, monkeypatch
     (the driver builds the preset) and filled the rank logs."""
     from transformers.utils import logging as hf_logging
 
+    from posttrain.backends.models import load_causal_lm
     from posttrain.config.sections import ModelArgs
-    from posttrain.models import load_causal_lm
-    from posttrain.presets import preset_path
+    from posttrain.tasks.presets import preset_path
 
     monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
     bars_were_on = hf_logging.is_progress_bar_enabled()
@@ -272,6 +272,7 @@ def test_set_paths_resolve_against_the_current_directory(tmp_path, monkeypatch, 
             "model_args.model_name_or_path=Qwen/Qwen2.5-0.5B",  # a hub id: no such directory
             "algorithm.name=grpo",
             "trainer.max_steps=5",
+            "actor_train.training_args.learning_rate=1e-3",  # a number, as in the file
             "reward.kwargs.lower=-",
         ]
     )
@@ -283,6 +284,7 @@ def test_set_paths_resolve_against_the_current_directory(tmp_path, monkeypatch, 
         "model_args.model_name_or_path": "Qwen/Qwen2.5-0.5B",
         "algorithm.name": "grpo",
         "trainer.max_steps": 5,
+        "actor_train.training_args.learning_rate": 1e-3,
         "reward.kwargs.lower": [None],  # YAML: a "-" alone is a list of one empty item
     }
     assert main(["validate", "w.yaml", "--set", "a=[1,"]) == EXIT_USER
@@ -305,19 +307,19 @@ def test_plugins_list_what_each_plugin_adds_by_kind(capsys, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert main(["plugins", "--json"]) == EXIT_OK
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
-    algorithms = plugins["posttrain.builtin.algorithms"]
+    algorithms = plugins["posttrain.algorithms.builtin"]
     assert algorithms["algorithms"] == ["grpo", "gspo", "ppo", "reinforce_plus_plus", "rloo"]
     assert algorithms["advantage_estimators"] == ["gae", "grpo", "reinforce_plus_plus", "rloo"]
     assert algorithms["policy_losses"] == ["gspo", "ppo"]
-    assert plugins["posttrain.builtin.rewards"]["reward_functions"] == [
+    assert plugins["posttrain.rewards.builtin"]["reward_functions"] == [
         "exact_match",
         "numeric_match",
     ]
-    assert plugins["posttrain.builtin.environments"]["environments"] == ["calculator"]
-    transports = plugins["posttrain.builtin.transports"]["weight_transports"]
+    assert plugins["posttrain.rollout.environments.builtin"]["environments"] == ["calculator"]
+    transports = plugins["posttrain.weight_sync.builtin"]["weight_transports"]
     assert transports == ["broadcast", "in_process", "shared_memory"]
-    assert plugins["posttrain.builtin.checks"]["commands"] == []
+    assert plugins["posttrain.config.checks"]["commands"] == []
     assert main(["plugins"]) == EXIT_OK
     blocks = _plugin_blocks(capsys.readouterr().out)
-    assert "environments: calculator" in blocks["posttrain.builtin.environments"]
-    assert "policy losses: gspo, ppo" in blocks["posttrain.builtin.algorithms"]
+    assert "environments: calculator" in blocks["posttrain.rollout.environments.builtin"]
+    assert "policy losses: gspo, ppo" in blocks["posttrain.algorithms.builtin"]

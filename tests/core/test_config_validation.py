@@ -16,7 +16,7 @@ from posttrain.config.ranges import OutOfRange, at_least, between, range_of
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import ModelArgs, TrainingArgs
 from posttrain.config.workflow import build_workflow, load_workflow
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain.host.strategy import Capabilities, StrategySpec
 
 CONTRACT_FAKE_TRAIN = "contract_fake_train"  # declared by conftest's fake plugin
 
@@ -202,7 +202,7 @@ def test_unknown_strategy_names_the_provider(fake_train_host, model_dir, tmp_pat
 
 
 def _installed_train_strategies():
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     try:
         return set(create_plugin_host().strategies())
@@ -251,7 +251,7 @@ trainer: {{max_steps: 500}}
 def test_roll_role_block_validates(
     train, model_dir, write_workflow, monkeypatch, contract_fake_train_plugin
 ):
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     if train == CONTRACT_FAKE_TRAIN:
         monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
@@ -407,7 +407,7 @@ class _EmptyConfig:
 def test_stop_strings_need_a_strategy_that_supports_them(
     monkeypatch, contract_fake_train_plugin, model_dir, tmp_path
 ):
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     host = create_plugin_host(extra_plugins=[contract_fake_train_plugin, _NoStopStringsRollout()])
@@ -563,10 +563,10 @@ def _numeric(tp) -> bool:
 def test_every_number_in_the_workflow_declares_its_range():
     """A new count or size gets its range by one annotation; this keeps anyone from forgetting
     it, in core sections and in the installed strategies' configs alike."""
-    from posttrain.builtin.hf_infer_plugin import HFInferConfig
+    from posttrain.backends.hf_infer_plugin import HFInferConfig
     from posttrain.config.reference import _walk
     from posttrain.errors import PluginError
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     classes = {*_walk(), HFInferConfig}
     try:

@@ -7,8 +7,8 @@ import io
 
 from rich.console import Console
 
-from posttrain.loggers import ConsoleLogger
-from posttrain.trainer.phases import PhaseTimer
+from posttrain.trainer.loggers import ConsoleLogger
+from posttrain.trainer.phase_timer import PhaseTimer
 
 STEP = {
     "reward/mean": 0.921875,

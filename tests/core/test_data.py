@@ -7,14 +7,14 @@ import json
 import pytest
 
 from posttrain.config.sections import DataConfig, SyntheticData
-from posttrain.data import (
+from posttrain.errors import UserError
+from posttrain.tasks.data import (
     PromptSampler,
     load_prompts,
     read_records,
     synthetic_multi_digit_arithmetic,
     synthetic_single_digit_addition,
 )
-from posttrain.errors import UserError
 
 TEMPLATE = (
     "{% for m in messages %}<bos>{{ m['content'] }}{% endfor %}"
@@ -24,14 +24,14 @@ TEMPLATE = (
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from posttrain.presets import build_tokenizer
+    from posttrain.tasks.presets import build_tokenizer
 
     return build_tokenizer()  # no chat template
 
 
 @pytest.fixture(scope="module")
 def chat_tokenizer():
-    from posttrain.presets import build_tokenizer
+    from posttrain.tasks.presets import build_tokenizer
 
     tok = build_tokenizer()
     tok.chat_template = TEMPLATE

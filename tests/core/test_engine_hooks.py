@@ -12,9 +12,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from posttrain.engine_hooks import ENGINE_FUNCTIONS, EngineHooks, misnamed_engine_functions
 from posttrain.errors import PluginWarning
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.engine_hooks import ENGINE_FUNCTIONS, EngineHooks, misnamed_engine_functions
+from posttrain.host.plugin_host import create_plugin_host
 
 
 def test_every_worker_hook_calls_the_engine_function_of_its_name(monkeypatch):
@@ -145,15 +145,15 @@ def test_the_installed_engines_are_named_as_engine_hooks_calls_them():
         warnings.simplefilter("error", PluginWarning)
         host = create_plugin_host()
     engines = [p for p in host.pm.get_plugins() if isinstance(p, EngineHooks)]
-    assert any(p.engine == "posttrain.builtin.hf_infer" for p in engines)
+    assert any(p.engine == "posttrain.backends.hf_infer" for p in engines)
     assert all(misnamed_engine_functions(p) == [] for p in engines)
 
 
 def test_the_cli_shows_plugin_warnings_as_its_own(monkeypatch, capsys):
-    import posttrain.plugin_host
+    import posttrain.host.plugin_host
     from posttrain.cli import main
 
-    real = posttrain.plugin_host.create_plugin_host
+    real = posttrain.host.plugin_host.create_plugin_host
 
     def warning_host():
         warnings.warn(
@@ -161,7 +161,7 @@ def test_the_cli_shows_plugin_warnings_as_its_own(monkeypatch, capsys):
         )
         return real()
 
-    monkeypatch.setattr(posttrain.plugin_host, "create_plugin_host", warning_host)
+    monkeypatch.setattr(posttrain.host.plugin_host, "create_plugin_host", warning_host)
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert main(["plugins", "--json"]) == 0
     err = capsys.readouterr().err

@@ -9,13 +9,17 @@ import pytest
 from posttrain import hookimpl
 from posttrain.config.report import ErrorReport
 from posttrain.config.workflow import build_workflow
-from posttrain.environments.calculator import CalculatorConfig, calculator_environment, evaluate
-from posttrain.environments.observations import ObservationEncoder, message_delta
-from posttrain.environments.protocol import EnvironmentSpec, ModelTurn
-from posttrain.environments.registry import environment_specs
-from posttrain.environments.tools import Tool, ToolEnvironment, ToolError
 from posttrain.errors import UserError
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.rollout.environments.calculator import (
+    CalculatorConfig,
+    calculator_environment,
+    evaluate,
+)
+from posttrain.rollout.environments.observations import ObservationEncoder, message_delta
+from posttrain.rollout.environments.protocol import EnvironmentSpec, ModelTurn
+from posttrain.rollout.environments.registry import environment_specs
+from posttrain.rollout.environments.tools import Tool, ToolEnvironment, ToolError
 
 # -- registry and validation -------------------------------------------------------------------
 
@@ -170,7 +174,7 @@ CHATML = (
 
 @pytest.fixture
 def chat_tokenizer():
-    from posttrain.presets import build_tokenizer
+    from posttrain.tasks.presets import build_tokenizer
 
     tokenizer = build_tokenizer()
     tokenizer.add_special_tokens({"additional_special_tokens": ["<|im_start|>", "<|im_end|>"]})

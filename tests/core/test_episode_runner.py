@@ -11,11 +11,11 @@ import torch
 from env_support import HANGS, RAISES, RELEASE_HUNG, SPECS
 
 from posttrain.config.sections import EnvironmentConfig
-from posttrain.data import Prompt
-from posttrain.environments.runner import EpisodeRunner
 from posttrain.protocol import GenerationRequest, SamplingParams, build_sequence_batch
-from posttrain.reward_pool import RuleRewards
-from posttrain.rewards import exact_match
+from posttrain.rewards.functions import exact_match
+from posttrain.rewards.pool import RuleRewards
+from posttrain.rollout.environments.runner import EpisodeRunner
+from posttrain.tasks.data import Prompt
 from posttrain.testing.contract import reference_logprobs
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
@@ -34,7 +34,7 @@ class Recorder:
         self.rounds: list[tuple[list[list[int]], list[list[int]]]] = []
 
     def __call__(self, contexts, sampling, turn):
-        from posttrain.builtin import hf_infer
+        from posttrain.backends import hf_infer
 
         request = GenerationRequest(prompt_ids=contexts, sampling=sampling, seed=11 + turn)
         out = hf_infer.generate(self.worker, request)
@@ -57,7 +57,7 @@ def runner(engine, name: str, score=None, **settings) -> EpisodeRunner:
 
 def test_model_tokens_are_trained_and_observations_are_not(engine):
     tokenizer = engine.state["tokenizer"]
-    score = RuleRewards(exact_match, "posttrain.rewards:exact_match", {})
+    score = RuleRewards(exact_match, "posttrain.rewards.functions:exact_match", {})
     run = runner(engine, "countdown", score, kwargs={"turns": 3}, max_turns=4)
     generate = Recorder(engine)
     out = run.run(prompts(tokenizer, [4, 7]), 2, generate, SAMPLING, "step 1")
@@ -107,7 +107,7 @@ def test_broken_environments_score_zero_and_the_others_go_on(engine, caplog):
     answers = [0, int(RAISES), int(HANGS), 3]  # 3: garbage (a NaN reward)
     RELEASE_HUNG.clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="posttrain.environments.runner"):
+        with caplog.at_level(logging.WARNING, logger="posttrain.rollout.environments.runner"):
             out = run.run(prompts(tokenizer, answers), 2, Recorder(engine), SAMPLING, "step 7")
     finally:
         RELEASE_HUNG.set()

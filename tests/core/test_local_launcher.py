@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from local_rank_helpers import hf_infer_spec
 
-from posttrain.launcher.local import LocalLauncher
+from posttrain.launch.local import LocalLauncher
 
 HELPERS = Path(__file__).with_name("local_rank_helpers.py")
 

@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from posttrain.micro_batching import (
+from posttrain.training.micro_batching import (
     balance_across_ranks,
     fixed_micro_batches,
     karmarkar_karp,

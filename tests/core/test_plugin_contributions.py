@@ -12,7 +12,7 @@ from posttrain import hookimpl
 from posttrain.checkpoint import manager, plugin_files
 from posttrain.checkpoint.manifest import verify
 from posttrain.errors import CheckpointError, PluginError
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
 from posttrain.trainer.plugin_metrics import contributed_metrics
 
 

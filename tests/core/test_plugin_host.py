@@ -14,9 +14,9 @@ from posttrain import hookimpl
 from posttrain.config.report import ErrorReport
 from posttrain.config.workflow import build_workflow
 from posttrain.errors import PluginError
-from posttrain.plugin_host import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, create_plugin_host
-from posttrain.references import WHERE_MODULES_ARE
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain.host.plugin_host import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, create_plugin_host
+from posttrain.host.references import WHERE_MODULES_ARE
+from posttrain.host.strategy import Capabilities, StrategySpec
 
 FAKE_EP_MODULE = "posttrain_contract_fake_ep"
 CONTRACT_FAKE_TRAIN = "contract_fake_train"  # declared by conftest's fake plugin
@@ -56,7 +56,7 @@ def fake_entry_points(tmp_path, monkeypatch):
             """\
             import attrs
             from posttrain import hookimpl
-            from posttrain.strategy import Capabilities, StrategySpec
+            from posttrain.host.strategy import Capabilities, StrategySpec
 
             @attrs.frozen(kw_only=True)
             class Config:
@@ -95,7 +95,7 @@ def test_builtins_are_registered_first():
     host = create_plugin_host()
     builtin = [p.name for p in host.plugins if p.source == "builtin"]
     assert builtin == [name.partition(":")[0] for name in BUILTIN_PLUGINS]
-    assert host.strategies()["hf_infer"].plugin == "posttrain.builtin.hf_infer_plugin"
+    assert host.strategies()["hf_infer"].plugin == "posttrain.backends.hf_infer_plugin"
     assert host.strategies()["hf_infer"].capabilities.kind == "rollout"
 
 
@@ -160,7 +160,7 @@ def test_workflow_plugins_load_a_module_for_the_run(monkeypatch, tmp_path, model
             """\
             import attrs
             from posttrain import hookimpl
-            from posttrain.strategy import Capabilities, StrategySpec
+            from posttrain.host.strategy import Capabilities, StrategySpec
 
             @attrs.frozen(kw_only=True)
             class Config:

@@ -10,10 +10,10 @@ import shutil
 import attrs
 import pytest
 
-from posttrain import presets
+from posttrain.backends.models import load_tokenizer
 from posttrain.config.sections import ModelArgs
-from posttrain.models import load_tokenizer
-from posttrain.warm_start import TOOL_TAGS
+from posttrain.tasks import presets
+from posttrain.tasks.warm_start import TOOL_TAGS
 
 TEXTS = [" 3 + 4 =", "3+4=7", "12 * 34 = 408", "  7  ", "9-8 =1\n"]
 TOOL_TEXT = f"{TOOL_TAGS[0]}12 * 3{TOOL_TAGS[1]}{TOOL_TAGS[2]}36{TOOL_TAGS[3]} 36"

@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import pytest
 
 from posttrain.errors import WorkerError
-from posttrain.launcher.base import partial_overlaps
+from posttrain.launch.base import partial_overlaps
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -65,8 +65,8 @@ def test_validate_refuses_partial_overlap_with_ray_only_and_imports_no_ray():
 def ray_setup(posttrain_cache, tmp_path_factory):
     pytest.importorskip("ray")
     from posttrain.config.workflow import load_workflow
-    from posttrain.launcher.ray_launcher import RayLauncher
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.launch.ray import RayLauncher
 
     host = create_plugin_host()
     overrides = {
@@ -105,7 +105,7 @@ def test_colocated_roles_share_bundles(ray_setup):
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_group_env_logs_and_errors(ray_setup):
-    from posttrain.trainer.run import group_spec
+    from posttrain.launch.plan import group_spec
 
     workflow, launcher, run_dir = ray_setup
     groups = launcher.start_processes(

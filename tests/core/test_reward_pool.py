@@ -7,7 +7,7 @@ import time
 import pytest
 from flaky_rewards import flaky
 
-from posttrain.reward_pool import RuleRewards
+from posttrain.rewards.pool import RuleRewards
 
 ITEMS = [
     ("7", "7", "3+4="),

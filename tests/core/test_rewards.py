@@ -7,12 +7,12 @@ import textwrap
 import pytest
 
 from posttrain.errors import UserError
-from posttrain.rewards import exact_match, numeric_match, resolve_reward_function
+from posttrain.rewards.functions import exact_match, numeric_match, resolve_reward_function
 
 
 @pytest.fixture(scope="module")
 def hook():
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     return create_plugin_host().hook
 
@@ -86,7 +86,9 @@ def test_module_function_spec(tmp_path, monkeypatch, hook):
 
 
 def test_builtin_module_path_works(hook):
-    assert resolve_reward_function("posttrain.rewards:numeric_match", hook) is numeric_match
+    assert (
+        resolve_reward_function("posttrain.rewards.functions:numeric_match", hook) is numeric_match
+    )
 
 
 def test_missing_module(hook):
@@ -97,8 +99,8 @@ def test_missing_module(hook):
 
 
 def test_missing_function(hook):
-    with pytest.raises(UserError, match=r"module 'posttrain\.rewards' has no 'nope'"):
-        resolve_reward_function("posttrain.rewards:nope", hook)
+    with pytest.raises(UserError, match=r"module 'posttrain\.rewards\.functions' has no 'nope'"):
+        resolve_reward_function("posttrain.rewards.functions:nope", hook)
 
 
 @pytest.mark.parametrize("spec", ["exact", "unknown_reward", ":fn", "module:", ""])
@@ -112,7 +114,7 @@ def test_malformed_spec(hook, spec):
 
 def test_registered_plugin_reward(tmp_path, monkeypatch):
     from posttrain import hookimpl
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     (tmp_path / "plugin_reward_mod_xyz.py").write_text(
         "def always_half(completion, answer, prompt='', **kw):\n    return 0.5\n"
@@ -131,12 +133,12 @@ def test_registered_plugin_reward(tmp_path, monkeypatch):
 
 def test_duplicate_registered_name_is_error():
     from posttrain import hookimpl
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     class Duplicate:
         @hookimpl
         def posttrain_add_reward_functions(self):
-            return {"exact_match": "posttrain.rewards:numeric_match"}
+            return {"exact_match": "posttrain.rewards.functions:numeric_match"}
 
     host = create_plugin_host(extra_plugins=[Duplicate()])
     with pytest.raises(UserError, match="declared by two plugins"):

@@ -7,7 +7,7 @@ import json
 import torch
 from safetensors.torch import load_file
 
-from posttrain.safetensors_shards import write_shards
+from posttrain.backends.safetensors_shards import write_shards
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from posttrain.protocol import RolloutSamples
-from posttrain.trainer.sampling import ScoredGroups, collect_groups
+from posttrain.rollout.groups import ScoredGroups, collect_groups
 
 
 def scored(rewards: list[list[float]], tag: int) -> ScoredGroups:

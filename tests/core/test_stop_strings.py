@@ -27,7 +27,7 @@ def test_stop_string_start(text, stop, start):
 
 
 def test_hf_infer_stops_with_the_token_completing_a_stop_string(hf_infer_worker):
-    from posttrain.builtin import hf_infer
+    from posttrain.backends import hf_infer
 
     worker = hf_infer_worker
     tokenizer = worker.state["tokenizer"]

@@ -63,8 +63,8 @@ before = set(sys.modules)
 import posttrain_example_plugin.plugin  # the entry-point module
 mod_torch_free = "torch" not in set(sys.modules) - before
 
-from posttrain.plugin_host import create_plugin_host
-from posttrain.rewards import resolve_reward_function
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.rewards.functions import resolve_reward_function
 
 host = create_plugin_host()
 info = {p.name: [p.source, p.distribution, p.version, p.error] for p in host.plugins}
@@ -243,7 +243,7 @@ def test_example_plugin_environment_metrics_and_checkpoint_files_in_a_run(exampl
 def test_example_plugin_env_switches(example_venv):
     python, work = example_venv
     snippet = (
-        "from posttrain.plugin_host import create_plugin_host;"
+        "from posttrain.host.plugin_host import create_plugin_host;"
         "print(sorted(p.name for p in create_plugin_host().plugins if p.source == 'entry point'))"
     )
     proc = run_in_venv(python, ["-c", snippet], work, POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD="1")

@@ -80,7 +80,7 @@ def test_engine_hooks_dispatch_weight_receiver_by_strategy(monkeypatch):
     import sys
     import types
 
-    from posttrain.engine_hooks import EngineHooks
+    from posttrain.host.engine_hooks import EngineHooks
 
     engine = types.ModuleType("fake_receiver_engine")
     engine.weight_receiver = lambda worker: ("receiver of", worker.strategy_name)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from posttrain.builtin.hf_infer_plugin import HFInferConfig
+from posttrain.backends.hf_infer_plugin import HFInferConfig
 from posttrain.config.sections import (
     AlgorithmConfig,
     GeneratingArgs,
@@ -22,8 +22,8 @@ from posttrain.config.sections import (
     StrategyArgs,
 )
 from posttrain.errors import WorkerError
-from posttrain.launcher.base import GroupSpec
-from posttrain.launcher.local import LocalLauncher
+from posttrain.launch.base import GroupSpec
+from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import WeightBucket, bucketize
 from posttrain.testing.contract import reference_logprobs, synthetic_train_batch
 from posttrain.weight_sync.transport import (
@@ -100,7 +100,7 @@ def groups(tiny_model_path, tmp_path_factory, plugin_module):
 
 @pytest.fixture(scope="module")
 def local_model(tiny_model_path):
-    from posttrain.models import load_causal_lm
+    from posttrain.backends.models import load_causal_lm
 
     return load_causal_lm(ModelArgs(model_name_or_path=tiny_model_path)).eval()
 

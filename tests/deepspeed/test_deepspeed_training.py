@@ -30,7 +30,7 @@ def initial_weights() -> dict:
     from ds_workers import MODEL
     from safetensors.torch import load_file
 
-    from posttrain.models import resolve_model_path
+    from posttrain.backends.models import resolve_model_path
 
     return load_file(resolve_model_path(MODEL) + "/model.safetensors")
 

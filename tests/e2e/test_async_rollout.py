@@ -10,7 +10,7 @@ import re
 import pytest
 from conftest import QUICKSTART, kill_after_checkpoint, read_metrics, run_quickstart, small_run
 
-from posttrain.data import PromptSampler
+from posttrain.tasks.data import PromptSampler
 
 BATCH = 8
 # actor_infer on a device of its own; the trainer and the reference share the other one.

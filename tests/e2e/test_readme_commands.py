@@ -108,8 +108,8 @@ def _check_export_loads_as_trained(run_dir, exported) -> None:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from posttrain.backends.models import load_tokenizer
     from posttrain.config.sections import ModelArgs
-    from posttrain.models import load_tokenizer
 
     text = " 3 + 4 ="
     trained = load_tokenizer(ModelArgs(model_name_or_path="preset:tiny-qwen2"))

@@ -21,7 +21,7 @@ def _preset_cache(tmp_path_factory):
     os.environ["POSTTRAIN_CACHE"] = str(tmp_path_factory.mktemp("posttrain-cache"))
     from fsdp_workers import MODEL
 
-    from posttrain.presets import preset_path
+    from posttrain.tasks.presets import preset_path
 
     preset_path(MODEL)
     yield

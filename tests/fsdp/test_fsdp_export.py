@@ -16,11 +16,11 @@ def test_export_weights_matches_trained_state_and_hf_export(dp2_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from posttrain.builtin import hf_infer
+    from posttrain.backends import hf_infer
+    from posttrain.backends.models import resolve_model_path
     from posttrain.config.sections import ModelArgs
-    from posttrain.models import resolve_model_path
+    from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import WeightBucket, fused_group
-    from posttrain.worker import WorkerContext
 
     export = load(dp2_run, "export.pt")
     buckets = export["buckets"]
@@ -73,7 +73,7 @@ def test_export_hf_loads_and_matches_trained_logits(dp2_run):
     from fsdp_workers import probe_batch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.modeling import shifted_token_logprobs
+    from posttrain.scoring.modeling import shifted_token_logprobs
 
     path = dp2_run / "hf"
     model = AutoModelForCausalLM.from_pretrained(str(path))

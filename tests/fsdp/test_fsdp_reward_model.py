@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.launcher.local import LocalLauncher
-from posttrain.presets import build_tokenizer, preset_path
+from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import RolloutSamples
-from posttrain.reward_model import reward_model_batch
+from posttrain.rewards.model import reward_model_batch
+from posttrain.tasks.presets import build_tokenizer, preset_path
 from posttrain.testing.groups import group_spec
 
 

@@ -89,8 +89,8 @@ def test_fsdp2_infer_logprobs_match_hf(resume_run):
     from fsdp_workers import probe_batch
     from transformers import AutoModelForCausalLM
 
-    from posttrain.modeling import shifted_token_logprobs
-    from posttrain.models import resolve_model_path
+    from posttrain.backends.models import resolve_model_path
+    from posttrain.scoring.modeling import shifted_token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(resolve_model_path("preset:tiny-qwen2")).eval()
     batch = probe_batch(model.config.vocab_size).split(2)[0]

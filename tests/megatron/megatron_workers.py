@@ -93,7 +93,7 @@ def hook_relay():
 
 def make_runtime(rank, world_size, model_path, strategy="megatron_train", training=None, **layout):
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
-    from posttrain.worker import WorkerContext, WorkerRuntime
+    from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
 
     train = strategy == "megatron_train"
@@ -165,7 +165,7 @@ def hf_params(runtime) -> dict:
 
 
 def adam_steps(runtime) -> list[float]:
-    from posttrain_megatron.model_builder import inner_optimizers
+    from posttrain_megatron.wrappers import inner_optimizers
 
     return sorted(
         {

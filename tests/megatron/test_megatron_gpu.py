@@ -61,8 +61,8 @@ def moe_training_smoke(tmp_path, device: str, dispatcher: str, ep: int = 2) -> N
         StrategyArgs,
         TrainingArgs,
     )
-    from posttrain.launcher.base import GroupSpec
-    from posttrain.launcher.local import LocalLauncher
+    from posttrain.launch.base import GroupSpec
+    from posttrain.launch.local import LocalLauncher
     from posttrain.testing.contract import synthetic_train_batch
     from posttrain_megatron.config import MegatronTrainConfig
 
@@ -140,7 +140,7 @@ def _start_group(launcher, tmp_path, model: str, name: str):
         StrategyArgs,
         TrainingArgs,
     )
-    from posttrain.launcher.base import GroupSpec
+    from posttrain.launch.base import GroupSpec
     from posttrain_megatron.config import MegatronTrainConfig
 
     config = MegatronTrainConfig(use_distributed_optimizer=True, micro_batch_size=2)
@@ -168,7 +168,7 @@ def test_release_and_resume_memory_frees_the_gpu_and_changes_nothing(tmp_path):
     the GPU is nearly empty in between and training continues exactly as without it."""
     from megatron_workers import build_hf_model
 
-    from posttrain.launcher.local import LocalLauncher
+    from posttrain.launch.local import LocalLauncher
     from posttrain.testing.contract import synthetic_train_batch
 
     model = build_hf_model(str(tmp_path / "qwen2"), "qwen2")

@@ -11,7 +11,7 @@ import pytest
 
 from posttrain.config.converter import CONVERTER
 from posttrain.errors import UserError
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
 
 
 def _spec():
@@ -78,7 +78,7 @@ def test_engine_kwargs_are_checked_against_server_args():
 
 def test_engine_args_for_cpu(tiny_model_path):
     from posttrain.config.sections import GeneratingArgs, ModelArgs
-    from posttrain.worker import WorkerContext
+    from posttrain.launch.worker import WorkerContext
     from posttrain_sglang.args import CPU_MAX_TOTAL_TOKENS, engine_args
 
     cfg = CONVERTER.structure({"random_seed": 3, "context_length": 64}, _spec().config_class)
@@ -102,7 +102,7 @@ def test_engine_args_for_cpu(tiny_model_path):
 
 
 def test_doctor_check_reads_sglang_version():
-    from posttrain.doctor import run_check
+    from posttrain.host.doctor import run_check
 
     checks = create_plugin_host().hook.posttrain_environment_checks()
     mine = [c for group in checks for c in group if c.package == "sglang"]

@@ -33,7 +33,7 @@ class TestSGLangContract(StrategyContract):
     @pytest.fixture(scope="class")
     @classmethod
     def shared_group(cls, tiny_model_path, tmp_path_factory):
-        from posttrain.launcher.local import LocalLauncher
+        from posttrain.launch.local import LocalLauncher
 
         launcher = LocalLauncher(
             call_timeout_s=cls.group_timeout_s, start_timeout_s=cls.group_timeout_s
@@ -81,8 +81,8 @@ class TestSGLangContract(StrategyContract):
     def test_stop_strings_end_a_sample_with_the_completing_token(self, start, tiny_model_path):
         """As vLLM and hf_infer: a sample ends with the token whose text completes a stop
         string; it keeps that token and its log-prob."""
+        from posttrain.backends.models import load_tokenizer
         from posttrain.config.sections import ModelArgs
-        from posttrain.models import load_tokenizer
         from posttrain.protocol import RolloutSamples
 
         group = start()

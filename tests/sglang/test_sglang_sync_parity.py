@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from posttrain.launcher.local import LocalLauncher
+from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import (
     GenerationRequest,
     RolloutSamples,

@@ -13,6 +13,6 @@ def tiny_model_path(posttrain_cache):
     """vLLM's CPU attention has no kernel for head size 16 (``preset:tiny-qwen2``: hidden 64,
     4 heads); its supported sizes start at 32. The vLLM tests use ``preset:tiny-qwen2-head32``
     (hidden 128, 4 heads of 32), as examples/quickstart_vllm.yaml does."""
-    from posttrain.presets import preset_path
+    from posttrain.tasks.presets import preset_path
 
     return preset_path("preset:tiny-qwen2-head32")

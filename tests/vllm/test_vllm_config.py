@@ -6,7 +6,7 @@ import pytest
 
 from posttrain.config.converter import CONVERTER
 from posttrain.errors import UserError
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
 
 
 def _config_class():
@@ -50,7 +50,7 @@ def test_unknown_engine_kwargs_name_the_key():
 
 def test_engine_args_for_cpu(tiny_model_path):
     from posttrain.config.sections import ModelArgs
-    from posttrain.worker import WorkerContext
+    from posttrain.launch.worker import WorkerContext
     from posttrain_vllm.engine import CPU_KV_CACHE_BYTES, engine_args
 
     cfg = CONVERTER.structure({"seed": 3, "max_model_len": 64}, _config_class())
@@ -68,7 +68,7 @@ def test_engine_args_for_cpu(tiny_model_path):
 
 
 def test_cpu_head_size_16_is_refused_clearly(posttrain_cache):
-    from posttrain.presets import preset_path
+    from posttrain.tasks.presets import preset_path
     from posttrain_vllm.engine import check_cpu_head_size
 
     with pytest.raises(UserError, match="head size is 16"):
@@ -76,7 +76,7 @@ def test_cpu_head_size_16_is_refused_clearly(posttrain_cache):
 
 
 def test_doctor_check_reads_vllm_version():
-    from posttrain.doctor import run_check
+    from posttrain.host.doctor import run_check
 
     checks = create_plugin_host().hook.posttrain_environment_checks()
     mine = [c for group in checks for c in group if c.package == "vllm"]

@@ -12,7 +12,7 @@ from posttrain.config.sections import (
     ModelArgs,
 )
 from posttrain.errors import UserError
-from posttrain.launcher.local import LocalLauncher
+from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
 from posttrain.testing.contract import (
     PROMPTS,
@@ -80,8 +80,8 @@ def test_vllm_stops_with_the_token_completing_a_stop_string(tiny_model_path, tmp
 def test_stop_strings_need_an_engine_with_a_tokenizer(tiny_model_path):
     """Without stop strings in generating_args the engine has no tokenizer: a request with
     stop strings is refused with a message saying where to put them."""
-    from posttrain.models import load_tokenizer
-    from posttrain.worker import WorkerContext
+    from posttrain.backends.models import load_tokenizer
+    from posttrain.launch.worker import WorkerContext
     from posttrain_vllm.engine import sampling_params
 
     worker = WorkerContext(

@@ -1,1 +1,3 @@
-"""RL algorithms: advantage estimators and the policy loss (torch imported inside functions)."""
+"""6. Algorithms: advantage estimators, policy and value losses, KL and rollout corrections, the
+presets that combine them, and their registries (filled by hooks; the core's pieces in
+``algorithms.builtin``)."""

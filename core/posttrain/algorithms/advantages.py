@@ -161,3 +161,17 @@ def gae(batch: SequenceBatch, scores: torch.Tensor, algorithm: Any) -> Advantage
         "critic/returns_mean": float(returns.sum() / count),
     }
     return Advantages(advantages=advantages, returns=returns, metrics=metrics)
+
+
+def with_advantages(
+    batch: SequenceBatch, rewards: torch.Tensor, estimator: Any, algorithm: Any
+) -> tuple[SequenceBatch, dict[str, float]]:
+    """The advantage phase: ``batch`` with the chosen estimator's ``advantages`` (0 outside the
+    response) and, for a critic, ``returns``; the estimator's metrics."""
+    result = estimator.estimate(batch, rewards, algorithm)
+    mask = batch.response_mask
+    tensors = {"advantages": result.advantages * mask}
+    if result.returns is not None:
+        tensors["returns"] = result.returns
+    magnitude = float((result.advantages.abs() * mask).sum() / mask.sum().clamp(min=1))
+    return batch.with_tensors(**tensors), {"adv/abs_mean": magnitude, **result.metrics}

@@ -5,7 +5,7 @@ call ``backward()`` on the returned loss. The loss is this micro-batch's share o
 aggregate (over all micro-batches and data-parallel ranks), multiplied by the DP size so that
 data-parallel gradient averaging yields the global gradient: 1 rank and N ranks train alike.
 Metrics are shares of global means too, so summing them over micro-batches and ranks gives means
-(``_max`` keys are maxima: :mod:`posttrain.metrics`).
+(``_max`` keys are maxima: :mod:`posttrain.training.metrics`).
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The loop never names an algorithm: ``algorithm.name`` picks a preset, the preset
 ``algorithm.advantage_estimator`` / ``algorithm.policy_loss``) picks the pieces, and the pieces
 come from the ``posttrain_add_advantage_estimators`` / ``posttrain_add_policy_losses`` /
 ``posttrain_add_algorithms`` hooks (the core's own are registered ``trylast`` in
-:mod:`posttrain.builtin.algorithms`).
+:mod:`posttrain.algorithms.builtin`).
 """
 
 from __future__ import annotations

@@ -1,1 +1,2 @@
-"""The run directory's checkpoints: atomic writes, manifests with checksums, resume lookup."""
+"""9. Checkpoints: atomic saves with manifests and workflow records, background writes, resume,
+and ``posttrain export-hf``."""

@@ -99,3 +99,20 @@ def verify(directory: str) -> Manifest:
                 "(sha256 does not match the manifest)"
             )
     return manifest
+
+
+def package_versions(plugins) -> dict[str, str]:
+    """The versions a manifest records: posttrain, torch, transformers and every plugin's
+    distribution (``plugins``: the plugin host's ``PluginInfo`` list)."""
+    import importlib.metadata
+
+    versions = {}
+    for dist in ("posttrain", "torch", "transformers"):
+        try:
+            versions[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            continue
+    for info in plugins:
+        if info.distribution and info.version:
+            versions[info.distribution] = info.version
+    return versions

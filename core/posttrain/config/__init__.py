@@ -1,1 +1,2 @@
-"""Typed workflows: YAML -> attrs classes, with every error reported at once."""
+"""1. Config: a workflow file read into typed sections, with every mistake reported at once (YAML
+path, value, what was expected, a suggestion) before anything starts."""

@@ -18,11 +18,11 @@ from typing import Any
 
 import attrs
 
-from posttrain.builtin.hf_infer_plugin import HFInferConfig
+from posttrain.backends.hf_infer_plugin import HFInferConfig
 from posttrain.config import sections
 from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
-from posttrain.environments.calculator import CalculatorConfig
+from posttrain.rollout.environments.calculator import CalculatorConfig
 
 HEADER = """\
 # Workflow configuration reference

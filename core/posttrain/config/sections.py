@@ -19,7 +19,7 @@ class ModelArgs:
     """Model settings; top-level values are defaults that a role's own ``model_args`` override."""
 
     # HF directory, hub id, or a tiny preset built locally: "preset:tiny-qwen2" (the presets are
-    # in posttrain/presets.py).
+    # in posttrain/tasks/presets.py).
     model_name_or_path: str | None = None
     tokenizer_name_or_path: str | None = None
     model_type: str | None = None

@@ -13,12 +13,12 @@ from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
+from posttrain.host.references import import_beside
+from posttrain.host.strategy import KNOWN_PROVIDERS
 from posttrain.paths import display_path
-from posttrain.references import import_beside
-from posttrain.strategy import KNOWN_PROVIDERS
 
 if TYPE_CHECKING:
-    from posttrain.plugin_host import PluginHost
+    from posttrain.host.plugin_host import PluginHost
 
 
 def read_workflow_file(path: str) -> str:
@@ -100,10 +100,10 @@ def build_workflow(
 
         check_algorithm(workflow, host.hook, report)
     if "reward" not in report.failed_sections:
-        from posttrain.rewards import check_reward_function
+        from posttrain.rewards.functions import check_reward_function
 
         check_reward_function(workflow.reward.function, host.hook, report)
-    from posttrain.environments.validation import check_environment
+    from posttrain.rollout.environments.validation import check_environment
 
     workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)
     return workflow, report

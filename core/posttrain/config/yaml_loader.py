@@ -58,3 +58,14 @@ def load_yaml_text(text: str, source: str, report: ErrorReport) -> Any:
             "each key may appear once per mapping; remove or merge the copies",
         )
     return data
+
+
+def load_yaml_value(text: str) -> Any:
+    """One value as ``--set KEY=VALUE`` gives it, read as a workflow file's values are (so
+    ``1e-3`` is a number there too); raises ``yaml.YAMLError``."""
+    loader = _StrictLoader(text)
+    loader.duplicates = []
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()

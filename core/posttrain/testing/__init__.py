@@ -12,6 +12,10 @@ The fixtures come from the pytest plugin :mod:`posttrain.testing.plugin`, regist
 ``pytest11`` entry point when posttrain is installed.
 """
 
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.rewards.functions import resolve_reward_function
 from posttrain.testing.contract import StrategyContract
 
-__all__ = ["StrategyContract"]
+# The kit, and what a plugin's tests need of core beyond the public face: the plugin host the
+# CLI builds, and reward functions resolved by name as a run resolves them.
+__all__ = ["StrategyContract", "create_plugin_host", "resolve_reward_function"]

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from posttrain.protocol import SequenceBatch
 
+# Prompts of the kit's rollouts ("3+4=" ... in the tiny presets' tokens, after <bos>).
+PROMPTS = [[1, 7, 14, 8, 17], [1, 5, 14, 6, 17], [1, 13, 14, 4, 17], [1, 4, 14, 4, 17]]
+
 
 def random_step_batch(step: int, vocab: int, rows: int = 8) -> SequenceBatch:
     """A whole step's batch, the same on every rank for a given ``step``: random tokens (ids >= 4,

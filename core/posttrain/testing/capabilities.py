@@ -1,13 +1,13 @@
 """Declared capabilities against implemented hooks: the conformance kit's consistency check.
 
-The kit picks its tests by a strategy's :class:`~posttrain.strategy.Capabilities`, and the core
+The kit picks its tests by a strategy's :class:`~posttrain.Capabilities`, and the core
 picks the hooks it calls by them. A declaration that disagrees with the engine therefore fails
 silently: an engine that generates but is declared ``kind="infer"`` is never asked to generate,
 and the kit skips its generation and weight-import tests. :func:`check_capabilities` names every
 such disagreement and its fix.
 
 What a strategy implements is read without running it where possible: an
-:class:`~posttrain.engine_hooks.EngineHooks` plugin answers a hook for its strategies exactly when
+:class:`~posttrain.EngineHooks` plugin answers a hook for its strategies exactly when
 its engine module defines the function of the hook's name (read from the source). A hook written
 by hand can only tell by being called: for the read-only hooks (``generate``,
 ``compute_logprobs``) the check calls it on a started rank; the others stay unjudged.
@@ -20,9 +20,9 @@ from typing import Any
 
 import attrs
 
-from posttrain.engine_hooks import EngineHooks
-from posttrain.engine_source import engine_names
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain.host.engine_hooks import EngineHooks
+from posttrain.host.engine_source import engine_names
+from posttrain.host.strategy import Capabilities, StrategySpec
 
 
 @attrs.frozen
@@ -150,7 +150,7 @@ def answers_on_rank(runtime, calls: dict[str, dict[str, Any]]) -> dict[str, bool
 
 def _probe_calls(functions: Iterable[str]) -> dict[str, dict[str, Any]]:
     from posttrain.protocol import GenerationRequest, SamplingParams, build_sequence_batch
-    from posttrain.testing.contract import PROMPTS
+    from posttrain.testing.batches import PROMPTS
 
     prompt = PROMPTS[0]
     arguments = {

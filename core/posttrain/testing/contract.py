@@ -31,13 +31,12 @@ from posttrain.protocol import (
     SequenceBatch,
     build_sequence_batch,
 )
-
-PROMPTS = [[1, 7, 14, 8, 17], [1, 5, 14, 6, 17], [1, 13, 14, 4, 17], [1, 4, 14, 4, 17]]
+from posttrain.testing.batches import PROMPTS
 
 
 def _structure_config(strategy: str, raw: dict[str, Any]):
     from posttrain.config.converter import CONVERTER
-    from posttrain.plugin_host import create_plugin_host
+    from posttrain.host.plugin_host import create_plugin_host
 
     spec = create_plugin_host().strategies().get(strategy)
     if spec is None:
@@ -50,7 +49,7 @@ def reference_logprobs(model_path: str, state: dict | None, batch: SequenceBatch
     import torch
     from transformers import AutoModelForCausalLM
 
-    from posttrain.modeling import shifted_token_logprobs
+    from posttrain.scoring.modeling import shifted_token_logprobs
 
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if state is not None:
@@ -138,7 +137,7 @@ def reference_values(hf_dir: str, batch: SequenceBatch):
     import torch
     from transformers import AutoModelForTokenClassification
 
-    from posttrain.modeling import shifted_values
+    from posttrain.scoring.modeling import shifted_values
 
     model = AutoModelForTokenClassification.from_pretrained(hf_dir, dtype=torch.float32)
     assert model.num_labels == 1
@@ -207,7 +206,7 @@ class StrategyContract:
         """``start(strategy=None, config=None, world_size=None)`` -> a started worker group;
         ``start(..., beside=("hf_infer", "actor_infer"))`` -> the group and a group of that
         strategy and role hosted by the same rank processes (the hybrid engine)."""
-        from posttrain.launcher.local import LocalLauncher
+        from posttrain.launch.local import LocalLauncher
 
         launcher = LocalLauncher(
             call_timeout_s=self.group_timeout_s, start_timeout_s=self.group_timeout_s
@@ -251,7 +250,7 @@ class StrategyContract:
         learning_rate: float = 1e-2,
     ):
         """The GroupSpec of ``role`` (its model head as the core gives it) on ``ranks`` ranks."""
-        from posttrain.launcher.base import GroupSpec
+        from posttrain.launch.base import GroupSpec
 
         role_config = RoleConfig(
             strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
@@ -283,7 +282,7 @@ class StrategyContract:
             pytest.skip(f"{cls.strategy} loads no value head (Capabilities.heads)")
         if cls.critic_strategy_config is not None:
             config = _structure_config(cls.strategy, dict(cls.critic_strategy_config))[1]
-        from posttrain.launcher.local import LocalLauncher
+        from posttrain.launch.local import LocalLauncher
 
         launcher = LocalLauncher(
             call_timeout_s=cls.group_timeout_s, start_timeout_s=cls.group_timeout_s
@@ -319,7 +318,7 @@ class StrategyContract:
         """The capabilities the kit and the core go by agree with the hooks the strategy
         implements; otherwise the tests of what it does are skipped (an engine that generates,
         declared ``kind="infer"``) or fail far from the cause."""
-        from posttrain.plugin_host import create_plugin_host
+        from posttrain.host.plugin_host import create_plugin_host
         from posttrain.testing.capabilities import check_capabilities
 
         problems = check_capabilities(
@@ -507,7 +506,7 @@ class StrategyContract:
         import torch
         from safetensors.torch import load_file
 
-        from posttrain.models import HEAD_WEIGHT
+        from posttrain.backends.models import HEAD_WEIGHT
 
         group, initial = critic
         head = initial["export"][HEAD_WEIGHT]

@@ -20,8 +20,8 @@ from posttrain.config.sections import (
     StrategyArgs,
     TrainingArgs,
 )
-from posttrain.launcher.base import GroupSpec
-from posttrain.plugin_host import create_plugin_host
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.launch.base import GroupSpec
 
 # multiprocessing's helpers: started by the first spawn, they live as long as the test process.
 _HELPERS = (b"resource_tracker", b"forkserver")
@@ -65,12 +65,12 @@ def group_spec(
 
 def engine_hook_relay(plugin, name: str):
     """A hook relay with only ``plugin`` and the core's algorithm pieces registered: for tests
-    that drive one strategy's engine by hand through :class:`posttrain.worker.WorkerRuntime`
+    that drive one strategy's engine by hand through :class:`posttrain.WorkerRuntime`
     (its train step looks the policy loss up through the hooks)."""
     import pluggy
 
     from posttrain import hookspecs
-    from posttrain.builtin import algorithms
+    from posttrain.algorithms import builtin as algorithms
 
     pm = pluggy.PluginManager("posttrain")
     pm.add_hookspecs(hookspecs)

@@ -24,6 +24,6 @@ def posttrain_cache(tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_model_path(posttrain_cache):
     """The HF directory of ``preset:tiny-qwen2``, built once per session."""
-    from posttrain.presets import preset_path
+    from posttrain.tasks.presets import preset_path
 
     return preset_path("preset:tiny-qwen2")

@@ -15,7 +15,7 @@ import time
 import traceback
 from typing import Any
 
-from posttrain.launcher.local import free_port
+from posttrain.launch.local import free_port
 
 
 def run_ranks(target: str, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any):

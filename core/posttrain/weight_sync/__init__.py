@@ -1,1 +1,2 @@
-"""Weight sync in three parts: export (trainer hook), transport (here), import (rollout hook)."""
+"""8. Weight sync: export (a trainer's hook), transport (in process, shared memory, broadcast) and
+import (a rollout engine's hook), and the phase on the driver that runs them."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 import abc
 from typing import Any
 
-from posttrain.launcher.base import WorkerGroup
+from posttrain.launch.base import WorkerGroup
 
 RANK_SIDE = "posttrain.weight_sync.rank_side"
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from posttrain.config.report import ErrorReport, did_you_mean, join_path
+from posttrain import ErrorReport, did_you_mean, join_path
 from posttrain_deepspeed import ds_schema
 
 # Top-level keys the plugin sets from the workflow; set them there, not in ds_config.

@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from posttrain.config.ranges import at_least, between
+from posttrain import at_least, between
 
 
 @attrs.frozen(kw_only=True)

@@ -25,24 +25,39 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain import rank_batches
-from posttrain.distributed import (
+from posttrain import (
+    CheckpointError,
+    SequenceBatch,
+    UserError,
+    WeightBucket,
+    accumulate_gradients,
     backend_for,
-    destroy_default_process_group,
+    bucketize,
+    enable_gradient_checkpointing,
+    end_process_group,
+    export_dtype,
+    forward_logits,
     init_default_process_group,
+    is_cuda,
+    is_rank0,
+    load_causal_lm,
+    log_once,
+    lr_lambda,
+    micro_batch_size,
+    no_hf_progress_bars,
+    plan_micro_batches,
+    rank_device,
+    resolve_model_path,
+    save_tokenizer_beside,
+    score_logprobs,
+    settle_cuda,
 )
-from posttrain.errors import CheckpointError, UserError
-from posttrain.hf_progress import no_hf_progress_bars
-from posttrain.lr_schedule import lr_lambda
-from posttrain.models import load_causal_lm, load_tokenizer, resolve_model_path, torch_dtype
-from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
 
 log = logging.getLogger(__name__)
 
 TRAIN = "deepspeed_train"
 TAG = "deepspeed"  # DeepSpeed's checkpoint tag (a sub-directory of the role's directory)
 LAYOUT_FILE = "deepspeed_layout.json"
-_logged_once: set[str] = set()
 
 
 # --------------------------------------------------------------------------------------------
@@ -50,26 +65,10 @@ _logged_once: set[str] = set()
 # --------------------------------------------------------------------------------------------
 
 
-def _is_cuda(worker) -> bool:
-    return str(worker.device).startswith("cuda")
-
-
-def _device(worker) -> torch.device:
-    if _is_cuda(worker):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
-
-
-def _log_once(message: str, level: int = logging.DEBUG) -> None:
-    if message not in _logged_once:
-        _logged_once.add(message)
-        log.log(level, message)
-
-
 def _deepspeed(worker):
     """Import DeepSpeed with the accelerator matching the worker's device (it is chosen once, at
     DeepSpeed's first import, from ``DS_ACCELERATOR``)."""
-    wanted = "cuda" if _is_cuda(worker) else "cpu"
+    wanted = "cuda" if is_cuda(worker) else "cpu"
     os.environ.setdefault("DS_ACCELERATOR", wanted)
     import deepspeed
     from deepspeed.accelerator import get_accelerator
@@ -103,7 +102,7 @@ def _skip_shm_comm_op() -> None:
 
 def setup_parallel(worker) -> dict[str, int]:
     deepspeed = _deepspeed(worker)
-    if not _is_cuda(worker):
+    if not is_cuda(worker):
         _skip_shm_comm_op()
     # Spawned rank processes start with a random global seed: seed it from the run's seed so
     # that whatever draws from it (dropout) repeats from run to run, and a checkpoint's saved
@@ -116,7 +115,7 @@ def setup_parallel(worker) -> dict[str, int]:
 
 
 def _refuse_on_cpu(worker) -> None:
-    if _is_cuda(worker):
+    if is_cuda(worker):
         return
     if worker.model_args.dtype == "fp16":
         raise UserError(
@@ -126,7 +125,8 @@ def _refuse_on_cpu(worker) -> None:
         )
     cfg = worker.config
     if getattr(cfg, "offload_optimizer", False) or cfg.offload_param:
-        _log_once(
+        log_once(
+            log,
             "deepspeed: offload_optimizer / offload_param have no effect on a CPU device "
             "(parameters and optimizer state already live in host memory)",
             logging.INFO,
@@ -137,7 +137,7 @@ def build_ds_config(worker) -> dict[str, Any]:
     """The DeepSpeed config of this role: the typed fields, then ``ds_config`` merged over."""
     cfg = worker.config
     train = worker.strategy_name == TRAIN
-    cuda = _is_cuda(worker)
+    cuda = is_cuda(worker)
     zero: dict[str, Any] = {
         "stage": cfg.zero_stage,
         "overlap_comm": cfg.overlap_comm,
@@ -158,7 +158,7 @@ def build_ds_config(worker) -> dict[str, Any]:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     dtype = worker.model_args.dtype
     config: dict[str, Any] = {
-        "train_micro_batch_size_per_gpu": rank_batches.micro_batch_size(
+        "train_micro_batch_size_per_gpu": micro_batch_size(
             worker, worker.strategy_name == TRAIN, False
         ),
         "gradient_accumulation_steps": 1,
@@ -213,7 +213,7 @@ def load_model(worker):
         # float32 on the host; DeepSpeed casts to bf16 / fp16 and moves to the device.
         module = load_causal_lm(_fp32(worker.model_args), worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
-        _enable_checkpointing(module)
+        enable_gradient_checkpointing(module)
     optimizer = scheduler = None
     if train:
         args = worker.training_args
@@ -298,7 +298,7 @@ def _load_partitioned(worker, deepspeed, ds_config: dict) -> torch.nn.Module:
             hf_config, trust_remote_code=model_args.trust_remote_code, **kwargs
         )
     module.tie_weights()  # no_init_weights skipped it too
-    rank0 = _is_rank0()
+    rank0 = is_rank0()
     index = {}
     if rank0:
         for file in files:
@@ -321,7 +321,7 @@ def _load_partitioned(worker, deepspeed, ds_config: dict) -> torch.nn.Module:
             if rank0:
                 with safe_open(index[name], framework="pt") as f:
                     param.data.copy_(f.get_tensor(name).to(param.dtype))
-    device = _device(worker)
+    device = rank_device(worker)
     for name, buf in module.named_buffers():
         if rank0 and name in index:
             with safe_open(index[name], framework="pt") as f:
@@ -371,30 +371,17 @@ def _tied_names(module) -> list[tuple[str, str]]:
     return out
 
 
-def _enable_checkpointing(model) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-
-
 # --------------------------------------------------------------------------------------------
 # Micro-batches
 # --------------------------------------------------------------------------------------------
 
 
-def plan_micro_batches(
+def rank_micro_batches(
     worker, batch: SequenceBatch, for_logprobs: bool = False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run."""
     train = worker.strategy_name == TRAIN
-    return rank_batches.plan_micro_batches(worker, batch, _device(worker), train, for_logprobs)
-
-
-def _forward_logits(engine, mb: SequenceBatch) -> torch.Tensor:
-    out = engine(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False)
-    return out.logits.float()
+    return plan_micro_batches(worker, batch, rank_device(worker), train, for_logprobs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -406,14 +393,14 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     engine = worker.model
     scheduler = worker.state["scheduler"]
     engine.train()
-    groups, count = plan_micro_batches(worker, batch)
-    metrics = rank_batches.accumulate_gradients(
+    groups, count = rank_micro_batches(worker, batch)
+    metrics = accumulate_gradients(
         worker,
         batch,
         groups,
         count,
-        _device(worker),
-        forward=lambda mb: _forward_logits(engine, mb),
+        rank_device(worker),
+        forward=lambda mb: forward_logits(engine, mb).float(),
         # The core's loss is already normalised over the whole step: no 1/accumulation scaling.
         backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
         loss_fn=loss_fn,
@@ -439,9 +426,9 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     engine = worker.model
     was_training = engine.training
     engine.eval()
-    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
-    out = rank_batches.score_logprobs(
-        batch, groups, count, _device(worker), lambda mb: _forward_logits(engine, mb)
+    groups, count = rank_micro_batches(worker, batch, for_logprobs=True)
+    out = score_logprobs(
+        batch, groups, count, rank_device(worker), lambda mb: forward_logits(engine, mb).float()
     )
     engine.train(was_training)
     return out
@@ -450,14 +437,6 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 # Weights out: sync buckets and HF export
 # --------------------------------------------------------------------------------------------
-
-
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _export_dtype(worker) -> torch.dtype:
-    return torch_dtype(worker.model_args.dtype)
 
 
 def _is_partitioned(tensor) -> bool:
@@ -482,7 +461,7 @@ def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Itera
 def _plan(worker, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
     """Buckets of ``(hf_name, parameter or buffer)`` in state-dict order, sized by full shapes
     (the same plan on every rank, whatever each rank holds)."""
-    dtype = _export_dtype(worker)
+    dtype = export_dtype(worker)
     entries = list(worker.model.module.state_dict(keep_vars=True).items())
     sources = dict(entries)
     shaped = (
@@ -496,8 +475,8 @@ def _plan(worker, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
 
 def _export_buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
     deepspeed = _deepspeed(worker)
-    dtype = _export_dtype(worker)
-    keep = in_process or _is_rank0()
+    dtype = export_dtype(worker)
+    keep = in_process or is_rank0()
     cache: dict[int, torch.Tensor] = {}  # tied weights: one gather, several names
     for planned in _plan(worker, bucket_bytes):
         gather: dict[int, Any] = {}
@@ -557,7 +536,7 @@ def full_state_dict(worker) -> dict[str, torch.Tensor]:
 
 def export_hf(worker, path: str) -> bool:
     state = full_state_dict(worker)
-    if _is_rank0():
+    if is_rank0():
         _write_hf_dir(worker, state, path)
     if dist.is_initialized():
         dist.barrier()
@@ -571,12 +550,9 @@ def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
     with no_hf_progress_bars():
         module.save_pretrained(path, state_dict=state, safe_serialization=True)
     config = copy.deepcopy(module.config)
-    config.dtype = _export_dtype(worker)
+    config.dtype = export_dtype(worker)
     config.save_pretrained(path)
-    try:
-        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
-    except (OSError, ValueError) as exc:  # the weights are usable with the original tokenizer
-        log.warning("deepspeed: export_hf could not save the tokenizer: %s", exc)
+    save_tokenizer_beside(worker, path, log)
 
 
 # --------------------------------------------------------------------------------------------
@@ -609,7 +585,7 @@ def save_checkpoint(worker, path: str) -> dict:
     extra = {
         "step": worker.state.get("step", 0),
         "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state() if _is_cuda(worker) else None,
+        "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
         "world_size": world,
     }
     torch.save(extra, _extra_path(path, rank))
@@ -652,7 +628,7 @@ def load_checkpoint(worker, path: str) -> bool:
         extra = torch.load(extra_file, weights_only=False)
         worker.state["step"] = extra.get("step", 0)
         torch.set_rng_state(extra["rng_cpu"])
-        if extra.get("rng_cuda") is not None and _is_cuda(worker):
+        if extra.get("rng_cuda") is not None and is_cuda(worker):
             torch.cuda.set_rng_state(extra["rng_cuda"])
     if dist.is_initialized():
         dist.barrier()
@@ -690,8 +666,8 @@ def _move_module(module, device) -> None:
 
 
 def release_memory(worker, tags: list[str]) -> bool:
-    if not _is_cuda(worker):
-        _log_once("deepspeed: release_memory on a CPU device: nothing to free")
+    if not is_cuda(worker):
+        log_once(log, "deepspeed: release_memory on a CPU device: nothing to free")
         return True
     engine = worker.model
     if engine.optimizer is not None and hasattr(engine.optimizer, "offload_states"):
@@ -702,21 +678,20 @@ def release_memory(worker, tags: list[str]) -> bool:
     else:
         _move_module(engine.module, "cpu")
         worker.state["released"] = "module"
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    settle_cuda(empty_cache=True)
     return True
 
 
 def resume_memory(worker, tags: list[str]) -> bool:
     released = worker.state.pop("released", None)
-    if not _is_cuda(worker) or released is None:
+    if not is_cuda(worker) or released is None:
         return True
     engine = worker.model
     if released == "states":
         engine.reload_states(non_blocking=True)
     else:
-        _move_module(engine.module, _device(worker))
-    torch.cuda.synchronize()
+        _move_module(engine.module, rank_device(worker))
+    settle_cuda()
     return True
 
 
@@ -727,8 +702,5 @@ def shutdown_worker(worker) -> bool:
         destroy()
     worker.state.clear()
     worker.model = None
-    if dist.is_initialized():
-        # A rank tearing down gloo while a peer still finishes a collective aborts the peer.
-        dist.barrier()
-    destroy_default_process_group()
+    end_process_group()
     return True

@@ -1,17 +1,13 @@
 """The ``deepspeed_train`` and ``deepspeed_infer`` strategies: HF models in DeepSpeed ZeRO engines.
 
 This module is cheap to import (no torch, no deepspeed): ``posttrain validate``, ``plugins`` and
-``doctor`` load it. The worker hooks (from :class:`posttrain.engine_hooks.EngineHooks`) import
+``doctor`` load it. The worker hooks (from :class:`posttrain.EngineHooks`) import
 :mod:`posttrain_deepspeed.engine` when a rank of one of these strategies first needs it.
 """
 
 from __future__ import annotations
 
-from posttrain import hookimpl
-from posttrain.config.report import ErrorReport
-from posttrain.doctor import EnvCheck
-from posttrain.engine_hooks import EngineHooks
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain import Capabilities, EngineHooks, EnvCheck, ErrorReport, StrategySpec, hookimpl
 from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
 
 TRAIN = "deepspeed_train"

@@ -27,39 +27,46 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
-from posttrain import rank_batches
-from posttrain.checkpoint.digests import HashingStream
-from posttrain.distributed import (
-    destroy_default_process_group,
+from posttrain import (
+    HashingStream,
+    SequenceBatch,
+    WeightBucket,
+    accumulate_gradients,
+    bucketize,
+    enable_gradient_checkpointing,
+    end_process_group,
+    export_dtype,
+    forward_logits,
     init_default_process_group,
+    is_cuda,
+    is_rank0,
+    load_model_with_head,
+    log_once,
+    lr_lambda,
+    memory_tags,
+    move_optimizer_state,
+    plan_micro_batches,
+    rank_device,
+    save_tokenizer_beside,
+    score_logprobs,
+    score_sequences,
+    score_values,
+    sequence_scores,
+    settle_cuda,
+    torch_dtype,
+    write_shards,
 )
-from posttrain.lr_schedule import lr_lambda
-from posttrain.modeling import sequence_scores
-from posttrain.models import load_model_with_head, load_tokenizer, torch_dtype
-from posttrain.protocol import SequenceBatch, WeightBucket, bucketize
-from posttrain.safetensors_shards import write_shards
 
 log = logging.getLogger(__name__)
 
 TRAIN = "fsdp2_train"
 # Wrapper segments other tools insert into parameter names; HF names have none of them.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
-_logged_once: set[str] = set()
 
 
 # --------------------------------------------------------------------------------------------
 # Set-up
 # --------------------------------------------------------------------------------------------
-
-
-def _is_cuda(worker) -> bool:
-    return str(worker.device).startswith("cuda")
-
-
-def _device(worker) -> torch.device:
-    if _is_cuda(worker):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def setup_parallel(worker) -> dict[str, int]:
@@ -68,7 +75,7 @@ def setup_parallel(worker) -> dict[str, int]:
     init_default_process_group(worker.device)
     world, rank = dist.get_world_size(), dist.get_rank()
     worker.state["mesh"] = init_device_mesh(
-        "cuda" if _is_cuda(worker) else "cpu", (world,), mesh_dim_names=("dp",)
+        "cuda" if is_cuda(worker) else "cpu", (world,), mesh_dim_names=("dp",)
     )
     return {"dp_rank": rank, "dp_size": world}
 
@@ -120,17 +127,17 @@ def load_model(worker):
     # Loaded on the host; fully_shard moves each rank's shard to the mesh's device.
     model = load_model_with_head(model_args, worker.head, worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
-        _enable_checkpointing(model)
+        enable_gradient_checkpointing(model)
     param_dtype = cfg.param_dtype or worker.model_args.dtype
     if param_dtype == model_args.dtype:
         param_dtype = None  # no cast needed
     reduce_dtype = getattr(cfg, "reduce_dtype", None)
-    offload = getattr(cfg, "cpu_offload", False) and _is_cuda(worker)
+    offload = getattr(cfg, "cpu_offload", False) and is_cuda(worker)
     if dist.get_world_size() == 1 and param_dtype is None and not offload:
         # Nothing to shard, cast or offload: a plain module skips FSDP's hooks and DTensor
         # dispatch (a third of a small model's step on CPU); checkpoints, export and memory
         # release take plain tensors as they take DTensors.
-        model.to(_device(worker))
+        model.to(rank_device(worker))
     else:
         _shard(worker, model, param_dtype, reduce_dtype, cfg.reshard_after_forward, offload)
     if train:
@@ -142,14 +149,6 @@ def load_model(worker):
             p.requires_grad_(False)
     worker.state["step"] = 0
     return model
-
-
-def _enable_checkpointing(model) -> None:
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
-        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
 
 
 def _build_optimizer(worker, model) -> None:
@@ -172,16 +171,12 @@ def _build_optimizer(worker, model) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def plan_micro_batches(
+def rank_micro_batches(
     worker, batch: SequenceBatch, for_logprobs: bool = False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run."""
     train = worker.strategy_name == TRAIN
-    return rank_batches.plan_micro_batches(worker, batch, _device(worker), train, for_logprobs)
-
-
-def _forward_logits(model, mb: SequenceBatch) -> torch.Tensor:
-    return model(input_ids=mb.input_ids, attention_mask=mb.attention_mask, use_cache=False).logits
+    return plan_micro_batches(worker, batch, rank_device(worker), train, for_logprobs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,14 +189,14 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     optimizer = worker.state["optimizer"]
     scheduler = worker.state["scheduler"]
     model.train()
-    groups, count = plan_micro_batches(worker, batch)
-    metrics = rank_batches.accumulate_gradients(
+    groups, count = rank_micro_batches(worker, batch)
+    metrics = accumulate_gradients(
         worker,
         batch,
         groups,
         count,
-        _device(worker),
-        forward=lambda mb: _forward_logits(model, mb),
+        rank_device(worker),
+        forward=lambda mb: forward_logits(model, mb),
         backward=lambda loss: loss.backward(),
         loss_fn=loss_fn,
     )
@@ -237,34 +232,34 @@ def _clip_grad_norm(model, max_norm: float | None) -> float:
 
 @torch.no_grad()
 def _score_tokens(worker, batch: SequenceBatch, score) -> torch.Tensor:
-    """``score`` (``rank_batches.score_logprobs`` / ``score_values``) of this rank's rows, the
+    """``score`` (``score_logprobs`` / ``score_values``) of this rank's rows, the
     model in eval mode meanwhile."""
     model = worker.model
     was_training = model.training
     model.eval()
-    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
-    out = score(batch, groups, count, _device(worker), lambda mb: _forward_logits(model, mb))
+    groups, count = rank_micro_batches(worker, batch, for_logprobs=True)
+    out = score(batch, groups, count, rank_device(worker), lambda mb: forward_logits(model, mb))
     model.train(was_training)
     return out
 
 
 def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
-    return _score_tokens(worker, batch, rank_batches.score_logprobs)
+    return _score_tokens(worker, batch, score_logprobs)
 
 
 def compute_values(worker, batch: SequenceBatch) -> torch.Tensor:
-    return _score_tokens(worker, batch, rank_batches.score_values)
+    return _score_tokens(worker, batch, score_values)
 
 
 @torch.no_grad()
 def compute_scores(worker, batch: SequenceBatch) -> torch.Tensor:
     model = worker.model
-    groups, count = plan_micro_batches(worker, batch, for_logprobs=True)
-    return rank_batches.score_sequences(
+    groups, count = rank_micro_batches(worker, batch, for_logprobs=True)
+    return score_sequences(
         batch,
         groups,
         count,
-        _device(worker),
+        rank_device(worker),
         lambda mb: sequence_scores(model, mb.input_ids, mb.attention_mask),
     )
 
@@ -280,14 +275,6 @@ def hf_name(name: str) -> str:
     return name
 
 
-def _is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0
-
-
-def _export_dtype(worker) -> torch.dtype:
-    return torch_dtype(worker.model_args.dtype)
-
-
 def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Iterator[WeightBucket]:
     """Generator: gathers lazily (collectively). Leaving the process, rank 0 keeps host copies
     and the others yield empty buckets of the same count (they bucket shape-only meta tensors
@@ -296,7 +283,7 @@ def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Itera
 
 
 def _export_buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
-    keep = in_process or _is_rank0()
+    keep = in_process or is_rank0()
     device = None if in_process else "cpu"
     for bucket in bucketize(_gathered(worker, keep=keep, device=device), bucket_bytes):
         yield bucket if keep else WeightBucket()
@@ -307,7 +294,7 @@ def _gathered(worker, keep: bool, device: str | None = "cpu") -> Iterator[tuple[
     (None: where the gather left it, with no copy when the dtype matches); with ``keep=False``
     a meta tensor of the same shape stands in (the gather still runs)."""
     model = worker.model
-    dtype = _export_dtype(worker)
+    dtype = export_dtype(worker)
     # Tied weights appear under several names: gather once.
     owners: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
@@ -340,7 +327,7 @@ def export_hf(worker, path: str) -> bool:
     if getattr(model.config, "tie_word_embeddings", False):
         # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
         tied = set(_tied_head_names(model))
-    rank0 = _is_rank0()
+    rank0 = is_rank0()
     named = ((n, t) for n, t in _gathered(worker, keep=rank0, device="cpu") if n not in tied)
     if rank0:
         write_shards(named, path)
@@ -356,17 +343,14 @@ def export_hf(worker, path: str) -> bool:
 def _write_hf_config(worker, path: str) -> None:
     model = worker.model
     config = copy.deepcopy(model.config)
-    config.dtype = _export_dtype(worker)
+    config.dtype = export_dtype(worker)
     # A critic's directory loads as the value model it is (as save_pretrained records it).
     config.architectures = [type(model).__name__.removeprefix("FSDP")]
     config.save_pretrained(path)
     generation_config = getattr(model, "generation_config", None)
     if generation_config is not None:
         generation_config.save_pretrained(path)
-    try:
-        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
-    except Exception as exc:  # the weights are still usable with the original tokenizer
-        log.warning("fsdp: export_hf could not save the tokenizer: %s", exc)
+    save_tokenizer_beside(worker, path, log)
 
 
 def _tied_head_names(model) -> list[str]:
@@ -412,7 +396,7 @@ def _write_extras(worker, path: str, digests) -> dict:
         "step": worker.state.get("step", 0),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state() if _is_cuda(worker) else None,
+        "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
         "world_size": world,
     }
     with digests.open(_extra_path(path, rank)) as f:
@@ -427,7 +411,7 @@ def _write_extras(worker, path: str, digests) -> dict:
 def save_checkpoint(worker, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from posttrain.checkpoint.digests import FileDigests
+    from posttrain import FileDigests
 
     os.makedirs(path, exist_ok=True)
     dcp.save(_dcp_state(worker), checkpoint_id=os.path.join(path, "dcp"))
@@ -446,15 +430,14 @@ def begin_checkpoint(worker, path: str) -> dict:
     writing into a run directory that a restarted run may reuse."""
     import torch.distributed.checkpoint as dcp
 
-    from posttrain.checkpoint.background import BackgroundSave
-    from posttrain.checkpoint.host_buffers import HostBuffers, write_threads
+    from posttrain import BackgroundSave, HostBuffers, write_threads
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     os.makedirs(path, exist_ok=True)
     rank, _ = _rank_world()
     buffers = worker.state.get("checkpoint_buffers")
     if buffers is None:
-        buffers = HostBuffers(f"{worker.role} rank {rank}", pin=_is_cuda(worker))
+        buffers = HostBuffers(f"{worker.role} rank {rank}", pin=is_cuda(worker))
         worker.state["checkpoint_buffers"] = buffers
     if dist.is_initialized() and "checkpoint_group" not in worker.state:
         worker.state["checkpoint_group"] = dist.new_group(backend="gloo")
@@ -566,7 +549,7 @@ def load_checkpoint(worker, path: str) -> bool:
             scheduler.load_state_dict(extra["scheduler"])
         if extra.get("world_size") == world and extra_file == own:  # same layout: same RNG
             torch.set_rng_state(extra["rng_cpu"])
-            if extra.get("rng_cuda") is not None and _is_cuda(worker):
+            if extra.get("rng_cuda") is not None and is_cuda(worker):
                 torch.cuda.set_rng_state(extra["rng_cuda"])
     if dist.is_initialized():
         dist.barrier()
@@ -578,56 +561,41 @@ def load_checkpoint(worker, path: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _log_once(message: str, level: int = logging.DEBUG) -> None:
-    if message not in _logged_once:
-        _logged_once.add(message)
-        log.log(level, message)
-
-
-def _move_optimizer(worker, device) -> None:
+def _optimizers(worker) -> list:
     optimizer = worker.state.get("optimizer")
-    if optimizer is None:
-        return
-    for state in optimizer.state.values():
-        for key, value in state.items():
-            if isinstance(value, torch.Tensor):
-                state[key] = value.to(device, non_blocking=True)
+    return [] if optimizer is None else [optimizer]
 
 
 def release_memory(worker, tags: list[str]) -> bool:
-    if not _is_cuda(worker):
-        _log_once("fsdp: release_memory on a CPU device: nothing to free")
+    if not is_cuda(worker):
+        log_once(log, "fsdp: release_memory on a CPU device: nothing to free")
         return True
-    tags = set(tags or ("weights",))
+    tags = memory_tags(tags)
     if tags & {"weights", "grads"}:
         worker.model.zero_grad(set_to_none=True)
         worker.model.cpu()
     if "optimizer" in tags:
-        _move_optimizer(worker, "cpu")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+        move_optimizer_state(_optimizers(worker), "cpu")
+    settle_cuda(empty_cache=True)
     return True
 
 
 def resume_memory(worker, tags: list[str]) -> bool:
-    if not _is_cuda(worker):
+    if not is_cuda(worker):
         return True
-    tags = set(tags or ("weights",))
-    device = _device(worker)
+    tags = memory_tags(tags)
+    device = rank_device(worker)
     offloaded = getattr(worker.config, "cpu_offload", False)
     if tags & {"weights", "grads"} and not offloaded:
         worker.model.to(device)
     if "optimizer" in tags and not offloaded:
-        _move_optimizer(worker, device)
-    torch.cuda.synchronize()
+        move_optimizer_state(_optimizers(worker), device)
+    settle_cuda()
     return True
 
 
 def shutdown_worker(worker) -> bool:
     worker.state.clear()
     worker.model = None
-    if dist.is_initialized():
-        # A rank tearing down gloo while a peer still finishes a collective aborts the peer.
-        dist.barrier()
-    destroy_default_process_group()
+    end_process_group()
     return True

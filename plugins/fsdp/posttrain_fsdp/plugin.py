@@ -1,7 +1,7 @@
 """The ``fsdp2_train`` and ``fsdp2_infer`` strategies: HF models sharded with PyTorch FSDP2.
 
 This module is cheap to import (no torch): ``posttrain validate`` and ``posttrain plugins`` load
-it. The worker hooks (from :class:`posttrain.engine_hooks.EngineHooks`) import
+it. The worker hooks (from :class:`posttrain.EngineHooks`) import
 :mod:`posttrain_fsdp.engine` when a rank of one of these strategies first needs it.
 """
 
@@ -11,10 +11,7 @@ from typing import Literal
 
 import attrs
 
-from posttrain import hookimpl
-from posttrain.config.ranges import at_least
-from posttrain.engine_hooks import EngineHooks
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain import Capabilities, EngineHooks, StrategySpec, at_least, hookimpl
 
 TRAIN = "fsdp2_train"
 INFER = "fsdp2_infer"

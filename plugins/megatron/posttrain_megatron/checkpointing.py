@@ -18,8 +18,9 @@ import os
 import torch
 import torch.distributed as dist
 
+from posttrain import is_cuda
 from posttrain_megatron import mcore_compat
-from posttrain_megatron.model_builder import inner_optimizers, is_cuda, unwrap
+from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -84,7 +85,7 @@ def _make_target(path: str) -> str:
 def save_checkpoint(worker, path: str) -> dict:
     from megatron.core import dist_checkpointing
 
-    from posttrain.checkpoint.digests import FileDigests
+    from posttrain import FileDigests
 
     target = _make_target(path)
     optimizer = _saved_optimizer(worker)
@@ -101,8 +102,7 @@ def begin_checkpoint(worker, path: str) -> dict:
     megatron's last step (gather of write results, ``.metadata``, ``metadata.json``) is
     collective: it runs on the main thread of every rank at the next train step once all ranks
     have written (:func:`advance_background_save`), or in :func:`finish_checkpoint`."""
-    from posttrain.checkpoint.background import BackgroundSave
-    from posttrain.checkpoint.host_buffers import HostBuffers, write_threads
+    from posttrain import BackgroundSave, HostBuffers, write_threads
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     target = _make_target(path)

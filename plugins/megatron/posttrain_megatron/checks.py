@@ -12,8 +12,7 @@ import json
 import os
 from typing import Any
 
-from posttrain.config.report import ErrorReport, did_you_mean, join_path
-from posttrain.presets import PRESETS, is_preset
+from posttrain import PRESETS, ErrorReport, did_you_mean, is_preset, join_path
 from posttrain_megatron.config import MegatronInferConfig, MegatronParallelConfig
 from posttrain_megatron.dense_models import unsupported_reason
 from posttrain_megatron.transformer_fields import transformer_config_fields

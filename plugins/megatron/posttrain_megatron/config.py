@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from posttrain.config.ranges import at_least, between
+from posttrain import at_least, between
 
 # "auto": TransformerEngine's spec when it is installed, else "sdpa".
 AttentionBackend = Literal["auto", "sdpa", "local", "transformer_engine"]

@@ -15,7 +15,7 @@ import argparse
 import os
 import socket
 
-from posttrain.errors import UserError
+from posttrain import UserError
 
 
 def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
@@ -74,8 +74,7 @@ def run_convert(args, host) -> int:
 def _convert_rank(rank: int, world: int, port: int, args: dict) -> None:
     import torch
 
-    from posttrain.config.sections import ModelArgs
-    from posttrain.worker import WorkerContext
+    from posttrain import ModelArgs, WorkerContext
     from posttrain_megatron import checkpointing, model_builder, weights
     from posttrain_megatron.config import MegatronInferConfig
 

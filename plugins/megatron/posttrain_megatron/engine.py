@@ -9,10 +9,16 @@ from __future__ import annotations
 import logging
 
 import torch
-import torch.distributed as dist
 
-from posttrain.distributed import destroy_default_process_group
-from posttrain.lr_schedule import lr_lambda
+from posttrain import (
+    end_process_group,
+    is_cuda,
+    log_once,
+    lr_lambda,
+    move_optimizer_state,
+    rank_device,
+    settle_cuda,
+)
 from posttrain_megatron.checkpointing import (
     begin_checkpoint,
     finish_checkpoint,
@@ -23,12 +29,11 @@ from posttrain_megatron.model_builder import (
     TRAIN,
     build_models,
     build_optimizer,
-    inner_optimizers,
-    is_cuda,
     setup_parallel,
 )
 from posttrain_megatron.training import compute_logprobs, compute_values, train_step
 from posttrain_megatron.weights import export_hf, export_weights
+from posttrain_megatron.wrappers import inner_optimizers
 
 __all__ = [
     "begin_checkpoint",
@@ -48,7 +53,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-_logged_once: set[str] = set()
 
 
 def load_model(worker):
@@ -68,12 +72,6 @@ def load_model(worker):
 # --------------------------------------------------------------------------------------------
 
 
-def _log_once(message: str) -> None:
-    if message not in _logged_once:
-        _logged_once.add(message)
-        log.info(message)
-
-
 def _tags(worker, tags: list[str] | None) -> set[str]:
     if tags:
         return set(tags)
@@ -90,18 +88,14 @@ def _buffers(model):
 
 def _move_optimizer_state(worker, target) -> None:
     optimizer = worker.state.get("optimizer")
-    if optimizer is None:
-        return
-    for inner in inner_optimizers(optimizer):
-        for state in inner.state.values():
-            for key, value in state.items():
-                if isinstance(value, torch.Tensor) and key != "step":
-                    state[key] = value.to(target, non_blocking=True)
+    if optimizer is not None:
+        # The step counters stay where the optimizer reads them.
+        move_optimizer_state(inner_optimizers(optimizer), target, skip=("step",))
 
 
 def release_memory(worker, tags: list[str]) -> bool:
     if not is_cuda(worker):
-        _log_once("megatron: release_memory on a CPU device: nothing to free")
+        log_once(log, "megatron: release_memory on a CPU device: nothing to free", logging.INFO)
         return True
     tags = _tags(worker, tags)
     params, grads = "weights" in tags, bool(tags & {"weights", "grads"})
@@ -114,8 +108,7 @@ def release_memory(worker, tags: list[str]) -> bool:
             model.cpu()
     if "optimizer" in tags:
         _move_optimizer_state(worker, "cpu")
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
+    settle_cuda(empty_cache=True)
     return True
 
 
@@ -132,8 +125,8 @@ def resume_memory(worker, tags: list[str]) -> bool:
         elif params:
             model.cuda(torch.cuda.current_device())
     if "optimizer" in tags:
-        _move_optimizer_state(worker, torch.device("cuda", torch.cuda.current_device()))
-    torch.cuda.synchronize()
+        _move_optimizer_state(worker, rank_device(worker))
+    settle_cuda()
     return True
 
 
@@ -142,9 +135,5 @@ def shutdown_worker(worker) -> bool:
 
     worker.state.clear()
     worker.model = None
-    if dist.is_initialized():
-        # A rank tearing down gloo while a peer still finishes a collective aborts the peer.
-        dist.barrier()
-    ps.destroy_model_parallel()
-    destroy_default_process_group()
+    end_process_group(teardown=ps.destroy_model_parallel)
     return True

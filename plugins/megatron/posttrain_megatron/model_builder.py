@@ -6,27 +6,14 @@ import logging
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
-from posttrain.distributed import init_default_process_group
-from posttrain.models import resolve_model_path, torch_dtype
+from posttrain import init_default_process_group, is_cuda, resolve_model_path, torch_dtype
 from posttrain_megatron import token_scores
+from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
 log = logging.getLogger(__name__)
 
 TRAIN = "megatron_train"
-
-
-def is_cuda(worker) -> bool:
-    return str(worker.device).startswith("cuda")
-
-
-def device(worker) -> torch.device:
-    return (
-        torch.device("cuda", torch.cuda.current_device())
-        if is_cuda(worker)
-        else torch.device("cpu")
-    )
 
 
 # The layout megatron-core's parallel state was set up with in this process (it is one per
@@ -221,13 +208,6 @@ def _make_bridge(
     return DenseBridge(hf_config, dtype, backend, overrides, value_head=value), callbacks
 
 
-def unwrap(model: torch.nn.Module) -> torch.nn.Module:
-    """The GPTModel under DDP / Float16Module wrappers."""
-    while hasattr(model, "module"):
-        model = model.module
-    return model
-
-
 def build_optimizer(worker, models: list[torch.nn.Module]):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -278,14 +258,3 @@ def _use_fused_adam(optimizer) -> None:
             inner.defaults.update(fused=True, foreach=False)
             for group in inner.param_groups:
                 group.update(fused=True, foreach=False)
-
-
-def inner_optimizers(optimizer) -> list[Any]:
-    """The torch optimizers inside a (chained) megatron optimizer."""
-    chained = getattr(optimizer, "chained_optimizers", None)
-    parts = chained if chained is not None else [optimizer]
-    return [part.optimizer for part in parts if getattr(part, "optimizer", None) is not None]
-
-
-def is_rank0() -> bool:
-    return not dist.is_initialized() or dist.get_rank() == 0

@@ -1,18 +1,14 @@
 """``megatron_train`` and ``megatron_infer``: megatron-core models, HF weights through mbridge.
 
 This module is cheap to import (no torch, no megatron-core): ``posttrain validate``, ``plugins``
-and ``doctor`` load it. The worker hooks (from :class:`posttrain.engine_hooks.EngineHooks`) import
+and ``doctor`` load it. The worker hooks (from :class:`posttrain.EngineHooks`) import
 :mod:`posttrain_megatron.engine` when a rank of one of these strategies first needs it. The
 ``posttrain convert`` subcommand is added here too (core knows nothing of it).
 """
 
 from __future__ import annotations
 
-from posttrain import hookimpl
-from posttrain.config.report import ErrorReport
-from posttrain.doctor import EnvCheck
-from posttrain.engine_hooks import EngineHooks
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain import Capabilities, EngineHooks, EnvCheck, ErrorReport, StrategySpec, hookimpl
 from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
 
 TRAIN = "megatron_train"

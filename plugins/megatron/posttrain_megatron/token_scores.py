@@ -58,7 +58,7 @@ def _model_scores(labels: torch.Tensor, logits: torch.Tensor, vocab_size: int) -
 
 def aligned(scores: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Model scores [b, s, 2] as ``(logprobs, entropy)`` aligned like
-    :func:`posttrain.modeling.shifted_token_logprobs`: ``out[:, t]`` scores ``input_ids[:, t]``
+    :func:`posttrain.shifted_token_logprobs`: ``out[:, t]`` scores ``input_ids[:, t]``
     (from position t - 1's distribution) and ``out[:, 0] = 0``."""
     shifted = torch.nn.functional.pad(scores[:, :-1], (0, 0, 1, 0))
     return shifted[..., 0], shifted[..., 1]

@@ -3,7 +3,7 @@
 Micro-batches go through ``get_forward_backward_func()``, so pipeline (1F1B) and interleaved
 virtual-pipeline schedules work unchanged. A language-model head gives the loss log-probs and
 entropy, a critic's value head (:mod:`posttrain_megatron.value_head`) values, both aligned as
-``posttrain.modeling`` aligns them. Every rank of the role runs the same number of
+``posttrain.scoring.modeling`` aligns them. Every rank of the role runs the same number of
 micro-batches (agreed with an all-reduce); ranks with fewer run zero-weight fillers. Results
 exist on the last pipeline stage and are broadcast to the other stages of its pipeline, since
 the driver collects from the first rank of each data-parallel index.
@@ -18,13 +18,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain.distributed import agree_max
-from posttrain.micro_batching import fixed_micro_batches, token_budget_micro_batches
-from posttrain.modeling import shifted_values
-from posttrain.protocol import SequenceBatch
+from posttrain import (
+    SequenceBatch,
+    agree_max,
+    fixed_micro_batches,
+    rank_device,
+    shifted_values,
+    token_budget_micro_batches,
+)
 from posttrain_megatron import context_parallel, packing, token_scores
 from posttrain_megatron.checkpointing import advance_background_save
-from posttrain_megatron.model_builder import TRAIN, device
+from posttrain_megatron.model_builder import TRAIN
 
 log = logging.getLogger(__name__)
 
@@ -51,7 +55,7 @@ def plan(worker, batch: SequenceBatch, for_logprobs: bool) -> tuple[list[list[in
         groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
     else:
         groups = fixed_micro_batches(len(batch), _rows_per_micro_batch(worker, for_logprobs))
-    count = agree_max(len(groups), device(worker))
+    count = agree_max(len(groups), rank_device(worker))
     vpp = worker.config.virtual_pipeline_model_parallel_size
     if vpp and vpp > 1:
         # The interleaved schedule runs micro-batches in groups of PP per virtual stage.
@@ -93,7 +97,7 @@ def _equal_shapes(worker, items):
     """Pad every micro-batch to the largest rows x width of its slot on any rank; padding rows
     and columns are masked out (attention and response masks 0) and never returned."""
     sizes = torch.tensor(
-        [[len(mb), mb.input_ids.shape[1]] for _, mb in items], device=device(worker)
+        [[len(mb), mb.input_ids.shape[1]] for _, mb in items], device=rank_device(worker)
     )
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
     padded = []
@@ -133,7 +137,7 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     models = worker.model
-    dev = device(worker)
+    dev = rank_device(worker)
     cfg = worker.config
     cp = cfg.context_parallel_size
     # Sequence parallelism splits the sequence over TP ranks, context parallelism into 2 x CP
@@ -312,7 +316,7 @@ def _broadcast_tensor_from_last_stage(tensor: torch.Tensor, worker) -> torch.Ten
 
     if ps.get_pipeline_model_parallel_world_size() == 1:
         return tensor
-    moved = tensor.to(device(worker))
+    moved = tensor.to(rank_device(worker))
     dist.broadcast(
         moved,
         src=ps.get_pipeline_model_parallel_last_rank(),

@@ -11,7 +11,7 @@ output over the sequence and marks the weight so that its gradient is summed ove
 In HF terms the head is ``score.weight`` (``*ForTokenClassification`` with one label and no
 bias): :class:`ValueHeadNames` maps ``output_layer.weight`` to it both ways, without the vocab
 padding mbridge applies to an output layer, and loads zeros when the checkpoint has no head,
-so a megatron critic starts where an HF one does (``posttrain.models.load_model_with_head``).
+so a megatron critic starts where an HF one does (``posttrain.load_model_with_head``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.utils.post_creation_callbacks import make_value_model
 
-from posttrain.models import HEAD_WEIGHT
+from posttrain import HEAD_WEIGHT
 
 log = logging.getLogger(__name__)
 

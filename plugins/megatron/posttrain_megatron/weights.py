@@ -15,10 +15,14 @@ from collections.abc import Iterator
 import torch
 import torch.distributed as dist
 
-from posttrain.models import load_tokenizer, torch_dtype
-from posttrain.protocol import WeightBucket, bucketize
-from posttrain.safetensors_shards import write_shards
-from posttrain_megatron.model_builder import is_rank0
+from posttrain import (
+    WeightBucket,
+    bucketize,
+    is_rank0,
+    save_tokenizer_beside,
+    torch_dtype,
+    write_shards,
+)
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +84,4 @@ def write_hf_config(worker, path: str) -> None:
         hf_config = export_config(hf_config)
     hf_config.dtype = torch_dtype(worker.model_args.dtype)
     hf_config.save_pretrained(path)
-    try:
-        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
-    except (OSError, ValueError) as exc:  # the weights are usable with the original tokenizer
-        log.warning("megatron: export_hf could not save the tokenizer: %s", exc)
+    save_tokenizer_beside(worker, path, log)

@@ -5,8 +5,7 @@ from __future__ import annotations
 import difflib
 from typing import Any
 
-from posttrain.errors import UserError
-from posttrain.models import resolve_model_path
+from posttrain import UserError, resolve_model_path
 
 # KV-cache tokens on CPU when max_total_tokens is unset: uncapped, SGLang sizes its cache from
 # host memory (14.7 GB measured for a 2-layer model).

@@ -16,7 +16,7 @@ import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 
-from posttrain.errors import PosttrainError
+from posttrain import PosttrainError
 
 BROKEN = "sglang_engine_broken"
 log = logging.getLogger("posttrain.sglang")

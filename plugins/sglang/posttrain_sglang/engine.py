@@ -22,9 +22,7 @@ from typing import Any
 
 import torch
 
-from posttrain.errors import UserError
-from posttrain.models import load_tokenizer
-from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch
+from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, load_tokenizer
 from posttrain_sglang import args as engine_args_mod
 from posttrain_sglang import calls, leftovers
 from posttrain_sglang.receiver import DistributedReceiver

@@ -1,7 +1,7 @@
 """The ``sglang`` strategy: rollout (generation with per-token log-probs) on SGLang.
 
 This module is cheap to import (no torch, no SGLang): ``posttrain validate``, ``posttrain plugins``
-and ``posttrain doctor`` load it. The worker hooks (from :class:`posttrain.engine_hooks.
+and ``posttrain doctor`` load it. The worker hooks (from :class:`posttrain.host.engine_hooks.
 EngineHooks`) import :mod:`posttrain_sglang.engine` when a rank of this strategy first needs it;
 SGLang itself is imported only there.
 """
@@ -12,11 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from posttrain import hookimpl
-from posttrain.config.ranges import at_least, between
-from posttrain.doctor import EnvCheck
-from posttrain.engine_hooks import EngineHooks
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain import Capabilities, EngineHooks, EnvCheck, StrategySpec, at_least, between, hookimpl
 
 STRATEGY = "sglang"
 # The SGLang versions this plugin is tested with (checked by `posttrain doctor`).

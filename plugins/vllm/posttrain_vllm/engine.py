@@ -29,10 +29,15 @@ from typing import Any
 
 import torch
 
-from posttrain.errors import UserError
-from posttrain.models import load_tokenizer, resolve_model_path
-from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch
-from posttrain.tensors import unshare_storage
+from posttrain import (
+    GenerationRequest,
+    RolloutSamples,
+    SequenceBatch,
+    UserError,
+    load_tokenizer,
+    resolve_model_path,
+    unshare_storage,
+)
 from posttrain_vllm import worker_side
 
 log = logging.getLogger("posttrain.vllm")

@@ -1,7 +1,7 @@
 """The ``vllm`` strategy: rollout (generation with per-token log-probs) on vLLM.
 
 This module is cheap to import (no torch, no vLLM): ``posttrain validate``, ``posttrain plugins``
-and ``posttrain doctor`` load it. The worker hooks (from :class:`posttrain.engine_hooks.
+and ``posttrain doctor`` load it. The worker hooks (from :class:`posttrain.host.engine_hooks.
 EngineHooks`) import :mod:`posttrain_vllm.engine` when a rank of this strategy first needs it;
 vLLM itself is imported only there.
 """
@@ -12,11 +12,16 @@ from typing import Any, Literal
 
 import attrs
 
-from posttrain import hookimpl
-from posttrain.config.ranges import at_least, between
-from posttrain.doctor import EnvCheck, module_version
-from posttrain.engine_hooks import EngineHooks
-from posttrain.strategy import Capabilities, StrategySpec
+from posttrain import (
+    Capabilities,
+    EngineHooks,
+    EnvCheck,
+    StrategySpec,
+    at_least,
+    between,
+    hookimpl,
+    module_version,
+)
 
 STRATEGY = "vllm"
 # The vLLM versions this plugin is tested with (also the extras' pins in pyproject.toml).

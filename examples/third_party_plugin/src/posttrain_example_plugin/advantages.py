@@ -5,7 +5,7 @@ A toy, to show the seam: a workflow picks it with ``algorithm.advantage_estimato
 
 from __future__ import annotations
 
-from posttrain.algorithms.registry import Advantages
+from posttrain import Advantages
 
 
 def sign_advantages(batch, scores, algorithm) -> Advantages:

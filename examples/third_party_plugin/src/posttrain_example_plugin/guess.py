@@ -5,7 +5,7 @@ is right or ``environment.max_turns`` runs out. Right at turn ``t`` (0-based) sc
 
 from __future__ import annotations
 
-from posttrain.environments.protocol import EnvStep
+from posttrain import EnvStep
 
 
 class GuessDigit:

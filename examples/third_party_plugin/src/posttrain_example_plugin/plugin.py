@@ -21,9 +21,7 @@ import json
 import os
 import time
 
-from posttrain import hookimpl
-from posttrain.algorithms.registry import AdvantageEstimator
-from posttrain.environments.protocol import EnvironmentSpec
+from posttrain import AdvantageEstimator, EnvironmentSpec, hookimpl
 from posttrain_example_plugin.advantages import sign_advantages
 
 TIMINGS_ENV = "POSTTRAIN_EXAMPLE_TIMINGS_DIR"

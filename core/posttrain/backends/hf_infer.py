@@ -1,0 +1,219 @@
+"""Engine side of ``hf_infer``: sampling with per-token log-probs, and sequence scoring.
+
+Reported log-probs are those of the model's own distribution (temperature 1, before top-k/top-p),
+as vLLM and SGLang report them by default, so they compare directly with a trainer's forward pass.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+from posttrain.backends.hf_progress import no_hf_progress_bars
+from posttrain.backends.models import load_model_with_head, load_tokenizer
+from posttrain.backends.tensors import unshare_storage
+from posttrain.protocol import (
+    GenerationRequest,
+    RolloutSamples,
+    SequenceBatch,
+    WeightBucket,
+    stop_string_start,
+)
+from posttrain.scoring.modeling import sequence_scores, shifted_token_logprobs
+
+
+def setup_parallel(worker) -> dict[str, int]:
+    # Every rank is an independent replica: no process group is needed.
+    return {"dp_rank": worker.rank, "dp_size": worker.world_size}
+
+
+def load_model(worker):
+    model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
+    model.eval()
+    worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
+    return model
+
+
+def _batch_size(worker) -> int:
+    return worker.state.get("infer_batch_size") or worker.config.batch_size
+
+
+def _filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
+    logits = logits / max(temperature, 1e-6)
+    if 0 < top_k < logits.shape[-1]:
+        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
+        probs = torch.softmax(sorted_logits, dim=-1)
+        # Drop a token when the mass before it already reaches top_p (keeps at least one).
+        drop = probs.cumsum(-1) - probs >= top_p
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
+    return logits
+
+
+@torch.no_grad()
+def generate(worker, request: GenerationRequest) -> RolloutSamples:
+    sampling = request.sampling
+    tokenizer = worker.state["tokenizer"]
+    stop_ids = set(sampling.stop_token_ids) | {tokenizer.eos_token_id}
+    generator = torch.Generator(device=worker.device)
+    generator.manual_seed(request.seed if request.seed is not None else worker.seed)
+    prompts = [list(p) for p in request.prompt_ids for _ in range(sampling.n)]
+    out = RolloutSamples(prompt_ids=[], response_ids=[], response_logprobs=[])
+    step = _batch_size(worker) * sampling.n
+    for start in range(0, len(prompts), step):
+        chunk = prompts[start : start + step]
+        responses, logprobs = _sample(
+            worker.model,
+            chunk,
+            sampling,
+            stop_ids,
+            tokenizer,
+            generator,
+            worker.device,
+        )
+        out.prompt_ids += chunk
+        out.response_ids += responses
+        out.response_logprobs += logprobs
+    return out
+
+
+def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
+    """Left-padded batched decoding with a KV cache."""
+    pad_id = tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    batch = len(prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        attention[i, width - len(p) :] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    responses: list[list[int]] = [[] for _ in range(batch)]
+    logprobs: list[list[float]] = [[] for _ in range(batch)]
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    past = None
+    step_ids, step_pos = input_ids, position_ids
+    for _ in range(sampling.max_new_tokens):
+        outputs = model(
+            input_ids=step_ids,
+            attention_mask=attention,
+            position_ids=step_pos,
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = outputs.past_key_values
+        logits = outputs.logits[:, -1].float()
+        raw_logp = torch.log_softmax(logits, dim=-1)
+        filtered = _filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        if sampling.temperature <= 0:
+            token = filtered.argmax(-1)
+        else:
+            probs = torch.softmax(filtered, dim=-1)
+            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token_logp = raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        running = [i for i in range(batch) if not done[i]]
+        for i in running:
+            responses[i].append(int(token[i]))
+            logprobs[i].append(float(token_logp[i]))
+            if int(token[i]) in stop_ids:
+                done[i] = True
+        if sampling.stop:
+            # As vLLM: the text without special tokens; the token completing a stop string is
+            # the sample's last one. (Whole responses are decoded each step: simple, and cheap
+            # next to the forward pass at the lengths hf_infer serves.)
+            rows = [responses[i] for i in running]
+            texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
+            for i, text in zip(running, texts):
+                if stop_string_start(text, sampling.stop) is not None:
+                    done[i] = True
+        if bool(done.all()):
+            break
+        token = torch.where(done, torch.full_like(token, pad_id), token)
+        step_ids = token.unsqueeze(-1)
+        step_pos = step_pos[:, -1:] + 1
+        attention = torch.cat([attention, (~done).long().unsqueeze(-1)], dim=-1)
+    return responses, logprobs
+
+
+@torch.no_grad()
+def _in_chunks(worker, batch: SequenceBatch, score) -> torch.Tensor:
+    """``score(ids, mask)`` over ``infer_batch_size`` rows at a time, concatenated on the host."""
+    parts = []
+    step = _batch_size(worker)
+    for start in range(0, len(batch), step):
+        ids = batch.input_ids[start : start + step].to(worker.device)
+        mask = batch.attention_mask[start : start + step].to(worker.device)
+        parts.append(score(ids, mask).cpu())
+    return torch.cat(parts, dim=0)
+
+
+def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+    def logprobs(ids, mask):
+        logits = worker.model(input_ids=ids, attention_mask=mask).logits
+        return shifted_token_logprobs(logits, ids) * mask
+
+    return _in_chunks(worker, batch, logprobs)
+
+
+def compute_scores(worker, batch: SequenceBatch) -> torch.Tensor:
+    return _in_chunks(worker, batch, lambda ids, mask: sequence_scores(worker.model, ids, mask))
+
+
+def import_weights(worker, buckets) -> bool:
+    params = dict(worker.model.state_dict(keep_vars=True))
+    with torch.no_grad():
+        for bucket in buckets:
+            for name, tensor in bucket.tensors:
+                if name not in params:
+                    raise KeyError(f"hf_infer: the model has no weight named {name!r}")
+                params[name].data.copy_(tensor.to(params[name].device, params[name].dtype))
+    return True
+
+
+def save_checkpoint(worker, path: str) -> dict:
+    # An inference engine has no optimizer state; its weights are what a sync put there.
+    if worker.rank == 0:
+        from safetensors.torch import save_file
+
+        os.makedirs(path, exist_ok=True)
+        state = {k: v.detach().cpu().contiguous() for k, v in worker.model.state_dict().items()}
+        save_file(unshare_storage(state.items()), os.path.join(path, "model.safetensors"))
+    return {"format": "safetensors"}
+
+
+def load_checkpoint(worker, path: str) -> bool:
+    from safetensors.torch import load_file
+
+    state = load_file(os.path.join(path, "model.safetensors"))
+    return import_weights(worker, [WeightBucket(list(state.items()))])
+
+
+def export_hf(worker, path: str) -> bool:
+    if worker.rank == 0:
+        with no_hf_progress_bars():
+            worker.model.save_pretrained(path, safe_serialization=True)
+        worker.state["tokenizer"].save_pretrained(path)
+    return True
+
+
+def release_memory(worker, tags: list[str]) -> bool:
+    """Move the weights to host memory while a colocated role uses the device."""
+    worker.model.to("cpu")
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return True
+
+
+def resume_memory(worker, tags: list[str]) -> bool:
+    worker.model.to(worker.device)
+    return True
+
+
+def shutdown_worker(worker) -> bool:
+    return True

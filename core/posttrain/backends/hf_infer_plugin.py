@@ -1,0 +1,52 @@
+"""The ``hf_infer`` strategy: rollout and log-probs on plain transformers (the reference backend).
+
+This module is cheap to import; the engine code lives in :mod:`posttrain.backends.hf_infer` and is
+imported by the worker hooks (from :class:`posttrain.EngineHooks`) when a rank first
+needs it.
+"""
+
+from __future__ import annotations
+
+import attrs
+
+from posttrain.config.ranges import at_least
+from posttrain.hookspecs import hookimpl
+from posttrain.host.engine_hooks import EngineHooks
+from posttrain.host.strategy import Capabilities, StrategySpec
+
+STRATEGY = "hf_infer"
+
+
+@attrs.frozen(kw_only=True)
+class HFInferConfig:
+    """``strategy_config`` of ``hf_infer``."""
+
+    # Prompts per forward pass when generating or scoring (the role's infer_batch_size wins).
+    batch_size: int = attrs.field(default=64, validator=at_least(1))
+    use_cache: bool = True
+
+
+class HFInferPlugin(EngineHooks):
+    strategies = (STRATEGY,)
+    engine = "posttrain.backends.hf_infer"
+
+    @hookimpl(trylast=True)
+    def posttrain_add_strategies(self):
+        return [
+            StrategySpec(
+                name=STRATEGY,
+                config_class=HFInferConfig,
+                capabilities=Capabilities(
+                    kind="rollout",
+                    import_transports=("in_process", "shared_memory", "broadcast"),
+                    stop_strings=True,
+                    shares_process=True,
+                    heads=("lm", "score"),
+                ),
+                description="generation, log-probs and reward-model scores with plain "
+                "transformers (the reference backend)",
+            )
+        ]
+
+
+plugin = HFInferPlugin()

@@ -1,0 +1,126 @@
+"""Torch plumbing every backend needs: the rank's device, rank 0, logging once, the export dtype,
+an HF forward pass, memory release for colocated roles, the files beside exported weights and the
+end of the process group. Public API (re-exported by ``posttrain``): backends use these instead
+of their own copies.
+
+Importing this module is cheap; each function imports torch when called.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from posttrain.backends.distributed import destroy_default_process_group
+from posttrain.backends.models import load_tokenizer, torch_dtype
+
+if TYPE_CHECKING:
+    import torch
+
+    from posttrain.launch.worker import WorkerContext
+    from posttrain.protocol import SequenceBatch
+
+# The memory a colocated role may release (``posttrain_release_memory``'s tags).
+MEMORY_TAGS = ("weights", "kv_cache", "optimizer", "grads")
+
+_logged_once: set[tuple[str, str]] = set()
+
+
+def is_cuda(worker: WorkerContext) -> bool:
+    """Whether the rank runs on a GPU (``worker.device`` is ``cuda`` or ``cuda:N``)."""
+    return str(worker.device).startswith("cuda")
+
+
+def rank_device(worker: WorkerContext) -> torch.device:
+    """The rank's torch device: its current GPU, or the CPU."""
+    import torch
+
+    if is_cuda(worker):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def is_rank0() -> bool:
+    """Rank 0 of the default process group (True without one)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def log_once(logger: logging.Logger, message: str, level: int = logging.DEBUG) -> None:
+    """Log ``message`` the first time only (per logger), e.g. a no-op a loop would repeat."""
+    key = (logger.name, message)
+    if key not in _logged_once:
+        _logged_once.add(key)
+        logger.log(level, message)
+
+
+def export_dtype(worker: WorkerContext) -> torch.dtype:
+    """The dtype weights leave the trainer in (sync, export): the role's ``model_args.dtype``."""
+    return torch_dtype(worker.model_args.dtype)
+
+
+def forward_logits(model: Any, micro_batch: SequenceBatch) -> torch.Tensor:
+    """An HF causal LM's logits of a micro-batch (no KV cache)."""
+    out = model(
+        input_ids=micro_batch.input_ids, attention_mask=micro_batch.attention_mask, use_cache=False
+    )
+    return out.logits
+
+
+def enable_gradient_checkpointing(model: Any) -> None:
+    """Recompute an HF model's activations in backward (non-reentrant checkpointing)."""
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # transformers >= 5.x
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def memory_tags(tags: Iterable[str] | None) -> set[str]:
+    """The tags of a release/resume call; none means the weights."""
+    return set(tags or ("weights",))
+
+
+def move_optimizer_state(optimizers: Iterable[Any], device, skip: tuple[str, ...] = ()) -> None:
+    """Move every tensor of the optimizers' state (but the keys in ``skip``) to ``device``."""
+    import torch
+
+    for optimizer in optimizers:
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if isinstance(value, torch.Tensor) and key not in skip:
+                    state[key] = value.to(device, non_blocking=True)
+
+
+def settle_cuda(empty_cache: bool = False) -> None:
+    """Wait for the GPU's queued work (a release must be complete before another role runs);
+    with ``empty_cache``, give freed blocks back to the driver."""
+    import torch
+
+    torch.cuda.synchronize()
+    if empty_cache:
+        torch.cuda.empty_cache()
+
+
+def save_tokenizer_beside(worker: WorkerContext, path: str, logger: logging.Logger) -> None:
+    """Write the role's tokenizer into an exported model directory; a tokenizer that cannot be
+    saved is logged, since the weights are usable with the original one."""
+    try:
+        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
+    except (OSError, ValueError) as exc:
+        logger.warning("export_hf could not save the tokenizer: %s", exc)
+
+
+def end_process_group(teardown: Callable[[], None] | None = None) -> None:
+    """A rank's last collective step: wait for every peer (a rank tearing down gloo while a peer
+    still finishes a collective aborts the peer), run ``teardown`` (an engine's own groups),
+    then destroy the default group."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+    if teardown is not None:
+        teardown()
+    destroy_default_process_group()

@@ -1,1 +1,0 @@
-"""Built-in plugins: registered before third-party ones, overridable where marked ``trylast``."""

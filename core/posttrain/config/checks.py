@@ -1,0 +1,304 @@
+"""Core's cross-field workflow checks and environment checks (a plugin like any other)."""
+
+from __future__ import annotations
+
+import math
+import os
+
+from posttrain.config.report import ErrorReport, did_you_mean, join_path
+from posttrain.config.sections import ROLE_HEADS, Workflow
+from posttrain.hookspecs import hookimpl
+from posttrain.host.doctor import EnvCheck
+from posttrain.launch.base import partial_overlaps
+from posttrain.paths import display_path
+from posttrain.tasks.presets import PRESETS, is_preset
+
+# Roles every workflow has (the critic and reference depend on the algorithm's settings).
+REQUIRED_ROLES = ("actor_train", "actor_infer")
+
+
+@hookimpl(trylast=True)
+def posttrain_environment_checks():
+    return [
+        EnvCheck(plugin="posttrain", package="torch", tested=">=2.6,<=2.13.0"),
+        EnvCheck(plugin="posttrain", package="transformers", tested=">=4.51,<6"),
+        EnvCheck(plugin="posttrain", package="pluggy", tested=">=1.5,<2"),
+        EnvCheck(plugin="posttrain", package="cattrs", tested=">=23.2"),
+    ]
+
+
+@hookimpl(trylast=True)
+def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorReport):
+    # A section that failed to structure was reported already; checks that read it would only
+    # add misleading errors about its defaults (e.g. "needs an 'actor_train' role").
+    failed = report.failed_sections
+    if not failed & {"algorithm", *REQUIRED_ROLES, "reference"}:
+        _check_roles(workflow, report)
+    _check_strategy_kinds(workflow, strategies, report)
+    _check_models(workflow, report)
+    if "data" not in failed:
+        _check_data(workflow, report)
+    if "algorithm" not in failed:
+        _check_batches(workflow, strategies, report)
+    if "trainer" not in failed:
+        _check_trainer(workflow, report)
+    if not failed & {"algorithm", "actor_infer", "cluster"}:
+        _check_async_rollout(workflow, report)
+    if "cluster" not in failed:
+        _check_cluster(workflow, report)
+
+
+# What each role asks of its strategy: the kinds that can fill it.
+ROLE_KINDS = {
+    "actor_train": ("train",),
+    "actor_infer": ("rollout",),
+    "reference": ("infer", "train", "rollout"),
+    "critic": ("train",),
+    "reward": ("infer", "rollout"),
+}
+
+
+def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None:
+    for name, role in wf.roles().items():
+        spec = strategies.get(role.strategy_args.strategy_name)
+        if spec is None:
+            continue  # unknown strategy: already reported
+        kinds = ROLE_KINDS[name]
+        if spec.capabilities.kind not in kinds:
+            fitting = sorted(s for s, sp in strategies.items() if sp.capabilities.kind in kinds)
+            report.error(
+                join_path(name, "strategy_args", "strategy_name"),
+                f"'{spec.name}' is a {spec.capabilities.kind} strategy; {name} needs "
+                f"one of kind {' or '.join(kinds)}",
+                f"installed: {', '.join(fitting) or 'none'}",
+            )
+        elif name == "reference" and not spec.capabilities.computes_logprobs:
+            report.error(
+                join_path(name, "strategy_args", "strategy_name"),
+                f"'{spec.name}' does not compute log-probs, which reference needs",
+            )
+        elif ROLE_HEADS.get(name, "lm") not in spec.capabilities.heads:
+            head = ROLE_HEADS[name]
+            able = sorted(
+                s
+                for s, sp in strategies.items()
+                if head in sp.capabilities.heads and sp.capabilities.kind in kinds
+            )
+            report.error(
+                join_path(name, "strategy_args", "strategy_name"),
+                f"'{spec.name}' cannot load a {head} head, which {name} needs",
+                f"strategies that can: {', '.join(able) or 'none installed'}",
+            )
+
+
+def _check_roles(wf: Workflow, report: ErrorReport) -> None:
+    for role in REQUIRED_ROLES:
+        if getattr(wf, role) is None:
+            report.error(
+                role,
+                f"algorithm '{wf.algorithm.name}' needs the '{role}' role",
+                f"add a {role}: block with strategy_args and device_mapping",
+            )
+    if wf.algorithm.kl_coef and wf.reference is None:
+        report.error(
+            "reference",
+            "algorithm.kl_coef > 0 needs a 'reference' role",
+            "add a reference: block, or set algorithm.kl_coef: 0",
+        )
+    train = wf.actor_train
+    if train is not None and train.training_args is None:
+        report.note("actor_train.training_args", "not set; defaults are used")
+
+
+def _check_models(wf: Workflow, report: ErrorReport) -> None:
+    for name, role in wf.roles().items():
+        path = role.model_args.model_name_or_path
+        where = join_path(name, "model_args", "model_name_or_path")
+        if not path:
+            report.error(
+                where,
+                "no model given",
+                "set model_args.model_name_or_path at the top or in this role",
+            )
+            continue
+        if is_preset(path):
+            key = path.split(":", 1)[1]
+            if key not in PRESETS:
+                report.error(where, f"unknown preset '{key}'", did_you_mean(key, PRESETS))
+            continue
+        local = path if os.path.isabs(path) else os.path.join(wf.base_dir, path)
+        # Hub ids are "name" or "org/name"; anything else is meant as a local path.
+        looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
+        if os.path.exists(local):
+            if not os.path.exists(os.path.join(local, "config.json")):
+                report.error(
+                    where,
+                    f"{display_path(local)} has no config.json",
+                    "point to an HF model directory (the one holding config.json)",
+                )
+        elif looks_local:
+            report.error(where, f"local model path {display_path(local)} does not exist")
+        else:
+            report.note(
+                where,
+                f"'{path}' is not a local directory: treated as a hub id; "
+                "checks that need its config were skipped",
+            )
+
+
+def _check_data(wf: Workflow, report: ErrorReport) -> None:
+    data = wf.data
+    if data.path and data.synthetic:
+        report.error("data", "give either data.path or data.synthetic, not both")
+    elif not data.path and not data.synthetic:
+        report.error(
+            "data",
+            "no prompts",
+            "set data.path to a JSONL/Parquet file or "
+            "data.synthetic: {task: single_digit_addition}",
+        )
+    elif data.path:
+        local = data.path if os.path.isabs(data.path) else os.path.join(wf.base_dir, data.path)
+        if not os.path.exists(local):
+            report.error("data.path", f"file not found: {display_path(local)}")
+        elif not local.endswith((".jsonl", ".json", ".parquet")):
+            report.error("data.path", "unsupported file type", "use .jsonl or .parquet")
+
+
+def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
+    algo = wf.algorithm
+    samples = algo.rollout_batch_size * algo.group_size
+    for name, role in wf.roles().items():
+        dp = _dp_size(wf, name, strategies, report)
+        if dp is None:
+            continue
+        if name == "actor_infer":
+            if algo.rollout_batch_size < dp:
+                # Shares may differ by one prompt, but none may be empty.
+                report.error(
+                    "algorithm.rollout_batch_size",
+                    f"{algo.rollout_batch_size} prompts leave some of actor_infer's {dp} "
+                    "data-parallel ranks without a prompt",
+                    f"use at least {dp}",
+                )
+            gen = role.generating_args
+            if gen and gen.num_return_sequences not in (None, algo.group_size):
+                report.error(
+                    "actor_infer.generating_args.num_return_sequences",
+                    f"must equal algorithm.group_size ({algo.group_size})",
+                    "remove it; group_size sets it",
+                )
+            spec = strategies.get(role.strategy_args.strategy_name)
+            if gen and gen.stop_strings and spec and not spec.capabilities.stop_strings:
+                report.error(
+                    "actor_infer.generating_args.stop_strings",
+                    f"'{spec.name}' does not support stop strings",
+                    "use stop_token_ids, or a rollout strategy that supports them",
+                )
+            if gen and "" in gen.stop_strings:
+                report.error(
+                    "actor_infer.generating_args.stop_strings",
+                    "an empty string would stop every sample after its first token",
+                    "remove it",
+                )
+        elif name == "reward":
+            if samples % dp:
+                report.error(
+                    "algorithm.rollout_batch_size",
+                    f"{samples} samples per step (rollout_batch_size x group_size) do not "
+                    f"split over the reward model's {dp} data-parallel ranks",
+                    f"make rollout_batch_size x group_size a multiple of {dp}",
+                )
+        elif samples % (dp * algo.num_mini_batches):
+            report.error(
+                "algorithm.rollout_batch_size",
+                f"{samples} samples per step (rollout_batch_size x group_size) do not "
+                f"split into {algo.num_mini_batches} mini-batch(es) over {name}'s "
+                f"{dp} data-parallel ranks",
+                f"make rollout_batch_size x group_size a multiple of {dp * algo.num_mini_batches}",
+            )
+
+
+def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> int | None:
+    """Ranks / product of the strategy's declared parallel sizes, or None with an error."""
+    role = wf.roles()[role_name]
+    config = role.strategy_args.strategy_config
+    if isinstance(config, dict):  # strategy unknown or config invalid: already reported
+        return None
+    spec = strategies.get(role.strategy_args.strategy_name)
+    dims = spec.capabilities.parallel_dims if spec else ()
+    sizes = {d: int(getattr(config, d, 1) or 1) for d in dims}
+    product = math.prod(sizes.values())
+    if role.num_ranks % product:
+        detail = " x ".join(f"{d}={s}" for d, s in sizes.items())
+        report.error(
+            join_path(role_name, "device_mapping"),
+            f"{role.num_ranks} device(s) do not divide by the parallel sizes "
+            f"({detail} = {product})",
+            f"map a multiple of {product} devices or lower the parallel sizes",
+        )
+        return None
+    return role.num_ranks // product
+
+
+def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
+    t = wf.trainer
+    if t.resume not in ("never", "auto"):
+        path = t.resume if os.path.isabs(t.resume) else os.path.join(wf.base_dir, t.resume)
+        if not os.path.isdir(path):
+            report.error(
+                "trainer.resume",
+                f"checkpoint directory not found: {display_path(path)}",
+                "use 'auto', 'never' or an existing checkpoint-N directory",
+            )
+    if not wf.reward.function and wf.reward.strategy_args is None and not wf.environment.name:
+        report.error(
+            "reward",
+            "no reward: reward.function is null and there is no reward model or environment",
+            "set reward.function (e.g. exact_match), or reward.strategy_args and model_args",
+        )
+
+
+# Roles the asynchronous producer uses (the rest run on the loop's thread meanwhile).
+PRODUCER_ROLES = ("actor_infer", "reward")
+
+
+def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
+    """Rollout that runs while the trainer learns needs devices and processes of its own."""
+    if not wf.algorithm.max_staleness:
+        return
+    if wf.algorithm.tis_cap is None:
+        report.error(
+            "algorithm.tis_cap",
+            f"algorithm.max_staleness is {wf.algorithm.max_staleness}, but tis_cap is null: "
+            "the loss would ignore that an older policy sampled the batch",
+            "set algorithm.tis_cap (e.g. 2.0): each token's loss is then weighted by "
+            "min(p_trainer / p_rollout, tis_cap)",
+        )
+    roles = wf.roles()
+    producer = {d for name in PRODUCER_ROLES if name in roles for d in roles[name].device_mapping}
+    for name, role in roles.items():
+        shared = sorted(producer & set(role.device_mapping))
+        if name in PRODUCER_ROLES or not shared:
+            continue
+        report.error(
+            "actor_infer.device_mapping",
+            f"algorithm.max_staleness is {wf.algorithm.max_staleness}, but actor_infer (or the "
+            f"reward model) shares devices {shared} with {name}: rollout and training cannot "
+            "run at once on them",
+            "map actor_infer to devices of its own (a disaggregated layout), or set "
+            "algorithm.max_staleness: 0",
+        )
+        return
+
+
+def _check_cluster(wf: Workflow, report: ErrorReport) -> None:
+    if wf.cluster.launcher != "ray":
+        return  # the local launcher runs any mapping
+    for _, b, message in partial_overlaps(wf.roles()):
+        report.error(
+            join_path(b, "device_mapping"),
+            message,
+            "map both roles to the same devices, or one to a subset of the other's, "
+            "or to devices of their own",
+        )

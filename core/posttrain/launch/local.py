@@ -1,0 +1,229 @@
+"""The ``local`` launcher: each rank is a process on this machine, talking over a pipe.
+
+Ranks are not daemonic processes, because multiprocessing forbids daemons to start processes of
+their own and engines do (vLLM's engine core, SGLang's schedulers, DataLoader workers). They
+still end with the driver: a group's finalizer stops them when the driver exits, even without a
+``shutdown()`` (and before multiprocessing would wait for them); a driver that is killed closes
+its pipes, and a rank exits when its pipe closes.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.util
+import socket
+import time
+from typing import Any
+
+from posttrain.errors import WorkerError
+from posttrain.launch.base import (
+    GroupSpec,
+    Launcher,
+    PendingCall,
+    WorkerGroup,
+    check_same_mapping,
+    rank_log_path,
+    tail,
+)
+from posttrain.launch.rank_main import START_CALL
+
+STOP_CALL = -2
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class _LocalPending(PendingCall):
+    def __init__(self, processes: LocalProcesses, call_id: int, role: str, method: str):
+        self.processes = processes
+        self.call_id = call_id
+        self.role = role
+        self.method = method
+
+    def wait(self) -> list[Any]:
+        return self.processes.collect(self.call_id, self.role, self.method)
+
+
+class LocalProcesses:
+    """One set of rank processes on this machine hosting the roles of ``specs``, one pipe each.
+
+    Every call carries an id; answers are matched to calls by it, so calls to several roles of
+    the same processes may be in flight at once (each rank answers them in order)."""
+
+    def __init__(self, specs: list[GroupSpec], timeout_s: float, start_timeout_s: float):
+        import torch.multiprocessing  # noqa: F401  (tensor sharing over pipes)
+
+        check_same_mapping(specs)
+        self.roles = tuple(spec.role for spec in specs)
+        first = specs[0]
+        devices = first.config.device_mapping
+        self.world_size = first.config.num_ranks
+        self.timeout_s = timeout_s
+        self.calls = 0
+        self._next_id = 0
+        self._answers: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
+        ctx = multiprocessing.get_context("spawn")
+        port = free_port()
+        self.conns = []
+        self.procs = []
+        self.log_paths = []
+        # Registered before any rank starts, so a failure while starting them stops the others.
+        self._stop = multiprocessing.util.Finalize(
+            self, _stop_ranks, args=(self.conns, self.procs), exitpriority=10
+        )
+        env_extra = {k: v for spec in specs for k, v in spec.env.items()}
+        threads = max((spec.threads or 0 for spec in specs), default=0)
+        from posttrain.launch.rank_main import serve
+
+        for rank in range(self.world_size):
+            env = {
+                "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": str(port),
+                "RANK": str(rank),
+                "WORLD_SIZE": str(self.world_size),
+                "LOCAL_RANK": str(devices[rank % len(devices)]),
+                "LOCAL_WORLD_SIZE": str(self.world_size),
+                **env_extra,
+            }
+            if threads:
+                env["OMP_NUM_THREADS"] = str(threads)
+            log_path = rank_log_path(first.run_dir, self.roles, rank)
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(
+                target=serve,
+                args=(child, specs, rank, self.world_size, env, log_path),
+                name=f"posttrain-{'+'.join(self.roles)}-{rank}",
+                daemon=False,  # see the module docstring
+            )
+            proc.start()
+            child.close()
+            self.conns.append(parent)
+            self.procs.append(proc)
+            self.log_paths.append(log_path)
+        try:
+            self.collect(START_CALL, self.roles[0], "start", timeout_s=start_timeout_s)
+        except BaseException:
+            self.shutdown()
+            raise
+
+    def send(self, role: str, method: str, per_rank_args, args, kwargs) -> int:
+        call_id = self._next_id
+        self._next_id += 1
+        self.calls += self.world_size
+        for rank, conn in enumerate(self.conns):
+            call_args = per_rank_args[rank] if per_rank_args is not None else args
+            try:
+                conn.send((call_id, role, method, tuple(call_args), kwargs or {}))
+            except (BrokenPipeError, OSError) as exc:
+                raise self._dead(role, rank, f"when sent {method} ({exc})") from None
+        return call_id
+
+    def collect(
+        self, call_id: int, role: str, method: str, timeout_s: float | None = None
+    ) -> list[Any]:
+        limit = timeout_s or self.timeout_s
+        deadline = time.monotonic() + limit
+        results: list[Any] = [None] * self.world_size
+        pending = set(range(self.world_size))
+        first_error: WorkerError | None = None
+        while pending:
+            for rank in sorted(pending):
+                answer = self._answer(rank, call_id, role, method)
+                if answer is not None:
+                    status, value, trace = answer
+                    pending.discard(rank)
+                    if status == "error" and first_error is None:
+                        first_error = WorkerError(role, rank, value, trace, self.roles)
+                        # Peers may now block in a collective: do not wait for them long.
+                        deadline = min(deadline, time.monotonic() + 10.0)
+                    results[rank] = value
+                elif not self.procs[rank].is_alive():
+                    raise self._dead(role, rank, f"during {method}")
+            if pending and time.monotonic() > deadline:
+                if first_error:
+                    raise first_error
+                rank = min(pending)
+                raise WorkerError(
+                    role,
+                    rank,
+                    f"timed out in {method} after {limit:.0f}s",
+                    tail(self.log_paths[rank]),
+                    self.roles,
+                )
+        if first_error:
+            raise first_error
+        return results
+
+    def _answer(self, rank: int, call_id: int, role: str, method: str) -> tuple | None:
+        """Rank ``rank``'s answer to ``call_id`` if it has come (answers to other calls that
+        arrive first are kept for their own ``collect``)."""
+        kept = self._answers[rank]
+        if call_id in kept:
+            return kept.pop(call_id)
+        conn = self.conns[rank]
+        while conn.poll(0.05 if not kept else 0):
+            try:
+                got, status, value, trace = conn.recv()
+            except (EOFError, OSError):
+                raise self._dead(role, rank, f"during {method}") from None
+            if got == call_id:
+                return status, value, trace
+            kept[got] = (status, value, trace)
+        return None
+
+    def _dead(self, role: str, rank: int, when: str) -> WorkerError:
+        proc = self.procs[rank]
+        if proc.exitcode is None:
+            proc.join(timeout=2.0)  # a closed pipe: the process is most likely on its way out
+        what = "lost" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        return WorkerError(
+            role, rank, f"worker process {what} {when}", tail(self.log_paths[rank]), self.roles
+        )
+
+    def shutdown(self) -> None:
+        self._stop()  # a Finalize runs once: later calls, and the one at exit, do nothing
+
+
+class LocalWorkerGroup(WorkerGroup):
+    """One role's view of a :class:`LocalProcesses`."""
+
+    @property
+    def procs(self) -> list:
+        return self.processes.procs
+
+    def submit(self, method, per_rank_args=None, args=(), kwargs=None) -> PendingCall:
+        call_id = self.processes.send(self.role, method, per_rank_args, args, kwargs)
+        return _LocalPending(self.processes, call_id, self.role, method)
+
+    def shutdown(self) -> None:
+        self.processes.shutdown()
+
+
+def _stop_ranks(conns, procs) -> None:
+    """Ask every live rank to shut its engine down; kill those that do not exit in time."""
+    for conn, proc in zip(conns, procs):
+        if proc.is_alive():
+            try:
+                conn.send((STOP_CALL, "", "__stop__", (), {}))
+            except (BrokenPipeError, OSError):
+                continue
+    deadline = time.monotonic() + 15
+    for proc in procs:
+        proc.join(timeout=max(0.1, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
+    for conn in conns:
+        conn.close()
+
+
+class LocalLauncher(Launcher):
+    def __init__(self, call_timeout_s: float = 1800.0, start_timeout_s: float = 300.0):
+        super().__init__(call_timeout_s, start_timeout_s)
+
+    def _make_processes(self, specs: list[GroupSpec]) -> tuple[Any, dict[str, WorkerGroup]]:
+        processes = LocalProcesses(specs, self.call_timeout_s, self.start_timeout_s)
+        return processes, {spec.role: LocalWorkerGroup(processes, spec) for spec in specs}

@@ -1,0 +1,128 @@
+"""The body of one worker rank: build its context, then serve calls until told to stop.
+
+Shared by every launcher: a local process runs :func:`serve` over a pipe, a Ray actor wraps
+:class:`RankServer`.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import signal
+import sys
+import traceback
+from typing import Any
+
+from posttrain.host.references import import_beside
+from posttrain.launch.base import GroupSpec
+
+START_CALL = -1  # the call id of a rank's start-up answer
+
+
+class RankServer:
+    """One rank process, hosting one worker context per role of ``specs`` (several roles on the
+    same devices share the process: the hybrid engine)."""
+
+    def __init__(self, specs: list[GroupSpec], rank: int, world_size: int):
+        from posttrain.host.plugin_host import create_plugin_host
+        from posttrain.launch.worker import WorkerContext, WorkerRuntime
+
+        threads = max((s.threads or 0 for s in specs), default=0)
+        if threads:
+            import torch
+
+            torch.set_num_threads(threads)
+        for spec in specs:
+            import_beside(spec.base_dir)  # as the driver: modules the workflow names
+        host = create_plugin_host()
+        plugins = list(dict.fromkeys(p for spec in specs for p in spec.plugins))
+        problems = host.load_workflow_plugins(plugins)
+        if problems:
+            raise RuntimeError("; ".join(p[1] for p in problems))
+        local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.runtimes: dict[str, WorkerRuntime] = {}
+        for spec in specs:
+            role = spec.config
+            device = f"cuda:{local_rank}" if spec.device == "cuda" else spec.device
+            ctx = WorkerContext(
+                role=spec.role,
+                strategy_name=role.strategy_args.strategy_name,
+                config=role.strategy_args.strategy_config,
+                model_args=role.model_args,
+                training_args=role.training_args,
+                generating_args=role.generating_args,
+                rank=rank,
+                world_size=world_size,
+                local_rank=local_rank,
+                device=device,
+                seed=spec.seed,
+                run_dir=spec.run_dir,
+                base_dir=spec.base_dir,
+                algorithm=spec.algorithm,
+                hook=host.hook,
+                head=spec.head,
+            )
+            if role.infer_batch_size:
+                ctx.state["infer_batch_size"] = role.infer_batch_size
+            self.runtimes[spec.role] = WorkerRuntime(ctx, peers=self.runtimes)
+
+    def handle(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:
+        runtime = self.runtimes[role]
+        if method == "run_function":
+            # Worker-side code of transports and tools: "module:function"(runtime, *args).
+            path, *rest = args
+            module, _, name = path.partition(":")
+            return getattr(importlib.import_module(module), name)(runtime, *rest, **kwargs)
+        return getattr(runtime, method)(*args, **kwargs)
+
+    def shutdown(self) -> None:
+        """Shut every hosted role down, the last set up first."""
+        for runtime in reversed(list(self.runtimes.values())):
+            runtime.shutdown()
+
+
+def serve(
+    conn, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str], log_path: str
+) -> None:
+    """Entry point of a local worker process. Messages are ``(call_id, role, method, args,
+    kwargs)``; answers ``(call_id, status, value, traceback)``, in the order of the calls."""
+    os.makedirs(os.path.dirname(log_path), exist_ok=True)
+    log = open(log_path, "a", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives as long as the rank)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    sys.stdout = sys.stderr = log
+    os.environ.update(env)
+    # Ctrl-C in a terminal reaches every process of the run: the driver's, which stops the ranks
+    # in order and says how to resume; a rank dying of it first would be reported as a crash.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    import torch.multiprocessing  # noqa: F401  (registers tensor sharing for the pipe)
+
+    try:
+        server = RankServer(specs, rank, world_size)
+    except BaseException as exc:
+        traceback.print_exc()
+        conn.send((START_CALL, "error", _describe(exc), traceback.format_exc()))
+        return
+    conn.send((START_CALL, "ok", None, ""))
+    while True:
+        try:
+            call_id, role, method, args, kwargs = conn.recv()
+        except EOFError:
+            break
+        if method == "__stop__":
+            try:
+                server.shutdown()
+            finally:
+                conn.send((call_id, "ok", None, ""))
+            break
+        try:
+            result = server.handle(role, method, args, kwargs)
+        except BaseException as exc:
+            traceback.print_exc()
+            conn.send((call_id, "error", _describe(exc), traceback.format_exc()))
+            continue
+        conn.send((call_id, "ok", result, ""))
+
+
+def _describe(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"

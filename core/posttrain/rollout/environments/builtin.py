@@ -1,0 +1,17 @@
+"""The core's environments, declared by name (``trylast``: a plugin declaring the same name is
+reported as a conflict rather than silently replacing them)."""
+
+from posttrain.hookspecs import hookimpl
+from posttrain.rollout.environments.calculator import CalculatorConfig, calculator_environment
+from posttrain.rollout.environments.tools import tool_environment_spec
+
+
+@hookimpl(trylast=True)
+def posttrain_add_environments():
+    return {
+        "calculator": tool_environment_spec(
+            calculator_environment,
+            CalculatorConfig,
+            "integer arithmetic (+ - *) as a tool, in compact or hermes call syntax",
+        ),
+    }

@@ -1,0 +1,189 @@
+"""Tools: Python functions the model calls with a documented syntax, as an environment.
+
+A :class:`ToolEnvironment` reads each model turn. A turn that makes a call gets the tool's result
+back as the observation; a turn without a call is the final answer, which the workflow's
+``reward.function`` scores (``EnvStep.answer``) and which ends the episode. Mistakes of the
+model (a malformed call, an unknown tool, arguments the tool rejects with :class:`ToolError`)
+are answered with an error result and the episode goes on: the model may learn from them. A tool
+that raises anything else is a broken environment: its episode ends with reward 0.
+
+Two call syntaxes:
+
+* ``hermes``, what Qwen2.5 and Hermes chat models emit:
+  ``<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>``,
+  answered with a tool message holding the result (through the tokenizer's chat template);
+* ``compact``, for tiny local models: ``<call>3+4</call>`` answered with ``<result>7</result>``
+  in the model's own turn. With one tool its name is implicit; with several the call starts
+  with it (``<call>calculator 3+4</call>``). The text of the call is the tool's one argument.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import attrs
+
+from posttrain.rollout.environments.protocol import (
+    EnvironmentSpec,
+    EnvStep,
+    ModelTurn,
+    ObservationRole,
+)
+
+
+class ToolError(Exception):
+    """A tool's answer to a call it cannot serve (bad arguments): the model sees an error
+    result and the episode goes on."""
+
+
+@attrs.frozen(kw_only=True)
+class Tool:
+    name: str
+    function: Callable[..., Any]
+    # One line on the arguments, for the tools' documentation: "expression: digits with + - *".
+    doc: str
+
+
+@attrs.frozen(kw_only=True)
+class ToolCall:
+    tool: Tool
+    # hermes: keyword arguments; compact: the call's text, the one positional argument.
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = attrs.field(factory=dict)
+
+
+@attrs.frozen(kw_only=True)
+class CallSyntax:
+    """How calls are written and how results come back."""
+
+    open: str
+    close: str  # ends a call turn: the environment's stop string
+    role: ObservationRole
+    result_format: str  # with {value}
+    error_format: str  # with {message}
+    parse: Callable[[str, dict[str, Tool]], ToolCall]  # the call's text -> a call, or ToolError
+    usage: str
+
+    def find(self, text: str, tools: dict[str, Tool]) -> ToolCall | None:
+        """The turn's first call; None when it makes none (a final answer)."""
+        start = text.find(self.open)
+        if start < 0:
+            return None
+        end = text.find(self.close, start + len(self.open))
+        if end < 0:
+            raise ToolError(f"the call is not closed with {self.close}")
+        return self.parse(text[start + len(self.open) : end], tools)
+
+
+def _parse_compact(body: str, tools: dict[str, Tool]) -> ToolCall:
+    if len(tools) == 1:
+        return ToolCall(tool=next(iter(tools.values())), args=(body.strip(),))
+    name, _, rest = body.strip().partition(" ")
+    if name not in tools:
+        raise ToolError(f"unknown tool {name!r}")
+    return ToolCall(tool=tools[name], args=(rest.strip(),))
+
+
+def _parse_hermes(body: str, tools: dict[str, Tool]) -> ToolCall:
+    try:
+        call = json.loads(body)
+    except json.JSONDecodeError as exc:
+        raise ToolError(f"the call is not JSON ({exc.msg})") from None
+    if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+        raise ToolError('a call is {"name": ..., "arguments": {...}}')
+    if call["name"] not in tools:
+        raise ToolError(f"unknown tool {call['name']!r}")
+    arguments = call.get("arguments", {})
+    if isinstance(arguments, str):  # some models write the arguments as a JSON string
+        try:
+            arguments = json.loads(arguments)
+        except json.JSONDecodeError:
+            raise ToolError("the arguments are not JSON") from None
+    if not isinstance(arguments, dict):
+        raise ToolError("the arguments are not a mapping")
+    return ToolCall(tool=tools[call["name"]], kwargs=arguments)
+
+
+SYNTAXES = {
+    "hermes": CallSyntax(
+        open="<tool_call>",
+        close="</tool_call>",
+        role="tool",
+        result_format="{value}",
+        error_format="error: {message}",
+        parse=_parse_hermes,
+        usage='Call a tool with <tool_call>{"name": NAME, "arguments": {...}}</tool_call>; '
+        "its result comes back as a tool message. Answer without a call when done.",
+    ),
+    "compact": CallSyntax(
+        open="<call>",
+        close="</call>",
+        role=None,
+        result_format="<result>{value}</result>",
+        # Terse on purpose: tiny models read it with a small alphabet.
+        error_format="<result>error</result>",
+        parse=_parse_compact,
+        usage="Call a tool with <call>ARGUMENT</call>; its result comes back as "
+        "<result>VALUE</result>. Answer without a call when done.",
+    ),
+}
+
+
+def syntax_stop_strings(syntax: str) -> tuple[str, ...]:
+    """A call turn ends where its call is closed."""
+    return (SYNTAXES[syntax].close,)
+
+
+class ToolEnvironment:
+    """An environment of tools (see the module docstring); one per episode."""
+
+    def __init__(self, tools: Sequence[Tool], syntax: str = "compact", announce: bool = False):
+        if syntax not in SYNTAXES:
+            raise ValueError(f"unknown call syntax {syntax!r} (known: {', '.join(SYNTAXES)})")
+        self.tools = {tool.name: tool for tool in tools}
+        self.syntax = SYNTAXES[syntax]
+        self.announce = announce
+
+    def instructions(self) -> str:
+        """The call syntax and one line per tool."""
+        lines = [self.syntax.usage] + [f"{t.name}({t.doc})" for t in self.tools.values()]
+        return "\n".join(lines) + "\n"
+
+    def reset(self, prompt) -> str | None:
+        return self.instructions() if self.announce else None
+
+    def step(self, turn: ModelTurn) -> EnvStep:
+        syntax = self.syntax
+        try:
+            call = syntax.find(turn.text, self.tools)
+            if call is None:
+                return EnvStep(done=True, answer=turn.text.strip())
+            value = self._invoke(call)
+        except ToolError as exc:
+            return EnvStep(observation=syntax.error_format.format(message=exc), role=syntax.role)
+        return EnvStep(
+            observation=syntax.result_format.format(value=value), tool_calls=1, role=syntax.role
+        )
+
+    @staticmethod
+    def _invoke(call: ToolCall) -> Any:
+        try:
+            inspect.signature(call.tool.function).bind(*call.args, **call.kwargs)
+        except TypeError as exc:  # the model's arguments do not fit the function
+            raise ToolError(f"bad arguments for {call.tool.name}: {exc}") from None
+        return call.tool.function(*call.args, **call.kwargs)
+
+
+def tool_environment_spec(
+    factory: Callable[[Any], ToolEnvironment], config_class: type, description: str
+) -> EnvironmentSpec:
+    """The spec of a tool environment whose config has a ``syntax`` field (its stop string)."""
+    return EnvironmentSpec(
+        factory=factory,
+        config_class=config_class,
+        stop_strings=lambda config: syntax_stop_strings(config.syntax),
+        description=description,
+    )

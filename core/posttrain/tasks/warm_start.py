@@ -1,0 +1,124 @@
+"""Warm starts: short supervised passes that give a preset a behaviour before RL begins.
+
+A preset names its recipe (``Preset.warm_start``, a key of ``RECIPES``); the recipe trains the
+freshly initialised model in place from seeded data with single-threaded math, so every build on
+one machine writes the same weights.
+"""
+
+from __future__ import annotations
+
+import random
+
+import attrs
+
+from posttrain.tasks.data import multi_digit_problem
+
+# The calculator tool's ``compact`` call syntax: the model writes <call>EXPR</call>, the
+# environment appends <result>VALUE</result>, the model writes its answer.
+CALL, END_CALL, RESULT, END_RESULT = "<call>", "</call>", "<result>", "</result>"
+TOOL_TAGS = (CALL, END_CALL, RESULT, END_RESULT)
+
+Row = tuple[list[int], list[int]]  # token ids, and 1 where the loss applies
+
+
+@attrs.frozen(kw_only=True)
+class CalculatorRecipe:
+    """Episodes of ``multi_digit_arithmetic`` where a minority calls the calculator.
+
+    The rest answer at once with a wrong number near the answer, so the warm-started model calls
+    the tool at about ``call_rate``, copies the tool's result when it does, and is wrong when it
+    does not: what RL then has to learn is to call the tool.
+    """
+
+    # Bump when the recipe or the problems it draws change, so cached presets are rebuilt.
+    version: str = "1"
+    call_rate: float = 0.25
+    # 1000 steps copy the result right in ~97% of calls; 700 in ~85%. ~40 s on one core.
+    steps: int = 1000
+    batch_size: int = 64
+    learning_rate: float = 3e-3
+    warmup_steps: int = 100
+    seed: int = 0
+
+    def episode(self, rng: random.Random) -> list[tuple[str, bool]]:
+        """(text, trained) segments: the prompt and the tool's result are not the model's."""
+        problem = multi_digit_problem(rng)
+        prompt, answer = problem["prompt"], problem["answer"]
+        if rng.random() < self.call_rate:
+            return [
+                (prompt, False),
+                (f"{CALL}{prompt.removesuffix('=')}{END_CALL}", True),
+                (f"{RESULT}{answer}{END_RESULT}", False),
+                (answer, True),
+            ]
+        return [(prompt, False), (_near_miss(int(answer), rng), True)]
+
+    def train(self, model, tokenizer) -> None:
+        """Teacher-forced next-token training on the episodes, loss on the model's tokens."""
+        import torch
+
+        rng = random.Random(self.seed)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=self.learning_rate, weight_decay=0.0)
+        schedule = torch.optim.lr_scheduler.LambdaLR(
+            optimizer,
+            lambda step: min(1.0, (step + 1) / self.warmup_steps) * (1 - step / self.steps),
+        )
+        threads = torch.get_num_threads()
+        # One thread: a matmul's sums then run in one order, so the weights are reproducible.
+        torch.set_num_threads(1)
+        model.train()
+        try:
+            for _ in range(self.steps):
+                rows = [self._encode(rng, tokenizer) for _ in range(self.batch_size)]
+                trained = sum(sum(mask) for _, mask in rows)
+                optimizer.zero_grad(set_to_none=True)
+                for bucket in _length_buckets(rows):
+                    ids, mask = _pad(bucket, tokenizer.pad_token_id)
+                    logits = model(input_ids=ids).logits[:, :-1]
+                    targets, mask = ids[:, 1:], mask[:, 1:]
+                    loss = torch.nn.functional.cross_entropy(
+                        logits[mask], targets[mask], reduction="sum"
+                    )
+                    (loss / trained).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+                schedule.step()
+        finally:
+            model.eval()
+            torch.set_num_threads(threads)
+
+    def _encode(self, rng: random.Random, tokenizer) -> Row:
+        ids: list[int] = []
+        mask: list[int] = []
+        for text, trained in self.episode(rng):
+            piece = tokenizer.encode(text, add_special_tokens=False)
+            ids += piece
+            mask += [int(trained)] * len(piece)
+        return [*ids, tokenizer.eos_token_id], [*mask, 1]
+
+
+RECIPES = {"calculator": CalculatorRecipe()}
+
+
+def _near_miss(answer: int, rng: random.Random) -> str:
+    """A wrong number within about 10% of the answer (answers are >= 100, so it stays positive)."""
+    offset = rng.randint(1, max(answer // 10, 10)) * rng.choice((-1, 1))
+    return str(answer + offset)
+
+
+def _length_buckets(rows: list[Row]) -> list[list[Row]]:
+    """Rows of similar length, so short direct answers are not padded to a tool call's length."""
+    buckets: dict[int, list[Row]] = {}
+    for row in rows:
+        buckets.setdefault(len(row[0]) // 8, []).append(row)
+    return [buckets[key] for key in sorted(buckets)]
+
+
+def _pad(rows: list[Row], pad_id: int):
+    """Right-padded ids and loss mask; the pads follow every real token, so no attention mask."""
+    import torch
+
+    width = max(len(ids) for ids, _ in rows)
+    ids = torch.tensor([r + [pad_id] * (width - len(r)) for r, _ in rows])
+    mask = torch.tensor([m + [0] * (width - len(m)) for _, m in rows], dtype=torch.bool)
+    return ids, mask

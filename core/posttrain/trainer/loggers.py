@@ -1,0 +1,99 @@
+"""Metric loggers named in ``trainer.logger``; each is a plugin object implementing
+``posttrain_log_metrics``, registered by the trainer for the run."""
+
+from __future__ import annotations
+
+import os
+
+from posttrain.hookspecs import hookimpl
+from posttrain.trainer.step_log import StepLog
+
+# The one-line summary shows these, in this order, when present: short enough for 80 columns.
+# Everything else (each phase's time, every metric) is in metrics.jsonl and TensorBoard, and a
+# terminal shows the phases as progress bars.
+CONSOLE_KEYS = (
+    ("reward/mean", "reward", "{:.3f}"),
+    ("actor/kl", "kl", "{:.3g}"),
+    ("actor/entropy", "ent", "{:.3g}"),
+    ("actor/clip_frac", "clip", "{:.3f}"),
+)
+
+
+class ConsoleLogger:
+    """One line per step: ``step 12/400 reward 0.531 kl 0.0012 ent 2.84 clip 0.000 | 0.17s
+    7.5k tok/s``, then the metrics plugins add (``posttrain_step_metrics``; ``contributed``: their
+    names, which the trainer fills as they appear)."""
+
+    def __init__(self, console, max_steps: int, contributed: set[str] | frozenset = frozenset()):
+        self.console = console
+        self.max_steps = max_steps
+        self.contributed = contributed
+
+    @hookimpl
+    def posttrain_log_metrics(self, step, metrics, run_dir):
+        parts = [f"step {step}/{self.max_steps}"]
+        parts += [
+            f"{label} {fmt.format(metrics[key])}"
+            for key, label, fmt in CONSOLE_KEYS
+            if key in metrics
+        ]
+        if "time/step" in metrics:
+            parts.append(f"| {metrics['time/step']:.2f}s")
+        if "perf/tokens_per_s" in metrics:
+            parts.append(f"{_thousands(metrics['perf/tokens_per_s'])} tok/s")
+        contributed = [
+            f"{key} {metrics[key]:.4g}"
+            for key in sorted(self.contributed)
+            if key in metrics and not key.startswith("time/")
+        ]
+        if contributed:
+            parts.append("| " + " ".join(contributed))
+        self.console.print(" ".join(parts), highlight=False, markup=False)
+
+
+def _thousands(value: float) -> str:
+    return f"{value / 1000:.1f}k" if value >= 1000 else f"{value:.0f}"
+
+
+class JsonlLogger:
+    """Appends a line per step to ``metrics.jsonl``. ``start_step``: the step the run starts
+    after (a resumed run's checkpoint, else 0); what an earlier run in this directory logged
+    beyond it is dropped (:class:`~posttrain.trainer.step_log.StepLog`)."""
+
+    def __init__(self, run_dir: str, start_step: int = 0):
+        self.log = StepLog(os.path.join(run_dir, "metrics.jsonl"), start_step)
+
+    @hookimpl
+    def posttrain_log_metrics(self, step, metrics, run_dir):
+        self.log.append({"step": step, **metrics})
+
+
+class TensorboardLogger:
+    def __init__(self, run_dir: str, start_step: int = 0):
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step: TensorBoard hides what an earlier run (a killed one) logged after it.
+        self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
+
+    @hookimpl
+    def posttrain_log_metrics(self, step, metrics, run_dir):
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, step)
+        self.writer.flush()
+
+    @hookimpl
+    def posttrain_run_finished(self, run_dir, history):
+        self.writer.close()
+
+
+def make_loggers(trainer, console, run_dir: str, start_step: int, contributed: set[str]):
+    """``(name, logger)`` for each of ``trainer.logger``. ``start_step``: the step the run
+    starts after; the loggers that keep files drop what an earlier (killed) run logged beyond
+    it. ``contributed``: the names of the metrics plugins add, filled as they appear."""
+    for name in trainer.logger:
+        if name == "console":
+            yield name, ConsoleLogger(console, trainer.max_steps, contributed)
+        elif name == "jsonl":
+            yield name, JsonlLogger(run_dir, start_step=start_step)
+        else:
+            yield name, TensorboardLogger(run_dir, start_step=start_step)

@@ -1,0 +1,37 @@
+"""At the end of a run, plot reward, KL and entropy over steps into ``RUN_DIR/curves.png``; with
+an environment, also the share of episodes that called a tool."""
+
+from __future__ import annotations
+
+import os
+
+from posttrain.hookspecs import hookimpl
+
+CURVES = (("reward/mean", "reward"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"))
+# Shown only when the run measured them.
+OPTIONAL_CURVES = (("env/tool_call_rate", "tool-call rate"),)
+
+
+@hookimpl(trylast=True)
+def posttrain_run_finished(run_dir, history):
+    if not history:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    curves = [*CURVES, *((k, t) for k, t in OPTIONAL_CURVES if any(k in h for h in history))]
+    fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.2))
+    for ax, (key, title) in zip(axes, curves):
+        points = [(h["step"], h[key]) for h in history if key in h]
+        if points:
+            ax.plot(*zip(*points), linewidth=1.5)
+        else:
+            ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+        ax.set_title(title)
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
+    plt.close(fig)

@@ -1,0 +1,166 @@
+"""One rank's micro-batches for a train or scoring pass, as many on every data-parallel rank.
+
+Collectives inside a forward or backward pass (FSDP's all-gathers, ZeRO's reductions) need every
+rank to run as many passes as the busiest one: the count is agreed with an all-reduce, and a rank
+with fewer rows runs filler micro-batches that score nothing. Trainer plugins that micro-batch an
+HF model share these.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import torch
+
+from posttrain.backends.distributed import agree_max
+from posttrain.protocol import SequenceBatch
+from posttrain.scoring.modeling import shifted_entropy, shifted_token_logprobs, shifted_values
+from posttrain.training.micro_batching import fixed_micro_batches, token_budget_micro_batches
+
+
+def micro_batch_size(worker, train: bool, for_logprobs: bool) -> int:
+    """Rows per micro-batch: the strategy config's ``micro_batch_size`` (in a trainer scoring,
+    ``logprob_micro_batch_size`` first), else ``per_device_train_batch_size`` in a trainer and
+    the role's ``infer_batch_size`` (or 8) in a scorer."""
+    cfg = worker.config
+    if not train:
+        return cfg.micro_batch_size or worker.state.get("infer_batch_size") or 8
+    if for_logprobs and cfg.logprob_micro_batch_size:
+        return cfg.logprob_micro_batch_size
+    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+
+
+def plan_micro_batches(
+    worker, batch: SequenceBatch, device, train: bool, for_logprobs: bool = False
+) -> tuple[list[list[int]], int]:
+    """This rank's micro-batches (row indices) and the number every rank will run (agreed over
+    the default group on ``device``); dynamic batching (a token budget) in trainers only."""
+    args = worker.training_args
+    dynamic = train and args is not None and args.use_dynamic_batch_size
+    if dynamic:
+        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
+    else:
+        groups = fixed_micro_batches(len(batch), micro_batch_size(worker, train, for_logprobs))
+    count = agree_max(len(groups), device)
+    if dynamic and len(groups) < count <= len(batch):
+        # Spread this rank's rows over as many micro-batches as the busiest rank runs.
+        spread = token_budget_micro_batches(
+            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
+        )
+        if len(spread) == count:
+            groups = spread
+    return groups, count
+
+
+def filler_micro_batch(batch: SequenceBatch) -> SequenceBatch:
+    """A one-row micro-batch that scores nothing (response_mask 0): keeps collectives in step."""
+    if len(batch):
+        mb = batch.select([0])
+        tensors = dict(mb.tensors)
+        tensors["attention_mask"] = torch.zeros_like(tensors["attention_mask"])
+        tensors["attention_mask"][:, :2] = 1
+        tensors["response_mask"] = torch.zeros_like(tensors["response_mask"])
+        return SequenceBatch(tensors, dict(batch.meta)).trimmed()
+    tensors = {
+        k: torch.zeros((1, 2), dtype=v.dtype)
+        if v.dim() == 2
+        else torch.zeros((1, *v.shape[1:]), dtype=v.dtype)
+        for k, v in batch.tensors.items()
+    }
+    tensors["attention_mask"] = torch.ones((1, 2), dtype=torch.long)
+    return SequenceBatch(tensors, dict(batch.meta))
+
+
+def to_device(batch: SequenceBatch, device) -> SequenceBatch:
+    return SequenceBatch(
+        {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}, dict(batch.meta)
+    )
+
+
+def micro_batches(
+    batch: SequenceBatch, groups: list[list[int]], count: int, device
+) -> Iterator[tuple[list[int] | None, SequenceBatch]]:
+    """``count`` micro-batches on ``device``: ``(row indices, rows)`` for this rank's real ones,
+    then ``(None, filler)`` until every rank has run as many."""
+    for i in range(count):
+        real = i < len(groups)
+        mb = batch.select(groups[i]).trimmed() if real else filler_micro_batch(batch)
+        yield (groups[i] if real else None), to_device(mb, device)
+
+
+def _loss_inputs(worker, logits: torch.Tensor, mb: SequenceBatch, entropy_grad: bool):
+    """What the loss takes from the model's output: values for a value head, else log-probs
+    and entropy."""
+    if worker.head == "value":
+        return shifted_values(logits), None
+    logprobs = shifted_token_logprobs(logits, mb.input_ids)
+    if entropy_grad:
+        return logprobs, shifted_entropy(logits)
+    with torch.no_grad():
+        return logprobs, shifted_entropy(logits.detach())
+
+
+def accumulate_gradients(
+    worker, batch: SequenceBatch, groups, count, device, forward, backward, loss_fn
+) -> dict[str, float]:
+    """Forward ``forward(mb) -> logits`` (a value head's ``[B, T, 1]`` for a critic), the core's
+    loss and ``backward(loss)`` over every micro-batch (fillers with zero weight); returns the
+    real ones' summed loss metrics."""
+    entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
+    metrics: dict[str, float] = {}
+    for rows, mb in micro_batches(batch, groups, count, device):
+        logits = forward(mb)
+        outputs, entropy = _loss_inputs(worker, logits, mb, entropy_grad)
+        loss, mb_metrics = loss_fn(outputs, entropy, mb)
+        if rows is None:
+            loss = loss * 0.0
+        backward(loss)
+        del logits, outputs, entropy, loss
+        if rows is not None:
+            for key, value in mb_metrics.items():
+                metrics[key] = metrics.get(key, 0.0) + float(value)
+    return metrics
+
+
+@torch.no_grad()
+def score_tokens(batch: SequenceBatch, groups, count, device, forward, per_token) -> torch.Tensor:
+    """``per_token(forward(mb), mb)`` of this rank's rows, masked by attention (float32, on the
+    host, laid out as ``batch``)."""
+    out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
+    for rows, mb in micro_batches(batch, groups, count, device):
+        model_out = forward(mb)
+        if rows is not None:
+            values = per_token(model_out, mb) * mb.attention_mask
+            index = torch.as_tensor(rows, dtype=torch.long)
+            out[index, : values.shape[1]] = values.float().cpu()
+        del model_out
+    return out
+
+
+def score_logprobs(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+    """Per-token log-probs of this rank's rows; ``forward(mb)`` returns logits."""
+    return score_tokens(
+        batch,
+        groups,
+        count,
+        device,
+        forward,
+        lambda out, mb: shifted_token_logprobs(out, mb.input_ids),
+    )
+
+
+def score_values(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+    """A critic's values of this rank's rows; ``forward(mb)`` returns the ``[B, T, 1]`` head."""
+    return score_tokens(batch, groups, count, device, forward, lambda out, mb: shifted_values(out))
+
+
+@torch.no_grad()
+def score_sequences(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+    """One score per row of this rank's share (float32, host); ``forward(mb)`` returns them."""
+    out = torch.zeros(len(batch), dtype=torch.float32)
+    for rows, mb in micro_batches(batch, groups, count, device):
+        scores = forward(mb)
+        if rows is not None:
+            out[torch.as_tensor(rows, dtype=torch.long)] = scores.float().cpu()
+        del scores
+    return out
