@@ -25,11 +25,7 @@ from posttrain.launch.base import GroupSpec
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import concat_tensor_rows
 from posttrain.tasks.presets import preset_path
-from posttrain.testing.contract import (
-    max_sample_logprob_diff,
-    samples_batch,
-    synthetic_train_batch,
-)
+from posttrain.testing.expected import max_sample_logprob_diff, samples_batch, synthetic_train_batch
 from posttrain.weight_sync.transport import BroadcastTransport, SharedMemoryTransport
 
 

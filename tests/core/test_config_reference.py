@@ -9,10 +9,10 @@ from pathlib import Path
 import attrs
 
 from posttrain.config import sections
-from posttrain.config.reference import _walk, generate
+from posttrain.config_reference import _walk, generate
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
-REGENERATE = "python -m posttrain.config.reference > docs/config-reference.md"
+REGENERATE = "python -m posttrain.config_reference > docs/config-reference.md"
 
 
 def test_committed_reference_matches_the_generator():
@@ -21,7 +21,7 @@ def test_committed_reference_matches_the_generator():
 
 def test_module_entry_point_prints_the_reference():
     proc = subprocess.run(
-        [sys.executable, "-m", "posttrain.config.reference"],
+        [sys.executable, "-m", "posttrain.config_reference"],
         capture_output=True,
         text=True,
         timeout=60,

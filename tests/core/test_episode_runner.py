@@ -16,7 +16,7 @@ from posttrain.rewards.functions import exact_match
 from posttrain.rewards.pool import RuleRewards
 from posttrain.rollout.environments.runner import EpisodeRunner
 from posttrain.tasks.data import Prompt
-from posttrain.testing.contract import reference_logprobs
+from posttrain.testing.expected import reference_logprobs
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 

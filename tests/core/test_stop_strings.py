@@ -8,7 +8,8 @@ from collections import Counter
 import pytest
 
 from posttrain.protocol import GenerationRequest, SamplingParams, stop_string_start
-from posttrain.testing.contract import PROMPTS, cut_after_stop_string
+from posttrain.testing.batches import PROMPTS
+from posttrain.testing.expected import cut_after_stop_string
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from posttrain.errors import WorkerError
 from posttrain.launch.base import GroupSpec
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import WeightBucket, bucketize
-from posttrain.testing.contract import reference_logprobs, synthetic_train_batch
+from posttrain.testing.expected import reference_logprobs, synthetic_train_batch
 from posttrain.weight_sync.transport import (
     BroadcastTransport,
     InProcessTransport,

@@ -46,7 +46,7 @@ class TestDeepSpeedBesideDeepSpeed:
 
     def test_train_beside_a_deepspeed_infer_reference(self, start, tiny_model_path):
         from posttrain.protocol import concat_tensor_rows
-        from posttrain.testing.contract import reference_logprobs, synthetic_train_batch
+        from posttrain.testing.expected import reference_logprobs, synthetic_train_batch
 
         trainer, reference = start(beside=("deepspeed_infer", "reference"))
         assert trainer.shares_processes_with(reference)

@@ -63,7 +63,7 @@ def moe_training_smoke(tmp_path, device: str, dispatcher: str, ep: int = 2) -> N
     )
     from posttrain.launch.base import GroupSpec
     from posttrain.launch.local import LocalLauncher
-    from posttrain.testing.contract import synthetic_train_batch
+    from posttrain.testing.expected import synthetic_train_batch
     from posttrain_megatron.config import MegatronTrainConfig
 
     model = build_hf_model(str(tmp_path / "qwen3_moe"), "qwen3_moe")
@@ -169,7 +169,7 @@ def test_release_and_resume_memory_frees_the_gpu_and_changes_nothing(tmp_path):
     from megatron_workers import build_hf_model
 
     from posttrain.launch.local import LocalLauncher
-    from posttrain.testing.contract import synthetic_train_batch
+    from posttrain.testing.expected import synthetic_train_batch
 
     model = build_hf_model(str(tmp_path / "qwen2"), "qwen2")
     results = {}

@@ -10,12 +10,8 @@ import pytest
 from posttrain.config.sections import GeneratingArgs
 from posttrain.protocol import GenerationRequest, SamplingParams
 from posttrain.testing import StrategyContract
-from posttrain.testing.contract import (
-    PROMPTS,
-    max_sample_logprob_diff,
-    reference_logprobs,
-    samples_batch,
-)
+from posttrain.testing.batches import PROMPTS
+from posttrain.testing.expected import max_sample_logprob_diff, reference_logprobs, samples_batch
 from posttrain.testing.groups import group_spec
 
 # Stop strings need the engine's tokenizer, which SGLang loads when the role's generating_args

@@ -16,12 +16,8 @@ import pytest
 from posttrain.errors import WorkerError
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
-from posttrain.testing.contract import (
-    PROMPTS,
-    max_sample_logprob_diff,
-    reference_logprobs,
-    samples_batch,
-)
+from posttrain.testing.batches import PROMPTS
+from posttrain.testing.expected import max_sample_logprob_diff, reference_logprobs, samples_batch
 from posttrain.testing.groups import descendants, engine_processes, group_spec
 from posttrain.weight_sync.transport import RANK_SIDE, BroadcastTransport
 

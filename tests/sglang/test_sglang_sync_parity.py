@@ -23,12 +23,8 @@ from posttrain.protocol import (
     SamplingParams,
     concat_tensor_rows,
 )
-from posttrain.testing.contract import (
-    PROMPTS,
-    max_sample_logprob_diff,
-    samples_batch,
-    synthetic_train_batch,
-)
+from posttrain.testing.batches import PROMPTS
+from posttrain.testing.expected import max_sample_logprob_diff, samples_batch, synthetic_train_batch
 from posttrain.testing.groups import descendants, engine_processes, group_spec
 
 pytest.importorskip("posttrain_fsdp")

@@ -14,8 +14,8 @@ from posttrain.config.sections import (
 from posttrain.errors import UserError
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
-from posttrain.testing.contract import (
-    PROMPTS,
+from posttrain.testing.batches import PROMPTS
+from posttrain.testing.expected import (
     cut_after_stop_string,
     max_sample_logprob_diff,
     reference_logprobs,

@@ -14,12 +14,8 @@ import pytest
 
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
-from posttrain.testing.contract import (
-    PROMPTS,
-    max_sample_logprob_diff,
-    samples_batch,
-    synthetic_train_batch,
-)
+from posttrain.testing.batches import PROMPTS
+from posttrain.testing.expected import max_sample_logprob_diff, samples_batch, synthetic_train_batch
 from posttrain.testing.groups import descendants, engine_processes, group_spec
 
 pytest.importorskip("posttrain_fsdp")
@@ -121,7 +117,7 @@ def test_sync_then_vllm_logprobs_match_trainer(
 @pytest.mark.timeout(180)
 def test_two_data_parallel_engines(tiny_model_path, tmp_path):
     """Two ranks, TP 1: two independent engines, each answering its own share."""
-    from posttrain.testing.contract import reference_logprobs
+    from posttrain.testing.expected import reference_logprobs
 
     launcher = LocalLauncher(call_timeout_s=120, start_timeout_s=120)
     try:

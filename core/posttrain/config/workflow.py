@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
+from posttrain.algorithms.checks import check_algorithm
 from posttrain.config.converter import structure_into
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Workflow
@@ -16,6 +17,8 @@ from posttrain.errors import UserError
 from posttrain.host.references import import_beside
 from posttrain.host.strategy import KNOWN_PROVIDERS
 from posttrain.paths import display_path
+from posttrain.rewards.functions import check_reward_function
+from posttrain.rollout.environments.validation import check_environment
 
 if TYPE_CHECKING:
     from posttrain.host.plugin_host import PluginHost
@@ -96,15 +99,9 @@ def build_workflow(
         strategies = {}  # the conflict was reported by _structure_strategy_configs
     host.hook.posttrain_validate_workflow(workflow=workflow, strategies=strategies, report=report)
     if "algorithm" not in report.failed_sections:
-        from posttrain.algorithms.checks import check_algorithm
-
         check_algorithm(workflow, host.hook, report)
     if "reward" not in report.failed_sections:
-        from posttrain.rewards.functions import check_reward_function
-
         check_reward_function(workflow.reward.function, host.hook, report)
-    from posttrain.rollout.environments.validation import check_environment
-
     workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)
     return workflow, report
 

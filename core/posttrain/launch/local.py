@@ -25,7 +25,7 @@ from posttrain.launch.base import (
     rank_log_path,
     tail,
 )
-from posttrain.launch.rank_main import START_CALL
+from posttrain.launch.rank_main import START_CALL, serve
 
 STOP_CALL = -2
 
@@ -76,8 +76,6 @@ class LocalProcesses:
         )
         env_extra = {k: v for spec in specs for k, v in spec.env.items()}
         threads = max((spec.threads or 0 for spec in specs), default=0)
-        from posttrain.launch.rank_main import serve
-
         for rank in range(self.world_size):
             env = {
                 "MASTER_ADDR": "127.0.0.1",

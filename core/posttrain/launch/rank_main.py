@@ -13,8 +13,10 @@ import sys
 import traceback
 from typing import Any
 
+from posttrain.host.plugin_host import create_plugin_host
 from posttrain.host.references import import_beside
 from posttrain.launch.base import GroupSpec
+from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
 START_CALL = -1  # the call id of a rank's start-up answer
 
@@ -24,9 +26,6 @@ class RankServer:
     same devices share the process: the hybrid engine)."""
 
     def __init__(self, specs: list[GroupSpec], rank: int, world_size: int):
-        from posttrain.host.plugin_host import create_plugin_host
-        from posttrain.launch.worker import WorkerContext, WorkerRuntime
-
         threads = max((s.threads or 0 for s in specs), default=0)
         if threads:
             import torch

@@ -11,6 +11,9 @@ from typing import Any
 
 import attrs
 
+from posttrain.algorithms.policy_loss import PolicyLoss
+from posttrain.algorithms.registry import policy_loss_term
+from posttrain.algorithms.value_loss import ValueLoss
 from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs
 from posttrain.errors import PosttrainError
 
@@ -104,13 +107,8 @@ class WorkerRuntime:
 
     def train_step(self, batch):
         if self.ctx.head == "value":
-            from posttrain.algorithms.value_loss import ValueLoss
-
             loss_fn = ValueLoss(self.ctx.algorithm)
         else:
-            from posttrain.algorithms.policy_loss import PolicyLoss
-            from posttrain.algorithms.registry import policy_loss_term
-
             term = policy_loss_term(self.ctx.algorithm, self.ctx.hook)
             loss_fn = PolicyLoss(self.ctx.algorithm, term)
         return self._call("posttrain_train_step", batch=batch, loss_fn=loss_fn)

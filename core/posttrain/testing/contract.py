@@ -15,7 +15,10 @@ import os
 from typing import Any, ClassVar
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
+from posttrain.backends.models import HEAD_WEIGHT
 from posttrain.config.sections import (
     ROLE_HEADS,
     AlgorithmConfig,
@@ -25,159 +28,33 @@ from posttrain.config.sections import (
     StrategyArgs,
     TrainingArgs,
 )
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.launch.base import GroupSpec
+from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import (
     GenerationRequest,
+    RolloutSamples,
     SamplingParams,
-    SequenceBatch,
-    build_sequence_batch,
+    bucketize,
+    concat_tensor_rows,
 )
 from posttrain.testing.batches import PROMPTS
-
-
-def _structure_config(strategy: str, raw: dict[str, Any]):
-    from posttrain.config.converter import CONVERTER
-    from posttrain.host.plugin_host import create_plugin_host
-
-    spec = create_plugin_host().strategies().get(strategy)
-    if spec is None:
-        pytest.skip(f"strategy {strategy!r} is not installed")
-    return spec, CONVERTER.structure(raw, spec.config_class)
-
-
-def reference_logprobs(model_path: str, state: dict | None, batch: SequenceBatch):
-    """Log-probs of ``batch`` from a plain transformers forward pass (the ground truth)."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.scoring.modeling import shifted_token_logprobs
-
-    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
-    if state is not None:
-        model.load_state_dict(state, strict=False)
-    model.eval()
-    with torch.no_grad():
-        logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return shifted_token_logprobs(logits, batch.input_ids) * batch.attention_mask
-
-
-def perturbed_state(model_path: str, seed: int = 7, scale: float = 0.05) -> dict:
-    """The model's weights plus seeded noise: what a weight import must reproduce exactly."""
-    import torch
-    from safetensors.torch import load_file
-
-    state = load_file(os.path.join(model_path, "model.safetensors"))
-    gen = torch.Generator().manual_seed(seed)
-    return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in state.items()}
-
-
-def samples_batch(out, pad_id: int = 0) -> SequenceBatch:
-    return build_sequence_batch(out.prompt_ids, out.response_ids, pad_id)
-
-
-def max_sample_logprob_diff(out, ref) -> float:
-    worst = 0.0
-    for i, (p, lps) in enumerate(zip(out.prompt_ids, out.response_logprobs)):
-        for j, lp in enumerate(lps):
-            worst = max(worst, abs(float(ref[i, len(p) + j]) - lp))
-    return worst
-
-
-def cut_after_stop_string(tokenizer, ids: list[int], logprobs: list[float], stop):
-    """What a rollout engine returns for a free-running sample once given stop strings: the
-    tokens up to the first one after which the text (special tokens skipped) holds a stop
-    string, and their log-probs."""
-    for k in range(1, len(ids) + 1):
-        text = tokenizer.decode(ids[:k], skip_special_tokens=True)
-        if any(s in text for s in stop):
-            return ids[:k], logprobs[:k]
-    return ids, logprobs
-
-
-def synthetic_train_batch(seed: int = 0, dp_size: int = 1) -> SequenceBatch:
-    """Uneven-length sequences with advantages, as the loop hands them to ``train_step``."""
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    prompts, responses = [], []
-    for i in range(8):
-        prompts.append(PROMPTS[i % len(PROMPTS)])
-        length = 1 + i % 3
-        responses.append(torch.randint(4, 19, (length,), generator=gen).tolist())
-    batch = build_sequence_batch(prompts, responses, 0)
-    adv = torch.randn(len(batch), generator=gen)
-    batch = batch.with_tensors(
-        old_logprobs=torch.zeros_like(batch.response_mask) - 2.5,
-        advantages=adv[:, None] * batch.response_mask,
-    )
-    batch.meta.update(
-        global_tokens=float(batch.response_mask.sum()),
-        global_seqs=float(len(batch)),
-        dp_size=dp_size,
-    )
-    return batch
-
-
-def value_train_batch(group, seed: int = 0) -> SequenceBatch:
-    """:func:`synthetic_train_batch` as the loop hands it to a critic: the values the critic
-    ``group`` gives it now (``values``) and the returns to regress on, one per row, at most 0.4
-    from those (inside the default ``cliprange_value`` of 0.5: the clip does not hide a step's
-    progress)."""
-    import torch
-
-    batch = synthetic_train_batch(seed, group.dp_size)
-    values = group_values(group, batch)
-    gen = torch.Generator().manual_seed(100 + seed)
-    offset = (torch.rand(len(batch), 1, generator=gen) * 0.8 - 0.4) * batch.response_mask
-    return batch.with_tensors(values=values, returns=(values + offset) * batch.response_mask)
-
-
-def reference_values(hf_dir: str, batch: SequenceBatch):
-    """Values of ``batch`` from a plain transformers forward pass of an exported critic: the
-    value model it declares itself to be (``*ForTokenClassification``, one label, no bias)."""
-    import torch
-    from transformers import AutoModelForTokenClassification
-
-    from posttrain.scoring.modeling import shifted_values
-
-    model = AutoModelForTokenClassification.from_pretrained(hf_dir, dtype=torch.float32)
-    assert model.num_labels == 1
-    assert model.score.bias is None
-    model.eval()
-    with torch.no_grad():
-        out = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
-    return shifted_values(out) * batch.attention_mask
-
-
-def masked_value_loss(values, batch: SequenceBatch) -> float:
-    """The unclipped value loss of ``values`` on ``batch`` (mean over response tokens)."""
-    mask = batch.response_mask
-    return float((0.5 * (values - batch["returns"]) ** 2 * mask).sum() / mask.sum())
-
-
-def export_state(group) -> dict:
-    """Every HF-named tensor a trainer exports (weight-sync buckets, rank 0's copy)."""
-    group.call("export_begin", 64 << 10)
-    state: dict = {}
-    while True:
-        bucket = group.call("export_next")[0]
-        if bucket is None:
-            return state
-        names = [n for n, _ in bucket.tensors]
-        assert len(names) == len(set(names))
-        state.update(dict(bucket.tensors))
-
-
-def value_probe() -> SequenceBatch:
-    """The batch whose values the critic contract compares."""
-    return synthetic_train_batch(seed=2)
-
-
-def group_values(group, batch: SequenceBatch):
-    """A critic group's values of ``batch`` (each DP rank scores its share), masked."""
-    from posttrain.protocol import concat_tensor_rows
-
-    shares = group.call_dp("compute_values", batch.split(group.dp_size))
-    return concat_tensor_rows(shares) * batch.attention_mask
+from posttrain.testing.capabilities import check_capabilities
+from posttrain.testing.expected import (
+    export_state,
+    group_values,
+    masked_value_loss,
+    max_sample_logprob_diff,
+    perturbed_state,
+    reference_logprobs,
+    reference_values,
+    samples_batch,
+    structure_config,
+    synthetic_train_batch,
+    value_probe,
+    value_train_batch,
+)
+from posttrain.weight_sync.transport import InProcessTransport, SharedMemoryTransport
 
 
 class StrategyContract:
@@ -199,14 +76,13 @@ class StrategyContract:
     @pytest.fixture(scope="class")
     @classmethod
     def spec_and_config(cls):
-        return _structure_config(cls.strategy, dict(cls.strategy_config))
+        return structure_config(cls.strategy, dict(cls.strategy_config))
 
     @pytest.fixture
     def start(self, spec_and_config, tiny_model_path, tmp_path):
         """``start(strategy=None, config=None, world_size=None)`` -> a started worker group;
         ``start(..., beside=("hf_infer", "actor_infer"))`` -> the group and a group of that
         strategy and role hosted by the same rank processes (the hybrid engine)."""
-        from posttrain.launch.local import LocalLauncher
 
         launcher = LocalLauncher(
             call_timeout_s=self.group_timeout_s, start_timeout_s=self.group_timeout_s
@@ -231,7 +107,7 @@ class StrategyContract:
             if strategy is None:
                 strategy, config = self.strategy, spec_and_config[1]
             elif config is None:
-                config = _structure_config(strategy, {})[1]
+                config = structure_config(strategy, {})[1]
             ranks = world_size or self.world_size
             return self.group_spec(strategy, config, ranks, role, model, tmp)
 
@@ -250,7 +126,6 @@ class StrategyContract:
         learning_rate: float = 1e-2,
     ):
         """The GroupSpec of ``role`` (its model head as the core gives it) on ``ranks`` ranks."""
-        from posttrain.launch.base import GroupSpec
 
         role_config = RoleConfig(
             strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
@@ -281,8 +156,7 @@ class StrategyContract:
         if "value" not in spec.capabilities.heads:
             pytest.skip(f"{cls.strategy} loads no value head (Capabilities.heads)")
         if cls.critic_strategy_config is not None:
-            config = _structure_config(cls.strategy, dict(cls.critic_strategy_config))[1]
-        from posttrain.launch.local import LocalLauncher
+            config = structure_config(cls.strategy, dict(cls.critic_strategy_config))[1]
 
         launcher = LocalLauncher(
             call_timeout_s=cls.group_timeout_s, start_timeout_s=cls.group_timeout_s
@@ -318,8 +192,6 @@ class StrategyContract:
         """The capabilities the kit and the core go by agree with the hooks the strategy
         implements; otherwise the tests of what it does are skipped (an engine that generates,
         declared ``kind="infer"``) or fail far from the cause."""
-        from posttrain.host.plugin_host import create_plugin_host
-        from posttrain.testing.capabilities import check_capabilities
 
         problems = check_capabilities(
             spec_and_config[0], create_plugin_host(), lambda: request.getfixturevalue("start")()
@@ -340,7 +212,6 @@ class StrategyContract:
         group = start()
         batch = synthetic_train_batch()
         shares = group.call_dp("compute_logprobs", batch.split(group.dp_size))
-        from posttrain.protocol import concat_tensor_rows
 
         got = concat_tensor_rows(shares) * batch.attention_mask
         ref = reference_logprobs(tiny_model_path, None, batch)
@@ -349,7 +220,6 @@ class StrategyContract:
     # -- rollout engines -------------------------------------------------------------------
 
     def _generate(self, group, n: int = 3, max_new_tokens: int = 6, seed: int = 5):
-        from posttrain.protocol import RolloutSamples
 
         sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens)
         shares = [
@@ -374,7 +244,6 @@ class StrategyContract:
 
     def test_import_weights_then_logprobs_match(self, spec_and_config, start, tiny_model_path):
         self.require(spec_and_config, "rollout")
-        from posttrain.protocol import bucketize
 
         group = start()
         state = perturbed_state(tiny_model_path)
@@ -393,7 +262,6 @@ class StrategyContract:
 
     def test_export_weights_equal_loaded_checkpoint(self, spec_and_config, start, tiny_model_path):
         self.require(spec_and_config, "train")
-        from safetensors.torch import load_file
 
         group = start()
         exported = self._export(group)
@@ -405,7 +273,6 @@ class StrategyContract:
 
     def test_train_then_sync_to_hf_infer_logprob_parity(self, spec_and_config, start):
         self.require(spec_and_config, "train")
-        from posttrain.weight_sync.transport import SharedMemoryTransport
 
         trainer = start()
         batch = synthetic_train_batch(dp_size=trainer.dp_size)
@@ -416,7 +283,6 @@ class StrategyContract:
         assert stats["buckets"] >= 1
         out = self._generate(rollout)
         sample_batch = samples_batch(out)
-        from posttrain.protocol import concat_tensor_rows
 
         per = len(sample_batch) // trainer.dp_size
         shares = [
@@ -431,8 +297,6 @@ class StrategyContract:
         self.require(spec_and_config, "train")
         if not spec_and_config[0].capabilities.shares_process:
             pytest.skip(f"{self.strategy} does not declare Capabilities.shares_process")
-        from posttrain.protocol import concat_tensor_rows
-        from posttrain.weight_sync.transport import InProcessTransport
 
         trainer, rollout = start(beside=("hf_infer", "actor_infer"))
         assert trainer.shares_processes_with(rollout)
@@ -450,7 +314,6 @@ class StrategyContract:
         assert max_sample_logprob_diff(out, got) <= self.logprob_tolerance
 
     def _rollout_checkpoint_round_trip(self, start, model_path: str, path: str) -> None:
-        from posttrain.protocol import bucketize
 
         first = start()
         for bucket in bucketize(sorted(perturbed_state(model_path).items()), 64 << 10):
@@ -473,7 +336,6 @@ class StrategyContract:
         if self.kind(spec_and_config) == "rollout":
             self._rollout_checkpoint_round_trip(start, tiny_model_path, str(tmp_path / "ckpt"))
             return
-        import torch
 
         first = start()
         batch = synthetic_train_batch(dp_size=first.dp_size)
@@ -503,10 +365,6 @@ class StrategyContract:
     def test_critic_values_match_transformers_forward(self, critic, tmp_path):
         """The head starts at zero on a checkpoint without one; after a step moved the head and
         the backbone, the values equal a transformers value model's of the exported weights."""
-        import torch
-        from safetensors.torch import load_file
-
-        from posttrain.backends.models import HEAD_WEIGHT
 
         group, initial = critic
         head = initial["export"][HEAD_WEIGHT]
@@ -529,7 +387,6 @@ class StrategyContract:
     def test_critic_checkpoint_round_trip_is_exact(self, critic, tmp_path):
         """Values after a load equal those at the save bitwise, and the step after it repeats
         the original step bitwise (optimizer and schedule restored with the weights)."""
-        import torch
 
         group, _ = critic
         self._value_step(group)  # the optimizer has state to save
