@@ -8,7 +8,7 @@ advantages) are aligned with the token they score: ``logprobs[b, t]`` is the log
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -211,7 +211,7 @@ def build_sequence_batch(
     return SequenceBatch(tensors)
 
 
-def _response_tensor(prompt_ids: list[list[int]], values: list[list[float]], width: int):
+def _response_tensor(prompt_ids: list[list[int]], values: Sequence[Sequence[float]], width: int):
     """Per-response-token values in a float32 [rows, width] tensor, at their tokens' positions
     (0 on the prompt and the padding)."""
     import torch

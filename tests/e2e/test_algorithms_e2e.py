@@ -39,9 +39,9 @@ def test_ppo_quickstart_learns_addition(tmp_path, e2e_cache):
     metrics = read_metrics(run_dir)
     rewards = [m["reward/mean"] for m in metrics]
     assert sum(rewards[:5]) / 5 < 0.2, "the tiny model should start near chance"
-    # Measured on this CPU: the rolling 10-step mean first reaches 0.8 at step 282 and peaks at
-    # 0.84; the last 50 steps average 0.81 (GRPO's quickstart ends at 0.92: the critic's errors
-    # on a 55-prompt task make PPO's plateau lower).
+    # Measured on this CPU (actor at 1e-3): the rolling 10-step mean peaks at 0.92 and the last
+    # 50 steps average 0.89 (GRPO's quickstart ends at 0.92). At 2e-3 the policy's entropy
+    # collapsed early and the reward stalled near 0.56: the thresholds below keep a margin.
     rolling = [sum(rewards[i - 10 : i]) / 10 for i in range(10, len(rewards) + 1)]
     assert max(rolling) >= 0.8
     assert sum(rewards[-50:]) / 50 >= 0.75

@@ -7,6 +7,7 @@ as vLLM and SGLang report them by default, so they compare directly with a train
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,20 +23,23 @@ from posttrain.protocol import (
 )
 from posttrain.scoring.modeling import sequence_scores, shifted_token_logprobs
 
+if TYPE_CHECKING:
+    from posttrain.launch.worker import WorkerContext
 
-def setup_parallel(worker) -> dict[str, int]:
+
+def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     # Every rank is an independent replica: no process group is needed.
     return {"dp_rank": worker.rank, "dp_size": worker.world_size}
 
 
-def load_model(worker):
+def load_model(worker: WorkerContext):
     model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
     model.eval()
     worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
     return model
 
 
-def _batch_size(worker) -> int:
+def _batch_size(worker: WorkerContext) -> int:
     return worker.state.get("infer_batch_size") or worker.config.batch_size
 
 
@@ -57,7 +61,7 @@ def _filter_logits(
 
 
 @torch.no_grad()
-def generate(worker, request: GenerationRequest) -> RolloutSamples:
+def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
     sampling = request.sampling
     tokenizer = worker.state["tokenizer"]
     stop_ids = set(sampling.stop_token_ids) | {tokenizer.eos_token_id}
@@ -142,7 +146,7 @@ def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
 
 
 @torch.no_grad()
-def _in_chunks(worker, batch: SequenceBatch, score) -> torch.Tensor:
+def _in_chunks(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tensor:
     """``score(ids, mask)`` over ``infer_batch_size`` rows at a time, concatenated on the host."""
     parts = []
     step = _batch_size(worker)
@@ -153,7 +157,7 @@ def _in_chunks(worker, batch: SequenceBatch, score) -> torch.Tensor:
     return torch.cat(parts, dim=0)
 
 
-def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     def logprobs(ids, mask):
         logits = worker.model(input_ids=ids, attention_mask=mask).logits
         return shifted_token_logprobs(logits, ids) * mask
@@ -161,11 +165,11 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
     return _in_chunks(worker, batch, logprobs)
 
 
-def compute_scores(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_scores(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     return _in_chunks(worker, batch, lambda ids, mask: sequence_scores(worker.model, ids, mask))
 
 
-def import_weights(worker, buckets) -> bool:
+def import_weights(worker: WorkerContext, buckets) -> bool:
     params = dict(worker.model.state_dict(keep_vars=True))
     with torch.no_grad():
         for bucket in buckets:
@@ -176,7 +180,7 @@ def import_weights(worker, buckets) -> bool:
     return True
 
 
-def save_checkpoint(worker, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     # An inference engine has no optimizer state; its weights are what a sync put there.
     if worker.rank == 0:
         from safetensors.torch import save_file
@@ -187,14 +191,14 @@ def save_checkpoint(worker, path: str) -> dict:
     return {"format": "safetensors"}
 
 
-def load_checkpoint(worker, path: str) -> bool:
+def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     from safetensors.torch import load_file
 
     state = load_file(os.path.join(path, "model.safetensors"))
     return import_weights(worker, [WeightBucket(list(state.items()))])
 
 
-def export_hf(worker, path: str) -> bool:
+def export_hf(worker: WorkerContext, path: str) -> bool:
     if worker.rank == 0:
         with no_hf_progress_bars():
             worker.model.save_pretrained(path, safe_serialization=True)
@@ -202,7 +206,7 @@ def export_hf(worker, path: str) -> bool:
     return True
 
 
-def release_memory(worker, tags: list[str]) -> bool:
+def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     """Move the weights to host memory while a colocated role uses the device."""
     worker.model.to("cpu")
     if torch.cuda.is_available():
@@ -210,10 +214,10 @@ def release_memory(worker, tags: list[str]) -> bool:
     return True
 
 
-def resume_memory(worker, tags: list[str]) -> bool:
+def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     worker.model.to(worker.device)
     return True
 
 
-def shutdown_worker(worker) -> bool:
+def shutdown_worker(worker: WorkerContext) -> bool:
     return True

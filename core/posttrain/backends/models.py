@@ -23,6 +23,7 @@ import os
 from typing import TYPE_CHECKING
 
 from posttrain.backends.hf_progress import no_hf_progress_bars
+from posttrain.errors import UserError
 from posttrain.tasks.presets import is_preset, preset_path
 
 if TYPE_CHECKING:
@@ -47,7 +48,7 @@ def torch_dtype(name: str):
     return getattr(torch, DTYPES[name])
 
 
-def resolve_model_path(name_or_path: str, base_dir: str = ".") -> str:
+def resolve_model_path(name_or_path: str | None, base_dir: str = ".") -> str:
     """Where to load ``name_or_path`` from (as ``ModelArgs.model_name_or_path`` gives it).
 
     ``"preset:KEY"``: the preset's HF directory, built on first use under ``$POSTTRAIN_CACHE``
@@ -55,8 +56,10 @@ def resolve_model_path(name_or_path: str, base_dir: str = ".") -> str:
     ``base_dir`` (pass ``worker.base_dir``, the workflow's directory): that path. Anything else
     is returned unchanged, as a hub id for transformers to download. Never raises for a path
     that does not exist (``posttrain validate`` reported it); imports torch only to build a
-    preset.
+    preset. No model named at all (``None``) is a :class:`UserError`.
     """
+    if not name_or_path:
+        raise UserError("model_args.model_name_or_path is not set: name the model to load")
     if is_preset(name_or_path):
         return preset_path(name_or_path)
     local = name_or_path if os.path.isabs(name_or_path) else os.path.join(base_dir, name_or_path)

@@ -15,7 +15,7 @@ from posttrain.algorithms.policy_loss import PolicyLoss
 from posttrain.algorithms.registry import policy_loss_term
 from posttrain.algorithms.value_loss import ValueLoss
 from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs
-from posttrain.errors import PosttrainError
+from posttrain.errors import PosttrainError, UserError
 
 
 @attrs.define(kw_only=True)
@@ -56,6 +56,14 @@ class WorkerContext:
     @property
     def dp_size(self) -> int:
         return self.parallel.get("dp_size", self.world_size)
+
+    def require_training_args(self) -> TrainingArgs:
+        """``training_args`` of a trained role (validation asks every trained role for them)."""
+        if self.training_args is None:
+            raise UserError(
+                f"role {self.role}: {self.strategy_name} trains and needs training_args"
+            )
+        return self.training_args
 
     def resolve_path(self, path: str) -> str:
         import os

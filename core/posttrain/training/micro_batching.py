@@ -65,10 +65,10 @@ def karmarkar_karp(lengths: Sequence[int], k: int, equal_size: bool = False) -> 
         tie += 1
     if not heap:
         return [[] for _ in range(k)]
-    parts = [sorted(indices) for _, indices in heap[0][2]]
+    partitions = [sorted(indices) for _, indices in heap[0][2]]
     # Stable, readable order: partitions by their first index (empty ones last).
-    parts.sort(key=lambda p: p[0] if p else math.inf)
-    return parts
+    partitions.sort(key=lambda p: p[0] if p else math.inf)
+    return partitions
 
 
 def token_budget_micro_batches(

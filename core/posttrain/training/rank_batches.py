@@ -9,6 +9,7 @@ HF model share these.
 from __future__ import annotations
 
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,8 +18,11 @@ from posttrain.protocol import SequenceBatch
 from posttrain.scoring.modeling import shifted_entropy, shifted_token_logprobs, shifted_values
 from posttrain.training.micro_batching import fixed_micro_batches, token_budget_micro_batches
 
+if TYPE_CHECKING:
+    from posttrain.launch.worker import WorkerContext
 
-def micro_batch_size(worker, train: bool, for_logprobs: bool) -> int:
+
+def micro_batch_size(worker: WorkerContext, train: bool, for_logprobs: bool) -> int:
     """Rows per micro-batch: the strategy config's ``micro_batch_size`` (in a trainer scoring,
     ``logprob_micro_batch_size`` first), else ``per_device_train_batch_size`` in a trainer and
     the role's ``infer_batch_size`` (or 8) in a scorer."""
@@ -27,26 +31,31 @@ def micro_batch_size(worker, train: bool, for_logprobs: bool) -> int:
         return cfg.micro_batch_size or worker.state.get("infer_batch_size") or 8
     if for_logprobs and cfg.logprob_micro_batch_size:
         return cfg.logprob_micro_batch_size
-    return cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+    return cfg.micro_batch_size or worker.require_training_args().per_device_train_batch_size
+
+
+def _token_budget(worker: WorkerContext) -> int | None:
+    """The token budget of dynamic micro-batches (``use_dynamic_batch_size``), else None."""
+    args = worker.training_args
+    if args is None or not args.use_dynamic_batch_size:
+        return None
+    return args.max_tokens_per_micro_batch
 
 
 def plan_micro_batches(
-    worker, batch: SequenceBatch, device, train: bool, for_logprobs: bool = False
+    worker: WorkerContext, batch: SequenceBatch, device, train: bool, for_logprobs: bool = False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run (agreed over
     the default group on ``device``); dynamic batching (a token budget) in trainers only."""
-    args = worker.training_args
-    dynamic = train and args is not None and args.use_dynamic_batch_size
-    if dynamic:
-        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
+    budget = _token_budget(worker) if train else None
+    if budget is not None:
+        groups = token_budget_micro_batches(batch, budget)
     else:
         groups = fixed_micro_batches(len(batch), micro_batch_size(worker, train, for_logprobs))
     count = agree_max(len(groups), device)
-    if dynamic and len(groups) < count <= len(batch):
+    if budget is not None and len(groups) < count <= len(batch):
         # Spread this rank's rows over as many micro-batches as the busiest rank runs.
-        spread = token_budget_micro_batches(
-            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
-        )
+        spread = token_budget_micro_batches(batch, budget, min_micro_batches=count)
         if len(spread) == count:
             groups = spread
     return groups, count
@@ -88,7 +97,9 @@ def micro_batches(
         yield (groups[i] if real else None), to_device(mb, device)
 
 
-def _loss_inputs(worker, logits: torch.Tensor, mb: SequenceBatch, entropy_grad: bool):
+def _loss_inputs(
+    worker: WorkerContext, logits: torch.Tensor, mb: SequenceBatch, entropy_grad: bool
+):
     """What the loss takes from the model's output: values for a value head, else log-probs
     and entropy."""
     if worker.head == "value":
@@ -101,7 +112,7 @@ def _loss_inputs(worker, logits: torch.Tensor, mb: SequenceBatch, entropy_grad: 
 
 
 def accumulate_gradients(
-    worker, batch: SequenceBatch, groups, count, device, forward, backward, loss_fn
+    worker: WorkerContext, batch: SequenceBatch, groups, count, device, forward, backward, loss_fn
 ) -> dict[str, float]:
     """Forward ``forward(mb) -> logits`` (a value head's ``[B, T, 1]`` for a critic), the core's
     loss and ``backward(loss)`` over every micro-batch (fillers with zero weight); returns the

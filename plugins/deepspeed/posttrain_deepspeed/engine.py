@@ -20,7 +20,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -53,6 +53,9 @@ from posttrain import (
     settle_cuda,
 )
 
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
+
 log = logging.getLogger(__name__)
 
 TRAIN = "deepspeed_train"
@@ -65,7 +68,7 @@ LAYOUT_FILE = "deepspeed_layout.json"
 # --------------------------------------------------------------------------------------------
 
 
-def _deepspeed(worker):
+def _deepspeed(worker: WorkerContext):
     """Import DeepSpeed with the accelerator matching the worker's device (it is chosen once, at
     DeepSpeed's first import, from ``DS_ACCELERATOR``)."""
     wanted = "cuda" if is_cuda(worker) else "cpu"
@@ -100,7 +103,7 @@ def _skip_shm_comm_op() -> None:
         deepspeed.ops.__compatible_ops__[builder.NAME] = False
 
 
-def setup_parallel(worker) -> dict[str, int]:
+def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     deepspeed = _deepspeed(worker)
     if not is_cuda(worker):
         _skip_shm_comm_op()
@@ -114,7 +117,7 @@ def setup_parallel(worker) -> dict[str, int]:
     return {"dp_rank": dist.get_rank(), "dp_size": dist.get_world_size()}
 
 
-def _refuse_on_cpu(worker) -> None:
+def _refuse_on_cpu(worker: WorkerContext) -> None:
     if is_cuda(worker):
         return
     if worker.model_args.dtype == "fp16":
@@ -133,7 +136,7 @@ def _refuse_on_cpu(worker) -> None:
         )
 
 
-def build_ds_config(worker) -> dict[str, Any]:
+def build_ds_config(worker: WorkerContext) -> dict[str, Any]:
     """The DeepSpeed config of this role: the typed fields, then ``ds_config`` merged over."""
     cfg = worker.config
     train = worker.strategy_name == TRAIN
@@ -172,7 +175,7 @@ def build_ds_config(worker) -> dict[str, Any]:
         "wall_clock_breakdown": False,
     }
     if train:
-        args = worker.training_args
+        args = worker.require_training_args()
         clip = args.max_grad_norm if args.max_grad_norm and args.max_grad_norm > 0 else 0.0
         config["gradient_clipping"] = float(clip)
         if "offload_optimizer" in zero:
@@ -199,7 +202,7 @@ def _adamw_params(args) -> dict[str, Any]:
     }
 
 
-def load_model(worker):
+def load_model(worker: WorkerContext):
     deepspeed = _deepspeed(worker)
     _refuse_on_cpu(worker)
     cfg = worker.config
@@ -216,7 +219,7 @@ def load_model(worker):
         enable_gradient_checkpointing(module)
     optimizer = scheduler = None
     if train:
-        args = worker.training_args
+        args = worker.require_training_args()
         if "optimizer" not in ds_config:
             optimizer = torch.optim.AdamW(
                 [p for p in module.parameters() if p.requires_grad],
@@ -264,7 +267,7 @@ def _fp32(model_args):
     return attrs.evolve(model_args, dtype="fp32")
 
 
-def _load_partitioned(worker, deepspeed, ds_config: dict) -> torch.nn.Module:
+def _load_partitioned(worker: WorkerContext, deepspeed, ds_config: dict) -> torch.nn.Module:
     """ZeRO-3: build the model partitioned (``zero.Init``), then load the checkpoint one tensor at
     a time (rank 0 reads it from the safetensors files, each gathered parameter is broadcast
     back into its partitions): no rank holds the whole model."""
@@ -377,7 +380,7 @@ def _tied_names(module) -> list[tuple[str, str]]:
 
 
 def rank_micro_batches(
-    worker, batch: SequenceBatch, for_logprobs: bool = False
+    worker: WorkerContext, batch: SequenceBatch, for_logprobs: bool = False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run."""
     train = worker.strategy_name == TRAIN
@@ -389,7 +392,7 @@ def rank_micro_batches(
 # --------------------------------------------------------------------------------------------
 
 
-def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     engine = worker.model
     scheduler = worker.state["scheduler"]
     engine.train()
@@ -422,7 +425,7 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
 
 
 @torch.no_grad()
-def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     engine = worker.model
     was_training = engine.training
     engine.eval()
@@ -447,7 +450,9 @@ def _full_shape(tensor) -> torch.Size:
     return tensor.ds_shape if _is_partitioned(tensor) else tensor.shape
 
 
-def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Iterator[WeightBucket]:
+def export_weights(
+    worker: WorkerContext, bucket_bytes: int, in_process: bool = False
+) -> Iterator[WeightBucket]:
     """Generator of buckets of HF-named full tensors in the export dtype.
 
     ``in_process=False``: rank 0 yields the tensors on the host; the other ranks yield empty
@@ -458,7 +463,7 @@ def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Itera
     return _export_buckets(worker, bucket_bytes, in_process)
 
 
-def _plan(worker, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
+def _plan(worker: WorkerContext, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
     """Buckets of ``(hf_name, parameter or buffer)`` in state-dict order, sized by full shapes
     (the same plan on every rank, whatever each rank holds)."""
     dtype = export_dtype(worker)
@@ -473,7 +478,9 @@ def _plan(worker, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
     ]
 
 
-def _export_buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
+def _export_buckets(
+    worker: WorkerContext, bucket_bytes: int, in_process: bool
+) -> Iterator[WeightBucket]:
     deepspeed = _deepspeed(worker)
     dtype = export_dtype(worker)
     keep = in_process or is_rank0()
@@ -501,7 +508,7 @@ def _export_buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[Wei
         yield bucket if keep else WeightBucket()
 
 
-def _tied_later(worker, key: int) -> bool:
+def _tied_later(worker: WorkerContext, key: int) -> bool:
     tied = worker.state.get("_tied_ids")
     if tied is None:
         module = worker.model.module
@@ -526,7 +533,7 @@ def _export_tensor(value, dtype: torch.dtype, in_process: bool, keep: bool) -> t
     return data.clone() if _is_partitioned(value) else data
 
 
-def full_state_dict(worker) -> dict[str, torch.Tensor]:
+def full_state_dict(worker: WorkerContext) -> dict[str, torch.Tensor]:
     """The full HF-named state dict on rank 0 (CPU, export dtype); empty on other ranks."""
     state: dict[str, torch.Tensor] = {}
     for bucket in _export_buckets(worker, 256 << 20, in_process=False):
@@ -534,7 +541,7 @@ def full_state_dict(worker) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_hf(worker, path: str) -> bool:
+def export_hf(worker: WorkerContext, path: str) -> bool:
     state = full_state_dict(worker)
     if is_rank0():
         _write_hf_dir(worker, state, path)
@@ -543,7 +550,7 @@ def export_hf(worker, path: str) -> bool:
     return True
 
 
-def _write_hf_dir(worker, state: dict[str, torch.Tensor], path: str) -> None:
+def _write_hf_dir(worker: WorkerContext, state: dict[str, torch.Tensor], path: str) -> None:
     module = worker.model.module
     os.makedirs(path, exist_ok=True)
     # transformers writes the safetensors (sharded when large) and drops tied duplicates.
@@ -570,7 +577,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def save_checkpoint(worker, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     engine = worker.model
     os.makedirs(path, exist_ok=True)
     rank, world = _world()
@@ -597,7 +604,7 @@ def save_checkpoint(worker, path: str) -> dict:
     return {"format": "deepspeed", "zero_stage": worker.config.zero_stage, "dp_size": world}
 
 
-def load_checkpoint(worker, path: str) -> bool:
+def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     engine = worker.model
     rank, world = _world()
     layout_file = os.path.join(path, LAYOUT_FILE)
@@ -665,7 +672,7 @@ def _move_module(module, device) -> None:
         buf.data = buf.data.to(device)
 
 
-def release_memory(worker, tags: list[str]) -> bool:
+def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         log_once(log, "deepspeed: release_memory on a CPU device: nothing to free")
         return True
@@ -682,7 +689,7 @@ def release_memory(worker, tags: list[str]) -> bool:
     return True
 
 
-def resume_memory(worker, tags: list[str]) -> bool:
+def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     released = worker.state.pop("released", None)
     if not is_cuda(worker) or released is None:
         return True
@@ -695,7 +702,7 @@ def resume_memory(worker, tags: list[str]) -> bool:
     return True
 
 
-def shutdown_worker(worker) -> bool:
+def shutdown_worker(worker: WorkerContext) -> bool:
     engine = worker.model
     destroy = getattr(engine, "destroy", None)
     if destroy is not None:

@@ -18,7 +18,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
@@ -57,6 +57,9 @@ from posttrain import (
     write_shards,
 )
 
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
+
 log = logging.getLogger(__name__)
 
 TRAIN = "fsdp2_train"
@@ -69,7 +72,7 @@ _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_o
 # --------------------------------------------------------------------------------------------
 
 
-def setup_parallel(worker) -> dict[str, int]:
+def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     from torch.distributed.device_mesh import init_device_mesh
 
     init_default_process_group(worker.device)
@@ -92,7 +95,7 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 
 def _shard(
-    worker,
+    worker: WorkerContext,
     model,
     param_dtype: str | None,
     reduce_dtype: str | None,
@@ -118,7 +121,7 @@ def _shard(
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def load_model(worker):
+def load_model(worker: WorkerContext):
     cfg = worker.config
     train = worker.strategy_name == TRAIN
     model_args = worker.model_args
@@ -151,7 +154,7 @@ def load_model(worker):
     return model
 
 
-def _build_optimizer(worker, model) -> None:
+def _build_optimizer(worker: WorkerContext, model) -> None:
     args = worker.training_args
     if args is None:
         raise ValueError(f"role {worker.role}: fsdp2_train needs training_args")
@@ -172,7 +175,7 @@ def _build_optimizer(worker, model) -> None:
 
 
 def rank_micro_batches(
-    worker, batch: SequenceBatch, for_logprobs: bool = False
+    worker: WorkerContext, batch: SequenceBatch, for_logprobs: bool = False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run."""
     train = worker.strategy_name == TRAIN
@@ -184,7 +187,7 @@ def rank_micro_batches(
 # --------------------------------------------------------------------------------------------
 
 
-def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     model = worker.model
     optimizer = worker.state["optimizer"]
     scheduler = worker.state["scheduler"]
@@ -201,7 +204,7 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
         loss_fn=loss_fn,
     )
 
-    grad_norm = _clip_grad_norm(model, worker.training_args.max_grad_norm)
+    grad_norm = _clip_grad_norm(model, worker.require_training_args().max_grad_norm)
     lr = float(scheduler.get_last_lr()[0])
     if math.isfinite(grad_norm):
         optimizer.step()
@@ -231,7 +234,7 @@ def _clip_grad_norm(model, max_norm: float | None) -> float:
 
 
 @torch.no_grad()
-def _score_tokens(worker, batch: SequenceBatch, score) -> torch.Tensor:
+def _score_tokens(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tensor:
     """``score`` (``score_logprobs`` / ``score_values``) of this rank's rows, the
     model in eval mode meanwhile."""
     model = worker.model
@@ -243,16 +246,16 @@ def _score_tokens(worker, batch: SequenceBatch, score) -> torch.Tensor:
     return out
 
 
-def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     return _score_tokens(worker, batch, score_logprobs)
 
 
-def compute_values(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_values(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     return _score_tokens(worker, batch, score_values)
 
 
 @torch.no_grad()
-def compute_scores(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_scores(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     model = worker.model
     groups, count = rank_micro_batches(worker, batch, for_logprobs=True)
     return score_sequences(
@@ -275,21 +278,27 @@ def hf_name(name: str) -> str:
     return name
 
 
-def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Iterator[WeightBucket]:
+def export_weights(
+    worker: WorkerContext, bucket_bytes: int, in_process: bool = False
+) -> Iterator[WeightBucket]:
     """Generator: gathers lazily (collectively). Leaving the process, rank 0 keeps host copies
     and the others yield empty buckets of the same count (they bucket shape-only meta tensors
     the same way); in process, every rank yields the gathered tensors on its device."""
     return _export_buckets(worker, bucket_bytes, in_process)
 
 
-def _export_buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
+def _export_buckets(
+    worker: WorkerContext, bucket_bytes: int, in_process: bool
+) -> Iterator[WeightBucket]:
     keep = in_process or is_rank0()
     device = None if in_process else "cpu"
     for bucket in bucketize(_gathered(worker, keep=keep, device=device), bucket_bytes):
         yield bucket if keep else WeightBucket()
 
 
-def _gathered(worker, keep: bool, device: str | None = "cpu") -> Iterator[tuple[str, torch.Tensor]]:
+def _gathered(
+    worker: WorkerContext, keep: bool, device: str | None = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every state-dict entry in the export dtype, on ``device``
     (None: where the gather left it, with no copy when the dtype matches); with ``keep=False``
     a meta tensor of the same shape stands in (the gather still runs)."""
@@ -319,7 +328,7 @@ def _gathered(worker, keep: bool, device: str | None = "cpu") -> Iterator[tuple[
         yield hf_name(name), tensor
 
 
-def export_hf(worker, path: str) -> bool:
+def export_hf(worker: WorkerContext, path: str) -> bool:
     """Streamed: every rank gathers one tensor at a time (collectively) and rank 0 writes each
     safetensors shard as soon as it is full, holding at most one shard on the host."""
     model = worker.model
@@ -340,7 +349,7 @@ def export_hf(worker, path: str) -> bool:
     return True
 
 
-def _write_hf_config(worker, path: str) -> None:
+def _write_hf_config(worker: WorkerContext, path: str) -> None:
     model = worker.model
     config = copy.deepcopy(model.config)
     config.dtype = export_dtype(worker)
@@ -372,7 +381,7 @@ def _extra_path(path: str, rank: int) -> str:
     return os.path.join(path, f"extra_state_rank{rank}.pt")
 
 
-def _dcp_state(worker) -> dict[str, Any]:
+def _dcp_state(worker: WorkerContext) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     optimizer = worker.state.get("optimizer")
@@ -388,7 +397,7 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _write_extras(worker, path: str, digests) -> dict:
+def _write_extras(worker: WorkerContext, path: str, digests) -> dict:
     """Per-rank step / scheduler / RNG state and rank 0's layout file, hashed while written."""
     rank, world = _rank_world()
     scheduler = worker.state.get("scheduler")
@@ -408,7 +417,7 @@ def _write_extras(worker, path: str, digests) -> dict:
     return layout
 
 
-def save_checkpoint(worker, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
     from posttrain import FileDigests
@@ -421,7 +430,7 @@ def save_checkpoint(worker, path: str) -> dict:
     return layout
 
 
-def begin_checkpoint(worker, path: str) -> dict:
+def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     """DCP's asynchronous save in its two halves: the state is copied into reused host buffers
     (the only part the loop waits for), then ``dcp.save`` writes the copy on a thread, over a
     gloo group of its own so that its collectives never interleave with training's, hashing
@@ -454,7 +463,7 @@ def begin_checkpoint(worker, path: str) -> dict:
     return layout
 
 
-def finish_checkpoint(worker, path: str) -> bool:
+def finish_checkpoint(worker: WorkerContext, path: str) -> bool:
     save = worker.state.pop("background_save", None)
     if save is not None:
         save.join()
@@ -521,7 +530,7 @@ def _hashing_writer(path: str, digests, threads: int = 1) -> FileSystemWriter:
     return writer
 
 
-def load_checkpoint(worker, path: str) -> bool:
+def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
@@ -561,40 +570,40 @@ def load_checkpoint(worker, path: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _optimizers(worker) -> list:
+def _optimizers(worker: WorkerContext) -> list:
     optimizer = worker.state.get("optimizer")
     return [] if optimizer is None else [optimizer]
 
 
-def release_memory(worker, tags: list[str]) -> bool:
+def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         log_once(log, "fsdp: release_memory on a CPU device: nothing to free")
         return True
-    tags = memory_tags(tags)
-    if tags & {"weights", "grads"}:
+    wanted = memory_tags(tags)
+    if wanted & {"weights", "grads"}:
         worker.model.zero_grad(set_to_none=True)
         worker.model.cpu()
-    if "optimizer" in tags:
+    if "optimizer" in wanted:
         move_optimizer_state(_optimizers(worker), "cpu")
     settle_cuda(empty_cache=True)
     return True
 
 
-def resume_memory(worker, tags: list[str]) -> bool:
+def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         return True
-    tags = memory_tags(tags)
+    wanted = memory_tags(tags)
     device = rank_device(worker)
     offloaded = getattr(worker.config, "cpu_offload", False)
-    if tags & {"weights", "grads"} and not offloaded:
+    if wanted & {"weights", "grads"} and not offloaded:
         worker.model.to(device)
-    if "optimizer" in tags and not offloaded:
+    if "optimizer" in wanted and not offloaded:
         move_optimizer_state(_optimizers(worker), device)
     settle_cuda()
     return True
 
 
-def shutdown_worker(worker) -> bool:
+def shutdown_worker(worker: WorkerContext) -> bool:
     worker.state.clear()
     worker.model = None
     end_process_group()

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ import torch.distributed as dist
 from posttrain import is_cuda
 from posttrain_megatron import mcore_compat
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
+
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
 
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
@@ -48,7 +52,7 @@ def _extra_path(path: str, rank: int) -> str:
     return os.path.join(path, f"extra_state_rank{rank}.pt")
 
 
-def _write_extras(worker, path: str, optimizer, digests) -> dict:
+def _write_extras(worker: WorkerContext, path: str, optimizer, digests) -> dict:
     """Per-rank step counters and RNG states, and rank 0's layout file, hashed while written."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -69,7 +73,7 @@ def _write_extras(worker, path: str, optimizer, digests) -> dict:
     return layout
 
 
-def _saved_optimizer(worker):
+def _saved_optimizer(worker: WorkerContext):
     # A never-stepped optimizer has no state to shard (megatron asserts on it): model only.
     return worker.state.get("optimizer") if worker.state.get("updates") else None
 
@@ -82,7 +86,7 @@ def _make_target(path: str) -> str:
     return target
 
 
-def save_checkpoint(worker, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     from megatron.core import dist_checkpointing
 
     from posttrain import FileDigests
@@ -95,7 +99,7 @@ def save_checkpoint(worker, path: str) -> dict:
     return layout
 
 
-def begin_checkpoint(worker, path: str) -> dict:
+def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     """megatron's async dist-checkpoint save, its writes run here: megatron plans the save
     (collective) and hands back the write buckets; their tensors are copied into reused host
     buffers (the only part the loop waits for) and a thread writes them, hashing each file.
@@ -167,7 +171,7 @@ def _write_buckets(buckets: list, digests, results_queue, threads: int = 1) -> N
         results_queue.put(results)
 
 
-def advance_background_save(worker, block: bool = False) -> None:
+def advance_background_save(worker: WorkerContext, block: bool = False) -> None:
     """Finish a background save whose files every rank has written: megatron's collective last
     step, then this rank's completion marker. Called by every rank at the same point (the start
     of a train step, or ``finish_checkpoint`` with ``block``); without ``block`` the ranks first
@@ -192,12 +196,12 @@ def advance_background_save(worker, block: bool = False) -> None:
     save.join()
 
 
-def finish_checkpoint(worker, path: str) -> bool:
+def finish_checkpoint(worker: WorkerContext, path: str) -> bool:
     advance_background_save(worker, block=True)
     return True
 
 
-def load_checkpoint(worker, path: str) -> bool:
+def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 

@@ -7,6 +7,7 @@ holds the mbridge bridge, the optimizer and the step counters.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -35,6 +36,9 @@ from posttrain_megatron.training import compute_logprobs, compute_values, train_
 from posttrain_megatron.weights import export_hf, export_weights
 from posttrain_megatron.wrappers import inner_optimizers
 
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
+
 __all__ = [
     "begin_checkpoint",
     "compute_logprobs",
@@ -55,7 +59,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def load_model(worker):
+def load_model(worker: WorkerContext):
     models, bridge = build_models(worker)
     worker.state["bridge"] = bridge
     worker.state["vocab_size"] = bridge.vocab_size
@@ -72,7 +76,7 @@ def load_model(worker):
 # --------------------------------------------------------------------------------------------
 
 
-def _tags(worker, tags: list[str] | None) -> set[str]:
+def _tags(worker: WorkerContext, tags: list[str] | None) -> set[str]:
     if tags:
         return set(tags)
     cfg = worker.config
@@ -86,19 +90,19 @@ def _buffers(model):
     return list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", []))
 
 
-def _move_optimizer_state(worker, target) -> None:
+def _move_optimizer_state(worker: WorkerContext, target) -> None:
     optimizer = worker.state.get("optimizer")
     if optimizer is not None:
         # The step counters stay where the optimizer reads them.
         move_optimizer_state(inner_optimizers(optimizer), target, skip=("step",))
 
 
-def release_memory(worker, tags: list[str]) -> bool:
+def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         log_once(log, "megatron: release_memory on a CPU device: nothing to free", logging.INFO)
         return True
-    tags = _tags(worker, tags)
-    params, grads = "weights" in tags, bool(tags & {"weights", "grads"})
+    wanted = _tags(worker, tags)
+    params, grads = "weights" in wanted, bool(wanted & {"weights", "grads"})
     for model in worker.model:
         buffers = _buffers(model)
         if buffers:  # DDP: parameters and grads live in contiguous buffers
@@ -106,17 +110,17 @@ def release_memory(worker, tags: list[str]) -> bool:
                 buffer.offload_to_cpu(move_params=params, move_grads=grads)
         elif params:
             model.cpu()
-    if "optimizer" in tags:
+    if "optimizer" in wanted:
         _move_optimizer_state(worker, "cpu")
     settle_cuda(empty_cache=True)
     return True
 
 
-def resume_memory(worker, tags: list[str]) -> bool:
+def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         return True
-    tags = _tags(worker, tags)
-    params, grads = "weights" in tags, bool(tags & {"weights", "grads"})
+    wanted = _tags(worker, tags)
+    params, grads = "weights" in wanted, bool(wanted & {"weights", "grads"})
     for model in worker.model:
         buffers = _buffers(model)
         if buffers:
@@ -124,13 +128,13 @@ def resume_memory(worker, tags: list[str]) -> bool:
                 buffer.reload_from_cpu(move_params=params, move_grads=grads)
         elif params:
             model.cuda(torch.cuda.current_device())
-    if "optimizer" in tags:
+    if "optimizer" in wanted:
         _move_optimizer_state(worker, rank_device(worker))
     settle_cuda()
     return True
 
 
-def shutdown_worker(worker) -> bool:
+def shutdown_worker(worker: WorkerContext) -> bool:
     from megatron.core import parallel_state as ps
 
     worker.state.clear()

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from posttrain import init_default_process_group, is_cuda, resolve_model_path, torch_dtype
 from posttrain_megatron import token_scores
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
+
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
 
 log = logging.getLogger(__name__)
 
@@ -21,7 +24,7 @@ TRAIN = "megatron_train"
 _PROCESS_LAYOUT: dict[str, int | None] = {}
 
 
-def setup_parallel(worker) -> dict[str, int]:
+def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
 
@@ -68,7 +71,7 @@ def attention_backend(requested: str) -> str:
     return requested
 
 
-def transformer_overrides(worker, hf_config) -> dict[str, Any]:
+def transformer_overrides(worker: WorkerContext, hf_config) -> dict[str, Any]:
     """TransformerConfig fields set from the strategy config (user overrides win last)."""
     cfg = worker.config
     cpu = not is_cuda(worker)
@@ -124,7 +127,7 @@ def _num_experts(hf_config) -> int:
     return 0
 
 
-def build_models(worker) -> tuple[list[torch.nn.Module], Any]:
+def build_models(worker: WorkerContext) -> tuple[list[torch.nn.Module], Any]:
     """Model chunks (one per virtual pipeline stage) with their weights, and the bridge."""
     from transformers import AutoConfig
 
@@ -208,7 +211,7 @@ def _make_bridge(
     return DenseBridge(hf_config, dtype, backend, overrides, value_head=value), callbacks
 
 
-def build_optimizer(worker, models: list[torch.nn.Module]):
+def build_optimizer(worker: WorkerContext, models: list[torch.nn.Module]):
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.utils import get_model_config

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -30,6 +30,9 @@ from posttrain_megatron import context_parallel, packing, token_scores
 from posttrain_megatron.checkpointing import advance_background_save
 from posttrain_megatron.model_builder import TRAIN
 
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
+
 log = logging.getLogger(__name__)
 
 
@@ -38,21 +41,24 @@ log = logging.getLogger(__name__)
 # --------------------------------------------------------------------------------------------
 
 
-def _rows_per_micro_batch(worker, for_logprobs: bool) -> int:
+def _rows_per_micro_batch(worker: WorkerContext, for_logprobs: bool) -> int:
     cfg = worker.config
     if worker.strategy_name != TRAIN:
         return cfg.logprob_micro_batch_size or worker.state.get("infer_batch_size") or 8
-    train_rows = cfg.micro_batch_size or worker.training_args.per_device_train_batch_size
+    train_rows = cfg.micro_batch_size or worker.require_training_args().per_device_train_batch_size
     return (cfg.logprob_micro_batch_size or train_rows) if for_logprobs else train_rows
 
 
-def plan(worker, batch: SequenceBatch, for_logprobs: bool) -> tuple[list[list[int]], int]:
+def plan(
+    worker: WorkerContext, batch: SequenceBatch, for_logprobs: bool
+) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the count every rank runs."""
     args = worker.training_args
     dynamic = args is not None and args.use_dynamic_batch_size and worker.strategy_name == TRAIN
-    if dynamic:
+    budget = args.max_tokens_per_micro_batch if args is not None and dynamic else None
+    if budget is not None:
         # Sequences of uneven length balanced into micro-batches under the token budget.
-        groups = token_budget_micro_batches(batch, args.max_tokens_per_micro_batch)
+        groups = token_budget_micro_batches(batch, budget)
     else:
         groups = fixed_micro_batches(len(batch), _rows_per_micro_batch(worker, for_logprobs))
     count = agree_max(len(groups), rank_device(worker))
@@ -63,20 +69,20 @@ def plan(worker, batch: SequenceBatch, for_logprobs: bool) -> tuple[list[list[in
         count = math.ceil(count / pp) * pp
         if len(groups) < count <= len(batch) and not dynamic:
             groups = fixed_micro_batches(len(batch), math.ceil(len(batch) / count))
-    if dynamic and len(groups) < count <= len(batch):
-        spread = token_budget_micro_batches(
-            batch, args.max_tokens_per_micro_batch, min_micro_batches=count
-        )
+    if budget is not None and len(groups) < count <= len(batch):
+        spread = token_budget_micro_batches(batch, budget, min_micro_batches=count)
         if len(spread) == count:
             groups = spread
     return groups, count
 
 
-def _micro_batches(worker, batch: SequenceBatch, groups: list[list[int]], count: int):
+def _micro_batches(
+    worker: WorkerContext, batch: SequenceBatch, groups: list[list[int]], count: int
+):
     """(row indices or None for a filler, trimmed micro-batch) for each of ``count`` slots."""
     if not len(batch):
         raise ValueError("megatron: an empty batch cannot be scored")
-    out = []
+    out: list[tuple[list[int] | None, SequenceBatch]] = []
     for i in range(count):
         if i < len(groups):
             out.append((groups[i], batch.select(groups[i]).trimmed()))
@@ -87,13 +93,13 @@ def _micro_batches(worker, batch: SequenceBatch, groups: list[list[int]], count:
     return out
 
 
-def _needs_equal_shapes(worker) -> bool:
+def _needs_equal_shapes(worker: WorkerContext) -> bool:
     """The allgather MoE dispatcher gathers equal-sized token blocks over expert-parallel ranks."""
     cfg = worker.config
     return cfg.expert_model_parallel_size > 1 and cfg.moe_token_dispatcher_type == "allgather"
 
 
-def _equal_shapes(worker, items):
+def _equal_shapes(worker: WorkerContext, items):
     """Pad every micro-batch to the largest rows x width of its slot on any rank; padding rows
     and columns are masked out (attention and response masks 0) and never returned."""
     sizes = torch.tensor(
@@ -118,13 +124,15 @@ def _equal_shapes(worker, items):
 # --------------------------------------------------------------------------------------------
 
 
-def _labels(worker, next_tokens: torch.Tensor) -> torch.Tensor | None:
+def _labels(worker: WorkerContext, next_tokens: torch.Tensor) -> torch.Tensor | None:
     """What the model is called with: next tokens for a language model (it then returns their
     scores, token_scores.install); none for a value head (it returns [b, s, 1] values)."""
     return None if worker.head == "value" else next_tokens
 
 
-def _loss_inputs(worker, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _loss_inputs(
+    worker: WorkerContext, out: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's per-position output [b, s, k] as the loss takes it: ``(values, None)`` for a
     value head, ``(logprobs, entropy)`` otherwise; ``out[:, t]`` belongs to ``input_ids[:, t]``."""
     if worker.head == "value":
@@ -132,7 +140,7 @@ def _loss_inputs(worker, out: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor 
     return token_scores.aligned(out)
 
 
-def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
+def _run_schedule(worker: WorkerContext, items, loss_for, forward_only: bool) -> list[Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -191,7 +199,7 @@ def _run_schedule(worker, items, loss_for, forward_only: bool) -> list[Any]:
     )
 
 
-def _packed_forward(worker, model, rows, mb, ids, multiple, loss_for):
+def _packed_forward(worker: WorkerContext, model, rows, mb, ids, multiple, loss_for):
     """forward_step on one packed row (pack_sequences); results back in the padded layout."""
     packed = packing.pack(ids, mb.attention_mask.to(ids.device), multiple)
     output = model(
@@ -224,7 +232,7 @@ def _from_last_stage(obj: Any) -> Any:
     return box[0]
 
 
-def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     # Every rank is here at once: the point to complete a background checkpoint save whose
     # files are all written (megatron's last step of a save is collective).
     advance_background_save(worker)
@@ -254,7 +262,7 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
         model.zero_grad_buffer()
     optimizer.zero_grad()
     step = worker.state["step"]
-    lr = worker.training_args.learning_rate * worker.state["lr_multiplier"](step)
+    lr = worker.require_training_args().learning_rate * worker.state["lr_multiplier"](step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     reduced = _run_schedule(worker, items, loss_for, forward_only=False)
@@ -277,20 +285,20 @@ def train_step(worker, batch: SequenceBatch, loss_fn) -> dict[str, float]:
     return metrics
 
 
-def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     if worker.head != "lm":
         raise ValueError(f"megatron: role {worker.role} has a {worker.head} head, no log-probs")
     return _per_token(worker, batch)
 
 
-def compute_values(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_values(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     if worker.head != "value":
         raise ValueError(f"megatron: role {worker.role} has a {worker.head} head, no values")
     return _per_token(worker, batch)
 
 
 @torch.no_grad()
-def _per_token(worker, batch: SequenceBatch) -> torch.Tensor:
+def _per_token(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     """The head's per-token output for every row (log-probs or values), 0 outside attention."""
     groups, count = plan(worker, batch, for_logprobs=True)
     items = _micro_batches(worker, batch, groups, count)
@@ -311,7 +319,7 @@ def _per_token(worker, batch: SequenceBatch) -> torch.Tensor:
     return _broadcast_tensor_from_last_stage(out, worker)
 
 
-def _broadcast_tensor_from_last_stage(tensor: torch.Tensor, worker) -> torch.Tensor:
+def _broadcast_tensor_from_last_stage(tensor: torch.Tensor, worker: WorkerContext) -> torch.Tensor:
     from megatron.core import parallel_state as ps
 
     if ps.get_pipeline_model_parallel_world_size() == 1:

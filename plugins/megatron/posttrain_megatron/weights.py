@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -24,11 +25,14 @@ from posttrain import (
     write_shards,
 )
 
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
+
 log = logging.getLogger(__name__)
 
 
 def hf_tensors(
-    worker, keep: bool, device: str | None = "cpu"
+    worker: WorkerContext, keep: bool, device: str | None = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, tensor)`` in the export dtype on ``device`` (None: where mbridge's gather
     left it, on this rank's GPU, with no copy when the dtype matches); meta tensors when
@@ -47,11 +51,13 @@ def hf_tensors(
             yield name, torch.empty(tensor.shape, dtype=dtype, device="meta")
 
 
-def export_weights(worker, bucket_bytes: int, in_process: bool = False) -> Iterator[WeightBucket]:
+def export_weights(
+    worker: WorkerContext, bucket_bytes: int, in_process: bool = False
+) -> Iterator[WeightBucket]:
     return _buckets(worker, bucket_bytes, in_process)
 
 
-def _buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
+def _buckets(worker: WorkerContext, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
     # mbridge's walk gives every rank each full tensor: in process, every rank keeps them.
     keep = in_process or is_rank0()
     device = None if in_process else "cpu"
@@ -59,7 +65,7 @@ def _buckets(worker, bucket_bytes: int, in_process: bool) -> Iterator[WeightBuck
         yield bucket if keep else WeightBucket()
 
 
-def export_hf(worker, path: str) -> bool:
+def export_hf(worker: WorkerContext, path: str) -> bool:
     """Streamed: mbridge's walk gathers one tensor at a time on every rank and rank 0 writes each
     safetensors shard as soon as it is full, holding at most one shard on the host."""
     rank0 = is_rank0()
@@ -75,7 +81,7 @@ def export_hf(worker, path: str) -> bool:
     return True
 
 
-def write_hf_config(worker, path: str) -> None:
+def write_hf_config(worker: WorkerContext, path: str) -> None:
     """The config (and tokenizer) beside exported weights."""
     hf_config = worker.state["bridge"].hf_config
     if worker.head == "value":  # a critic's directory loads as the value model it is

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import difflib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain import UserError, resolve_model_path
+
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
 
 # KV-cache tokens on CPU when max_total_tokens is unset: uncapped, SGLang sizes its cache from
 # host memory (14.7 GB measured for a 2-layer model).
@@ -13,27 +16,27 @@ CPU_MAX_TOTAL_TOKENS = 4096
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 
 
-def device_type(worker) -> str:
+def device_type(worker: WorkerContext) -> str:
     """``cpu`` or ``cuda``: the config's ``device``, else the role's."""
     return worker.config.device or ("cuda" if worker.device.startswith("cuda") else "cpu")
 
 
-def is_cuda(worker) -> bool:
+def is_cuda(worker: WorkerContext) -> bool:
     return device_type(worker) == "cuda"
 
 
-def stop_strings(worker) -> list[str]:
+def stop_strings(worker: WorkerContext) -> list[str]:
     gen = worker.generating_args
     return list(gen.stop_strings) if gen else []
 
 
-def memory_saver(worker) -> bool:
+def memory_saver(worker: WorkerContext) -> bool:
     """Whether the engine can release and resume memory (torch_memory_saver; GPUs only)."""
     enabled = worker.config.enable_memory_saver
     return is_cuda(worker) if enabled is None else bool(enabled)
 
 
-def engine_args(worker) -> dict[str, Any]:
+def engine_args(worker: WorkerContext) -> dict[str, Any]:
     """The keyword arguments of ``sglang.Engine`` for this worker (before ``engine_kwargs``)."""
     cfg = worker.config
     dtype = cfg.dtype or worker.model_args.dtype

@@ -15,8 +15,12 @@ import asyncio
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
 from posttrain import PosttrainError
+
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
 
 BROKEN = "sglang_engine_broken"
 log = logging.getLogger("posttrain.sglang")
@@ -26,13 +30,15 @@ class EngineCallFailed(PosttrainError):
     """An SGLang call answered with failure, or did not answer in time."""
 
 
-def check_usable(worker) -> None:
+def check_usable(worker: WorkerContext) -> None:
     reason = worker.state.get(BROKEN)
     if reason:
         raise EngineCallFailed(f"sglang: the engine is unusable since an earlier failure: {reason}")
 
 
-def bounded(worker, engine, method: str, request, timeout_s: float, what: str, peer=False):
+def bounded(
+    worker: WorkerContext, engine, method: str, request, timeout_s: float, what: str, peer=False
+):
     """``await engine.tokenizer_manager.<method>(request)`` for at most ``timeout_s``; ``peer``:
     the call waits for the trainer side of a broadcast."""
     check_usable(worker)
@@ -54,7 +60,7 @@ def _ok(answer, what: str) -> None:
 
 
 @contextmanager
-def weight_update(worker, engine, timeout_s: float) -> Iterator[None]:
+def weight_update(worker: WorkerContext, engine, timeout_s: float) -> Iterator[None]:
     """``begin_weight_update`` ... ``end_weight_update``: SGLang 0.5.23 refuses tensor and
     distributed updates outside such a session."""
     from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
@@ -76,7 +82,7 @@ def weight_update(worker, engine, timeout_s: float) -> Iterator[None]:
     _end(worker, engine, timeout_s)
 
 
-def _end(worker, engine, timeout_s: float) -> None:
+def _end(worker: WorkerContext, engine, timeout_s: float) -> None:
     from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
 
     what = "end_weight_update"
@@ -89,14 +95,14 @@ def _end(worker, engine, timeout_s: float) -> None:
 _FLUSH = {"flush_cache": True, "torch_empty_cache": False}
 
 
-def flush_cache(worker, engine) -> None:
+def flush_cache(worker: WorkerContext, engine) -> None:
     check_usable(worker)
     result = engine.flush_cache()
     if not getattr(result, "success", True):
         raise EngineCallFailed(f"sglang: flush_cache failed: {result.message}")
 
 
-def update_from_tensors(worker, engine, tensors, timeout_s: float) -> None:
+def update_from_tensors(worker: WorkerContext, engine, tensors, timeout_s: float) -> None:
     """Load ``(name, tensor)`` pairs: CUDA tensors travel to the scheduler as IPC handles, host
     tensors as shared memory."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
@@ -119,7 +125,9 @@ def _shareable(tensor):
     return torch.empty_like(tensor).share_memory_().copy_(tensor)
 
 
-def init_group(worker, engine, address, port, rank, world_size, group, backend, timeout_s):
+def init_group(
+    worker: WorkerContext, engine, address, port, rank, world_size, group, backend, timeout_s
+):
     from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
 
     request = InitWeightsUpdateGroupReqInput(
@@ -134,7 +142,9 @@ def init_group(worker, engine, address, port, rank, world_size, group, backend, 
     _ok(bounded(worker, engine, what, request, timeout_s, f"{what} ({group})", peer=True), what)
 
 
-def update_from_distributed(worker, engine, meta, group: str, timeout_s: float) -> None:
+def update_from_distributed(
+    worker: WorkerContext, engine, meta, group: str, timeout_s: float
+) -> None:
     """Receive one bucket broadcast as SGLang's ``flattened_bucket`` (the core's wire format:
     one uint8 tensor, the tensors' bytes in metadata order) and load it."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromDistributedReqInput
@@ -151,7 +161,7 @@ def update_from_distributed(worker, engine, meta, group: str, timeout_s: float) 
     _ok(bounded(worker, engine, what, request, timeout_s, f"{what} ({group})", peer=True), what)
 
 
-def destroy_group(worker, engine, group: str, timeout_s: float) -> None:
+def destroy_group(worker: WorkerContext, engine, group: str, timeout_s: float) -> None:
     from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
 
     what = "destroy_weights_update_group"

@@ -18,7 +18,7 @@ import gc
 import logging
 import os
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,6 +26,9 @@ from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserErro
 from posttrain_sglang import args as engine_args_mod
 from posttrain_sglang import calls, leftovers
 from posttrain_sglang.receiver import DistributedReceiver
+
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
 
 log = logging.getLogger("posttrain.sglang")
 
@@ -47,7 +50,7 @@ _ENV = {
 # ---------------------------------------------------------------------------------------------
 
 
-def setup_parallel(worker) -> dict[str, int]:
+def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     """Ranks ``[k*tp, (k+1)*tp)`` form replica ``k``; its first rank drives one engine that
     spans the replica's GPUs (SGLang tensor parallelism). The other ranks of a replica idle."""
     tp = worker.config.tp_size
@@ -65,11 +68,11 @@ def setup_parallel(worker) -> dict[str, int]:
     }
 
 
-def _is_leader(worker) -> bool:
+def _is_leader(worker: WorkerContext) -> bool:
     return worker.parallel.get("tp_rank", 0) == 0
 
 
-def load_model(worker):
+def load_model(worker: WorkerContext):
     worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
     if not _is_leader(worker):
         return {"replica_leader": False}
@@ -95,7 +98,7 @@ def load_model(worker):
     return engine
 
 
-def check_engine_tokenizer(worker, engine) -> None:
+def check_engine_tokenizer(worker: WorkerContext, engine) -> None:
     """Stop strings are matched on the engine's detokenized text: its tokenizer must be the one
     posttrain decodes with."""
     theirs = engine.tokenizer_manager.tokenizer
@@ -106,7 +109,7 @@ def check_engine_tokenizer(worker, engine) -> None:
         )
 
 
-def _engine(worker):
+def _engine(worker: WorkerContext):
     engine = worker.state.get(_ENGINE)
     if engine is not None:
         calls.check_usable(worker)
@@ -118,7 +121,7 @@ def _engine(worker):
 # ---------------------------------------------------------------------------------------------
 
 
-def _batch_size(worker) -> int | None:
+def _batch_size(worker: WorkerContext) -> int | None:
     return worker.state.get("infer_batch_size")
 
 
@@ -130,7 +133,7 @@ def _sample_seed(seed: int | None, prompt: int, sample: int, n: int) -> int | No
     return (seed * 1_000_003 + prompt * n + sample) % (2**62)
 
 
-def sampling_params(worker, sampling) -> dict[str, Any]:
+def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
     eos = worker.state["tokenizer"].eos_token_id
     stop_ids = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
     params: dict[str, Any] = {
@@ -152,11 +155,11 @@ def sampling_params(worker, sampling) -> dict[str, Any]:
     return params
 
 
-def engine_has_no_tokenizer(worker) -> bool:
+def engine_has_no_tokenizer(worker: WorkerContext) -> bool:
     return worker.state[_ENGINE].tokenizer_manager.tokenizer is None
 
 
-def generate(worker, request: GenerationRequest) -> RolloutSamples:
+def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
     out = RolloutSamples(prompt_ids=[], response_ids=[], response_logprobs=[])
     engine = _engine(worker)
     if engine is None:  # a non-leader rank of a tensor-parallel replica
@@ -187,7 +190,7 @@ def generate(worker, request: GenerationRequest) -> RolloutSamples:
     return out
 
 
-def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     """Log-probs of given sequences: SGLang's input-token log-probs (one token generated)."""
     result = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     engine = _engine(worker)
@@ -214,7 +217,7 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def import_weights(worker, buckets) -> bool:
+def import_weights(worker: WorkerContext, buckets) -> bool:
     """Colocated path: every bucket of this call inside one weight-update session."""
     engine = _engine(worker)
     if engine is None:
@@ -229,7 +232,7 @@ def import_weights(worker, buckets) -> bool:
     return True
 
 
-def weight_receiver(worker) -> DistributedReceiver:
+def weight_receiver(worker: WorkerContext) -> DistributedReceiver:
     """Separate devices: SGLang's scheduler joins the broadcast group itself."""
     return DistributedReceiver(worker, _engine(worker))
 
@@ -245,7 +248,7 @@ def _sglang_tags(tags) -> list[str] | None:
     return None if set(known) == {"weights", "kv_cache"} else known
 
 
-def release_memory(worker, tags) -> bool:
+def release_memory(worker: WorkerContext, tags) -> bool:
     engine = _engine(worker)
     if engine is None:
         return True
@@ -258,7 +261,7 @@ def release_memory(worker, tags) -> bool:
     return True
 
 
-def resume_memory(worker, tags) -> bool:
+def resume_memory(worker: WorkerContext, tags) -> bool:
     engine = _engine(worker)
     if engine is None or not engine_args_mod.memory_saver(worker):
         return True
@@ -269,7 +272,7 @@ def resume_memory(worker, tags) -> bool:
     return True
 
 
-def _warn_no_release(worker) -> None:
+def _warn_no_release(worker: WorkerContext) -> None:
     if worker.state.get(_NO_RELEASE_WARNED):
         return
     worker.state[_NO_RELEASE_WARNED] = True
@@ -280,7 +283,7 @@ def _warn_no_release(worker) -> None:
     log.warning("%s: release/resume memory keeps the engine as it is", reason)
 
 
-def shutdown_worker(worker) -> bool:
+def shutdown_worker(worker: WorkerContext) -> bool:
     engine = worker.state.pop(_ENGINE, None)
     if engine is not None:
         try:

@@ -12,15 +12,19 @@ through the rank's own process.
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from posttrain_sglang import calls
 from posttrain_sglang.args import is_cuda
+
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
 
 log = logging.getLogger("posttrain.sglang")
 
 
 class DistributedReceiver:
-    def __init__(self, worker, engine):
+    def __init__(self, worker: WorkerContext, engine):
         self.worker = worker
         self.engine = engine  # None on the ranks of a replica that do not drive the engine
         self.timeout_s = 300.0

@@ -25,7 +25,7 @@ import shutil
 import tempfile
 import time
 from contextlib import suppress
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from posttrain import (
 )
 from posttrain_vllm import worker_side
 
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
+
 log = logging.getLogger("posttrain.vllm")
 
 _ENGINE = "vllm_engine"
@@ -53,7 +56,7 @@ _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
 
 
-def _is_cuda(worker) -> bool:
+def _is_cuda(worker: WorkerContext) -> bool:
     return worker.device.startswith("cuda")
 
 
@@ -73,7 +76,7 @@ def beside_another_role() -> bool:
 # ---------------------------------------------------------------------------------------------
 
 
-def setup_parallel(worker) -> dict[str, int]:
+def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     """Ranks ``[k*tp, (k+1)*tp)`` form replica ``k``; its first rank drives one engine that
     spans the replica's GPUs (vLLM tensor parallelism). The other ranks of a replica idle."""
     tp = worker.config.tensor_parallel_size
@@ -92,11 +95,11 @@ def setup_parallel(worker) -> dict[str, int]:
     }
 
 
-def _is_leader(worker) -> bool:
+def _is_leader(worker: WorkerContext) -> bool:
     return worker.parallel.get("tp_rank", 0) == 0
 
 
-def engine_args(worker) -> dict[str, Any]:
+def engine_args(worker: WorkerContext) -> dict[str, Any]:
     """The keyword arguments of ``vllm.LLM`` for this worker (before ``engine_kwargs``)."""
     cfg = worker.config
     path = resolve_model_path(worker.model_args.model_name_or_path, worker.base_dir)
@@ -139,12 +142,12 @@ def engine_args(worker) -> dict[str, Any]:
     return args
 
 
-def _stop_strings(worker) -> list[str]:
+def _stop_strings(worker: WorkerContext) -> list[str]:
     gen = worker.generating_args
     return list(gen.stop_strings) if gen else []
 
 
-def _check_engine_tokenizer(worker, llm) -> None:
+def _check_engine_tokenizer(worker: WorkerContext, llm) -> None:
     """Stop strings are matched on the engine's detokenized text: its tokenizer must be the
     one posttrain decodes with."""
     ours = worker.state["tokenizer"].get_vocab()
@@ -155,7 +158,7 @@ def _check_engine_tokenizer(worker, llm) -> None:
         )
 
 
-def _sleep_mode(worker) -> bool:
+def _sleep_mode(worker: WorkerContext) -> bool:
     enabled = worker.config.enable_sleep_mode
     return _is_cuda(worker) if enabled is None else bool(enabled)
 
@@ -201,7 +204,7 @@ def check_cpu_head_size(path: str) -> None:
         )
 
 
-def load_model(worker):
+def load_model(worker: WorkerContext):
     worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
     if not _is_leader(worker):
         return {"replica_leader": False}
@@ -264,7 +267,7 @@ def _restore_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _llm(worker):
+def _llm(worker: WorkerContext):
     return worker.state.get(_ENGINE)
 
 
@@ -273,7 +276,7 @@ def _llm(worker):
 # ---------------------------------------------------------------------------------------------
 
 
-def _batch_size(worker) -> int | None:
+def _batch_size(worker: WorkerContext) -> int | None:
     return worker.state.get("infer_batch_size")
 
 
@@ -285,7 +288,7 @@ def _request_seed(seed: int | None, index: int, n: int) -> int | None:
     return (seed * 1_000_003 + index * n) % (2**62)
 
 
-def sampling_params(worker, sampling, seed: int | None, **extra):
+def sampling_params(worker: WorkerContext, sampling, seed: int | None, **extra):
     from vllm import SamplingParams
 
     eos = worker.state["tokenizer"].eos_token_id
@@ -312,7 +315,7 @@ def sampling_params(worker, sampling, seed: int | None, **extra):
     )
 
 
-def generate(worker, request: GenerationRequest) -> RolloutSamples:
+def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
     out = RolloutSamples(prompt_ids=[], response_ids=[], response_logprobs=[])
     llm = _llm(worker)
     if llm is None:  # a non-leader rank of a tensor-parallel replica
@@ -346,7 +349,7 @@ def generate(worker, request: GenerationRequest) -> RolloutSamples:
     return out
 
 
-def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
+def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     """Log-probs of given sequences through vLLM's prompt log-probs (one token generated)."""
     result = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
     llm = _llm(worker)
@@ -375,7 +378,7 @@ def compute_logprobs(worker, batch: SequenceBatch) -> torch.Tensor:
 # ---------------------------------------------------------------------------------------------
 
 
-def _shm_dir(worker) -> str:
+def _shm_dir(worker: WorkerContext) -> str:
     path = worker.state.get(_SHM_DIR)
     if path is None:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
@@ -384,7 +387,7 @@ def _shm_dir(worker) -> str:
     return path
 
 
-def import_weights(worker, buckets) -> bool:
+def import_weights(worker: WorkerContext, buckets) -> bool:
     llm = _llm(worker)
     if llm is None:
         for _ in buckets:  # drain: transports may hand a generator
@@ -408,7 +411,7 @@ def import_weights(worker, buckets) -> bool:
     return True
 
 
-def _reload_from_files(worker, llm, tensors, retie: bool) -> None:
+def _reload_from_files(worker: WorkerContext, llm, tensors, retie: bool) -> None:
     from safetensors.torch import save_file
 
     folder = _shm_dir(worker)
@@ -429,7 +432,7 @@ def _reload_from_files(worker, llm, tensors, retie: bool) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def release_memory(worker, tags) -> bool:
+def release_memory(worker: WorkerContext, tags) -> bool:
     llm = _llm(worker)
     if llm is None:
         return True
@@ -440,7 +443,7 @@ def release_memory(worker, tags) -> bool:
     return True
 
 
-def resume_memory(worker, tags) -> bool:
+def resume_memory(worker: WorkerContext, tags) -> bool:
     llm = _llm(worker)
     if llm is None or not _sleep_mode(worker):
         return True
@@ -451,7 +454,7 @@ def resume_memory(worker, tags) -> bool:
     return True
 
 
-def _warn_no_sleep(worker) -> None:
+def _warn_no_sleep(worker: WorkerContext) -> None:
     if worker.state.get(_CPU_SLEEP_WARNED):
         return
     worker.state[_CPU_SLEEP_WARNED] = True
@@ -459,7 +462,7 @@ def _warn_no_sleep(worker) -> None:
     log.warning("%s: release/resume memory keeps the engine as it is", reason)
 
 
-def shutdown_worker(worker) -> bool:
+def shutdown_worker(worker: WorkerContext) -> bool:
     llm = worker.state.pop(_ENGINE, None)
     if llm is not None:
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)

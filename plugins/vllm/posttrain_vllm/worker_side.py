@@ -8,6 +8,11 @@ alike (vLLM will not serialize a function across processes without pickle fallba
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from posttrain import WorkerContext
+
 EXTENSION = "posttrain_vllm.worker_side.PosttrainWorkerExtension"
 
 
@@ -20,7 +25,9 @@ class PosttrainWorkerExtension:
         return reload_weights(self, weights_iterator, weights_path, retie)
 
 
-def reload_weights(worker, weights_iterator=None, weights_path=None, retie: bool = False) -> bool:
+def reload_weights(
+    worker: WorkerContext, weights_iterator=None, weights_path=None, retie: bool = False
+) -> bool:
     """vLLM's in-place ``reload_weights``, then re-tie a tied LM head when the embeddings
     changed: Qwen2/Llama skip ``lm_head.weight`` for tied models, and on CPU the head keeps a
     prepacked copy of the old embedding (the new weights would never reach the logits)."""
@@ -32,7 +39,7 @@ def reload_weights(worker, weights_iterator=None, weights_path=None, retie: bool
     return True
 
 
-def retie_lm_head(worker) -> None:
+def retie_lm_head(worker: WorkerContext) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
