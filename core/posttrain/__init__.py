@@ -46,6 +46,7 @@ _PUBLIC = {
     "score_logprobs": "posttrain.training.rank_batches",
     "score_values": "posttrain.training.rank_batches",
     "score_sequences": "posttrain.training.rank_batches",
+    "score_rows": "posttrain.training.rank_batches",
     "shifted_token_logprobs": "posttrain.scoring.modeling",
     "shifted_entropy": "posttrain.scoring.modeling",
     "shifted_values": "posttrain.scoring.modeling",
@@ -72,6 +73,12 @@ _PUBLIC = {
     "enable_gradient_checkpointing": "posttrain.backends.plumbing",
     "MEMORY_TAGS": "posttrain.backends.plumbing",
     "memory_tags": "posttrain.backends.plumbing",
+    "drain": "posttrain.backends.plumbing",
+    "adamw": "posttrain.backends.plumbing",
+    "rng_state": "posttrain.backends.plumbing",
+    "restore_rng_state": "posttrain.backends.plumbing",
+    "tensor_parallel_replicas": "posttrain.backends.plumbing",
+    "leads_replica": "posttrain.backends.plumbing",
     "move_optimizer_state": "posttrain.backends.plumbing",
     "settle_cuda": "posttrain.backends.plumbing",
     "save_tokenizer_beside": "posttrain.backends.plumbing",
@@ -82,6 +89,7 @@ _PUBLIC = {
     "agree_max": "posttrain.backends.distributed",
     # Exported weights and checkpoints
     "write_shards": "posttrain.backends.safetensors_shards",
+    "export_streamed": "posttrain.backends.safetensors_shards",
     "unshare_storage": "posttrain.backends.tensors",
     "BackgroundSave": "posttrain.checkpoint.background",
     "HostBuffers": "posttrain.checkpoint.host_buffers",
@@ -98,6 +106,7 @@ _PUBLIC = {
     "between": "posttrain.config.ranges",
     "ErrorReport": "posttrain.config.report",
     "did_you_mean": "posttrain.config.report",
+    "unknown_keys": "posttrain.config.report",
     "join_path": "posttrain.config.report",
     # Errors
     "PosttrainError": "posttrain.errors",
@@ -166,26 +175,32 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     )
     from posttrain.backends.plumbing import (
         MEMORY_TAGS,
+        adamw,
+        drain,
         enable_gradient_checkpointing,
         end_process_group,
         export_dtype,
         forward_logits,
         is_cuda,
         is_rank0,
+        leads_replica,
         log_once,
         memory_tags,
         move_optimizer_state,
         rank_device,
+        restore_rng_state,
+        rng_state,
         save_tokenizer_beside,
         settle_cuda,
+        tensor_parallel_replicas,
     )
-    from posttrain.backends.safetensors_shards import write_shards
+    from posttrain.backends.safetensors_shards import export_streamed, write_shards
     from posttrain.backends.tensors import unshare_storage
     from posttrain.checkpoint.background import BackgroundSave
     from posttrain.checkpoint.digests import FileDigests, HashingStream
     from posttrain.checkpoint.host_buffers import HostBuffers, write_threads
     from posttrain.config.ranges import at_least, between, greater_than
-    from posttrain.config.report import ErrorReport, did_you_mean, join_path
+    from posttrain.config.report import ErrorReport, did_you_mean, join_path, unknown_keys
     from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs, Workflow
     from posttrain.errors import (
         CheckpointError,
@@ -235,6 +250,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         micro_batch_size,
         plan_micro_batches,
         score_logprobs,
+        score_rows,
         score_sequences,
         score_values,
     )

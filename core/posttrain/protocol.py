@@ -137,6 +137,11 @@ class SequenceBatch:
         size = len(self) // parts
         return [self.select(list(range(i * size, (i + 1) * size))) for i in range(parts)]
 
+    def sequences(self) -> list[list[int]]:
+        """Each row's tokens without its padding (prompt then response)."""
+        lengths = self.attention_mask.sum(dim=1).tolist()
+        return [self.input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
+
     def trimmed(self) -> SequenceBatch:
         """Drop trailing columns that are padding in every row."""
         width = int(self.attention_mask.sum(dim=1).max().item())

@@ -144,12 +144,12 @@ def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras:
         max_tokens_per_micro_batch=14,
     )
     plans = []
-    from posttrain_deepspeed.engine import rank_micro_batches
+    from posttrain import plan_micro_batches
 
     for step in range(STEPS):
         vocab = dyn.ctx.model.module.config.vocab_size
         share = rank_share(step_batch(step, vocab), rank, world_size)
-        plans.append(rank_micro_batches(dyn.ctx, share))
+        plans.append(plan_micro_batches(dyn.ctx, share, train=True))
         train_one(dyn, step, rank, world_size)
     all_plans = [None] * world_size
     torch.distributed.all_gather_object(all_plans, plans)

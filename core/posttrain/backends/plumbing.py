@@ -18,6 +18,7 @@ from posttrain.backends.models import load_tokenizer, torch_dtype
 if TYPE_CHECKING:
     import torch
 
+    from posttrain.config.sections import TrainingArgs
     from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import SequenceBatch
 
@@ -76,6 +77,73 @@ def enable_gradient_checkpointing(model: Any) -> None:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
     else:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+
+
+def drain(buckets: Iterable[Any]) -> bool:
+    """Consume ``buckets`` without importing them (an engine with nothing to load): a transport
+    may hand a generator whose export runs collectives every rank must join. True."""
+    for _ in buckets:
+        pass
+    return True
+
+
+def adamw(parameters: Iterable[Any], args: TrainingArgs) -> torch.optim.Optimizer:
+    """AdamW with the role's ``training_args`` (learning rate, betas, epsilon, weight decay)."""
+    import torch
+
+    return torch.optim.AdamW(
+        list(parameters),
+        lr=args.learning_rate,
+        betas=(args.adam_beta1, args.adam_beta2),
+        eps=args.adam_epsilon,
+        weight_decay=args.weight_decay,
+    )
+
+
+def rng_state(worker: WorkerContext) -> dict[str, Any]:
+    """The rank's random-number state (CPU, and its GPU's), for a checkpoint."""
+    import torch
+
+    return {
+        "rng_cpu": torch.get_rng_state(),
+        "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
+    }
+
+
+def restore_rng_state(worker: WorkerContext, state: dict[str, Any]) -> None:
+    """Set what :func:`rng_state` saved (the GPU's only on a GPU rank)."""
+    import torch
+
+    torch.set_rng_state(state["rng_cpu"])
+    if state.get("rng_cuda") is not None and is_cuda(worker):
+        torch.cuda.set_rng_state(state["rng_cuda"])
+
+
+def tensor_parallel_replicas(worker: WorkerContext, tp: int, knob: str) -> dict[str, int]:
+    """A rollout role's ranks as replicas of ``tp`` ranks each (ranks ``[k*tp, (k+1)*tp)`` form
+    replica ``k``, whose first rank drives an engine over them): the parallel coordinates
+    ``posttrain_setup_parallel`` returns. ``knob``: the config key that set ``tp``, named in
+    errors."""
+    from posttrain.errors import UserError
+
+    if worker.world_size % tp:
+        raise UserError(
+            f"{worker.strategy_name}: {worker.world_size} ranks cannot be split into replicas of "
+            f"{knob}={tp}"
+        )
+    if tp > 1 and not is_cuda(worker):
+        raise UserError(f"{worker.strategy_name}: {knob} > 1 needs GPUs (device is cpu)")
+    return {
+        "dp_rank": worker.rank // tp,
+        "dp_size": worker.world_size // tp,
+        "tp_rank": worker.rank % tp,
+        "tp_size": tp,
+    }
+
+
+def leads_replica(worker: WorkerContext) -> bool:
+    """Whether the rank drives its replica's engine (see :func:`tensor_parallel_replicas`)."""
+    return worker.parallel.get("tp_rank", 0) == 0
 
 
 def memory_tags(tags: Iterable[str] | None) -> set[str]:

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING
 
+from posttrain.backends.plumbing import is_rank0
 from posttrain.backends.tensors import unshare_storage
 
 if TYPE_CHECKING:
@@ -59,3 +60,21 @@ def write_shards(
     with open(os.path.join(path, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
         json.dump({"metadata": {"total_size": total}, "weight_map": weight_map}, f, indent=2)
     return total
+
+
+def export_streamed(
+    named: Iterable[tuple[str, torch.Tensor]], path: str, write_config: Callable[[str], None]
+) -> None:
+    """``posttrain_export_hf`` of a sharded trainer: every rank walks ``named`` (its gathers are
+    collective), rank 0 writes each shard as soon as it is full and then the config
+    (``write_config(path)``); the others drop what they gathered. Ends with a barrier."""
+    import torch.distributed as dist
+
+    if is_rank0():
+        write_shards(named, path)
+        write_config(path)
+    else:
+        for _ in named:  # take part in every gather; rank 0 keeps the tensors
+            pass
+    if dist.is_initialized():
+        dist.barrier()

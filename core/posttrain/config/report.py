@@ -69,6 +69,17 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return ""
 
 
+def unknown_keys(keys: Iterable[str], known: Iterable[str]) -> str:
+    """``'a' (did you mean 'b'?), 'c'``: the keys, each with the closest known key if any (for
+    mappings passed through to an engine, checked against what it accepts)."""
+    known = sorted(set(known))
+    hints = []
+    for key in keys:
+        close = difflib.get_close_matches(key, known, n=1)
+        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+    return ", ".join(hints)
+
+
 def join_path(*parts: str | int) -> str:
     out = ""
     for part in parts:

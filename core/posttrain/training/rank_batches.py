@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.backends.distributed import agree_max
+from posttrain.backends.plumbing import rank_device
 from posttrain.protocol import SequenceBatch
 from posttrain.scoring.modeling import shifted_entropy, shifted_token_logprobs, shifted_values
 from posttrain.training.micro_batching import fixed_micro_batches, token_budget_micro_batches
@@ -43,16 +44,16 @@ def _token_budget(worker: WorkerContext) -> int | None:
 
 
 def plan_micro_batches(
-    worker: WorkerContext, batch: SequenceBatch, device, train: bool, for_logprobs: bool = False
+    worker: WorkerContext, batch: SequenceBatch, train: bool, for_logprobs: bool = False
 ) -> tuple[list[list[int]], int]:
     """This rank's micro-batches (row indices) and the number every rank will run (agreed over
-    the default group on ``device``); dynamic batching (a token budget) in trainers only."""
+    the default group); dynamic batching (a token budget) in trainers only."""
     budget = _token_budget(worker) if train else None
     if budget is not None:
         groups = token_budget_micro_batches(batch, budget)
     else:
         groups = fixed_micro_batches(len(batch), micro_batch_size(worker, train, for_logprobs))
-    count = agree_max(len(groups), device)
+    count = agree_max(len(groups), rank_device(worker))
     if budget is not None and len(groups) < count <= len(batch):
         # Spread this rank's rows over as many micro-batches as the busiest rank runs.
         spread = token_budget_micro_batches(batch, budget, min_micro_batches=count)
@@ -112,14 +113,15 @@ def _loss_inputs(
 
 
 def accumulate_gradients(
-    worker: WorkerContext, batch: SequenceBatch, groups, count, device, forward, backward, loss_fn
+    worker: WorkerContext, batch: SequenceBatch, forward, backward, loss_fn
 ) -> dict[str, float]:
     """Forward ``forward(mb) -> logits`` (a value head's ``[B, T, 1]`` for a critic), the core's
-    loss and ``backward(loss)`` over every micro-batch (fillers with zero weight); returns the
-    real ones' summed loss metrics."""
+    loss and ``backward(loss)`` over every micro-batch of this rank's plan (fillers with zero
+    weight, so every rank runs as many); returns the real ones' summed loss metrics."""
     entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
+    groups, count = plan_micro_batches(worker, batch, train=True)
     metrics: dict[str, float] = {}
-    for rows, mb in micro_batches(batch, groups, count, device):
+    for rows, mb in micro_batches(batch, groups, count, rank_device(worker)):
         logits = forward(mb)
         outputs, entropy = _loss_inputs(worker, logits, mb, entropy_grad)
         loss, mb_metrics = loss_fn(outputs, entropy, mb)
@@ -175,3 +177,19 @@ def score_sequences(batch: SequenceBatch, groups, count, device, forward) -> tor
             out[torch.as_tensor(rows, dtype=torch.long)] = scores.float().cpu()
         del scores
     return out
+
+
+@torch.no_grad()
+def score_rows(
+    worker: WorkerContext, batch: SequenceBatch, model, score, forward, train: bool
+) -> torch.Tensor:
+    """``score`` (:func:`score_logprobs`, :func:`score_values`, :func:`score_sequences`) of this
+    rank's rows through ``forward(micro_batch)``, planned as a scoring pass of a trainer
+    (``train``) or of an inference role, with ``model`` in eval mode meanwhile."""
+    was_training = model.training
+    model.eval()
+    try:
+        groups, count = plan_micro_batches(worker, batch, train, for_logprobs=True)
+        return score(batch, groups, count, rank_device(worker), forward)
+    finally:
+        model.train(was_training)

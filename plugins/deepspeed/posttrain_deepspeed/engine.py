@@ -31,6 +31,7 @@ from posttrain import (
     UserError,
     WeightBucket,
     accumulate_gradients,
+    adamw,
     backend_for,
     bucketize,
     enable_gradient_checkpointing,
@@ -45,11 +46,13 @@ from posttrain import (
     lr_lambda,
     micro_batch_size,
     no_hf_progress_bars,
-    plan_micro_batches,
     rank_device,
     resolve_model_path,
+    restore_rng_state,
+    rng_state,
     save_tokenizer_beside,
     score_logprobs,
+    score_rows,
     settle_cuda,
 )
 
@@ -221,13 +224,7 @@ def load_model(worker: WorkerContext):
     if train:
         args = worker.require_training_args()
         if "optimizer" not in ds_config:
-            optimizer = torch.optim.AdamW(
-                [p for p in module.parameters() if p.requires_grad],
-                lr=args.learning_rate,
-                betas=(args.adam_beta1, args.adam_beta2),
-                eps=args.adam_epsilon,
-                weight_decay=args.weight_decay,
-            )
+            optimizer = adamw((p for p in module.parameters() if p.requires_grad), args)
         multiplier = lr_lambda(args)
 
         def scheduler(opt):
@@ -375,19 +372,6 @@ def _tied_names(module) -> list[tuple[str, str]]:
 
 
 # --------------------------------------------------------------------------------------------
-# Micro-batches
-# --------------------------------------------------------------------------------------------
-
-
-def rank_micro_batches(
-    worker: WorkerContext, batch: SequenceBatch, for_logprobs: bool = False
-) -> tuple[list[list[int]], int]:
-    """This rank's micro-batches (row indices) and the number every rank will run."""
-    train = worker.strategy_name == TRAIN
-    return plan_micro_batches(worker, batch, rank_device(worker), train, for_logprobs)
-
-
-# --------------------------------------------------------------------------------------------
 # Training and scoring
 # --------------------------------------------------------------------------------------------
 
@@ -396,13 +380,9 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     engine = worker.model
     scheduler = worker.state["scheduler"]
     engine.train()
-    groups, count = rank_micro_batches(worker, batch)
     metrics = accumulate_gradients(
         worker,
         batch,
-        groups,
-        count,
-        rank_device(worker),
         forward=lambda mb: forward_logits(engine, mb).float(),
         # The core's loss is already normalised over the whole step: no 1/accumulation scaling.
         backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
@@ -424,17 +404,11 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     return metrics
 
 
-@torch.no_grad()
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     engine = worker.model
-    was_training = engine.training
-    engine.eval()
-    groups, count = rank_micro_batches(worker, batch, for_logprobs=True)
-    out = score_logprobs(
-        batch, groups, count, rank_device(worker), lambda mb: forward_logits(engine, mb).float()
-    )
-    engine.train(was_training)
-    return out
+    train = worker.strategy_name == TRAIN
+    forward = lambda mb: forward_logits(engine, mb).float()  # noqa: E731
+    return score_rows(worker, batch, engine, score_logprobs, forward, train)
 
 
 # --------------------------------------------------------------------------------------------
@@ -591,8 +565,7 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     engine.save_checkpoint(path, tag=TAG, save_latest=False)
     extra = {
         "step": worker.state.get("step", 0),
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
+        **rng_state(worker),
         "world_size": world,
     }
     torch.save(extra, _extra_path(path, rank))
@@ -634,9 +607,7 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     if os.path.exists(extra_file):
         extra = torch.load(extra_file, weights_only=False)
         worker.state["step"] = extra.get("step", 0)
-        torch.set_rng_state(extra["rng_cpu"])
-        if extra.get("rng_cuda") is not None and is_cuda(worker):
-            torch.cuda.set_rng_state(extra["rng_cuda"])
+        restore_rng_state(worker, extra)
     if dist.is_initialized():
         dist.barrier()
     return True

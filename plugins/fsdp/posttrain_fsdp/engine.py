@@ -32,10 +32,12 @@ from posttrain import (
     SequenceBatch,
     WeightBucket,
     accumulate_gradients,
+    adamw,
     bucketize,
     enable_gradient_checkpointing,
     end_process_group,
     export_dtype,
+    export_streamed,
     forward_logits,
     init_default_process_group,
     is_cuda,
@@ -45,16 +47,17 @@ from posttrain import (
     lr_lambda,
     memory_tags,
     move_optimizer_state,
-    plan_micro_batches,
     rank_device,
+    restore_rng_state,
+    rng_state,
     save_tokenizer_beside,
     score_logprobs,
+    score_rows,
     score_sequences,
     score_values,
     sequence_scores,
     settle_cuda,
     torch_dtype,
-    write_shards,
 )
 
 if TYPE_CHECKING:
@@ -155,31 +158,10 @@ def load_model(worker: WorkerContext):
 
 
 def _build_optimizer(worker: WorkerContext, model) -> None:
-    args = worker.training_args
-    if args is None:
-        raise ValueError(f"role {worker.role}: fsdp2_train needs training_args")
-    optimizer = torch.optim.AdamW(
-        [p for p in model.parameters() if p.requires_grad],
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        weight_decay=args.weight_decay,
-    )
+    args = worker.require_training_args()
+    optimizer = adamw((p for p in model.parameters() if p.requires_grad), args)
     worker.state["optimizer"] = optimizer
     worker.state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
-
-
-# --------------------------------------------------------------------------------------------
-# Micro-batches
-# --------------------------------------------------------------------------------------------
-
-
-def rank_micro_batches(
-    worker: WorkerContext, batch: SequenceBatch, for_logprobs: bool = False
-) -> tuple[list[list[int]], int]:
-    """This rank's micro-batches (row indices) and the number every rank will run."""
-    train = worker.strategy_name == TRAIN
-    return plan_micro_batches(worker, batch, rank_device(worker), train, for_logprobs)
 
 
 # --------------------------------------------------------------------------------------------
@@ -192,13 +174,9 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     optimizer = worker.state["optimizer"]
     scheduler = worker.state["scheduler"]
     model.train()
-    groups, count = rank_micro_batches(worker, batch)
     metrics = accumulate_gradients(
         worker,
         batch,
-        groups,
-        count,
-        rank_device(worker),
         forward=lambda mb: forward_logits(model, mb),
         backward=lambda loss: loss.backward(),
         loss_fn=loss_fn,
@@ -233,38 +211,24 @@ def _clip_grad_norm(model, max_norm: float | None) -> float:
     return float(norm)
 
 
-@torch.no_grad()
-def _score_tokens(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tensor:
-    """``score`` (``score_logprobs`` / ``score_values``) of this rank's rows, the
-    model in eval mode meanwhile."""
-    model = worker.model
-    was_training = model.training
-    model.eval()
-    groups, count = rank_micro_batches(worker, batch, for_logprobs=True)
-    out = score(batch, groups, count, rank_device(worker), lambda mb: forward_logits(model, mb))
-    model.train(was_training)
-    return out
+def _score(worker: WorkerContext, batch: SequenceBatch, score, forward) -> torch.Tensor:
+    train = worker.strategy_name == TRAIN
+    return score_rows(worker, batch, worker.model, score, forward, train)
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    return _score_tokens(worker, batch, score_logprobs)
+    return _score(worker, batch, score_logprobs, lambda mb: forward_logits(worker.model, mb))
 
 
 def compute_values(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    return _score_tokens(worker, batch, score_values)
+    return _score(worker, batch, score_values, lambda mb: forward_logits(worker.model, mb))
 
 
-@torch.no_grad()
 def compute_scores(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    model = worker.model
-    groups, count = rank_micro_batches(worker, batch, for_logprobs=True)
-    return score_sequences(
-        batch,
-        groups,
-        count,
-        rank_device(worker),
-        lambda mb: sequence_scores(model, mb.input_ids, mb.attention_mask),
-    )
+    def forward(mb: SequenceBatch) -> torch.Tensor:
+        return sequence_scores(worker.model, mb.input_ids, mb.attention_mask)
+
+    return _score(worker, batch, score_sequences, forward)
 
 
 # --------------------------------------------------------------------------------------------
@@ -336,16 +300,8 @@ def export_hf(worker: WorkerContext, path: str) -> bool:
     if getattr(model.config, "tie_word_embeddings", False):
         # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
         tied = set(_tied_head_names(model))
-    rank0 = is_rank0()
-    named = ((n, t) for n, t in _gathered(worker, keep=rank0, device="cpu") if n not in tied)
-    if rank0:
-        write_shards(named, path)
-        _write_hf_config(worker, path)
-    else:
-        for _ in named:  # take part in every gather; rank 0 keeps the tensors
-            pass
-    if dist.is_initialized():
-        dist.barrier()
+    named = ((n, t) for n, t in _gathered(worker, keep=is_rank0(), device="cpu") if n not in tied)
+    export_streamed(named, path, lambda out: _write_hf_config(worker, out))
     return True
 
 
@@ -404,8 +360,7 @@ def _write_extras(worker: WorkerContext, path: str, digests) -> dict:
     extra = {
         "step": worker.state.get("step", 0),
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
+        **rng_state(worker),
         "world_size": world,
     }
     with digests.open(_extra_path(path, rank)) as f:
@@ -557,9 +512,7 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
         if scheduler is not None and extra.get("scheduler") is not None:
             scheduler.load_state_dict(extra["scheduler"])
         if extra.get("world_size") == world and extra_file == own:  # same layout: same RNG
-            torch.set_rng_state(extra["rng_cpu"])
-            if extra.get("rng_cuda") is not None and is_cuda(worker):
-                torch.cuda.set_rng_state(extra["rng_cuda"])
+            restore_rng_state(worker, extra)
     if dist.is_initialized():
         dist.barrier()
     return True

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from posttrain import is_cuda
+from posttrain import is_cuda, restore_rng_state, rng_state
 from posttrain_megatron import mcore_compat
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
@@ -61,8 +61,7 @@ def _write_extras(worker: WorkerContext, path: str, optimizer, digests) -> dict:
         "step": worker.state.get("step", 0),
         "updates": worker.state.get("updates", 0),
         "layout": layout,
-        "rng_cpu": torch.get_rng_state(),
-        "rng_cuda": torch.cuda.get_rng_state() if is_cuda(worker) else None,
+        **rng_state(worker),
         "rng_tracker": get_cuda_rng_tracker().get_states(),
     }
     with digests.open(_extra_path(path, _rank())) as f:
@@ -222,9 +221,7 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     worker.state["updates"] = extra["updates"]
     saved_layout = {k: v for k, v in extra["layout"].items() if k != "has_optimizer"}
     if saved_layout == current_layout() and os.path.exists(own):  # same layout: same RNG
-        torch.set_rng_state(extra["rng_cpu"])
-        if extra["rng_cuda"] is not None and is_cuda(worker):
-            torch.cuda.set_rng_state(extra["rng_cuda"])
+        restore_rng_state(worker, extra)
         get_cuda_rng_tracker().set_states(extra["rng_tracker"])
     dist.barrier()
     return True

@@ -14,15 +14,14 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
-import torch.distributed as dist
 
 from posttrain import (
     WeightBucket,
     bucketize,
+    export_streamed,
     is_rank0,
     save_tokenizer_beside,
     torch_dtype,
-    write_shards,
 )
 
 if TYPE_CHECKING:
@@ -68,16 +67,9 @@ def _buckets(worker: WorkerContext, bucket_bytes: int, in_process: bool) -> Iter
 def export_hf(worker: WorkerContext, path: str) -> bool:
     """Streamed: mbridge's walk gathers one tensor at a time on every rank and rank 0 writes each
     safetensors shard as soon as it is full, holding at most one shard on the host."""
-    rank0 = is_rank0()
-    named = hf_tensors(worker, keep=rank0)
-    if rank0:
-        write_shards(named, path)
-        write_hf_config(worker, path)
-    else:
-        for _ in named:  # take part in every gather; rank 0 keeps the tensors
-            pass
-    if dist.is_initialized():
-        dist.barrier()
+    export_streamed(
+        hf_tensors(worker, keep=is_rank0()), path, lambda out: write_hf_config(worker, out)
+    )
     return True
 
 

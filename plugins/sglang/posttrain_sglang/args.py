@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import difflib
 from typing import TYPE_CHECKING, Any
 
-from posttrain import UserError, resolve_model_path
+from posttrain import UserError, resolve_model_path, unknown_keys
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
@@ -109,11 +108,7 @@ def check_engine_kwargs(kwargs: dict[str, Any], known: set[str] | None = None) -
     unknown = sorted(set(kwargs) - known)
     if not unknown:
         return
-    hints = []
-    for key in unknown:
-        close = difflib.get_close_matches(key, known, n=1)
-        hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
     raise UserError(
         "sglang: strategy_config.engine_kwargs has keys SGLang's ServerArgs does not accept: "
-        + ", ".join(hints)
+        + unknown_keys(unknown, known)
     )

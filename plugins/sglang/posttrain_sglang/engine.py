@@ -22,7 +22,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, load_tokenizer
+from posttrain import (
+    GenerationRequest,
+    RolloutSamples,
+    SequenceBatch,
+    UserError,
+    drain,
+    leads_replica,
+    load_tokenizer,
+    tensor_parallel_replicas,
+)
 from posttrain_sglang import args as engine_args_mod
 from posttrain_sglang import calls, leftovers
 from posttrain_sglang.receiver import DistributedReceiver
@@ -54,27 +63,12 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     """Ranks ``[k*tp, (k+1)*tp)`` form replica ``k``; its first rank drives one engine that
     spans the replica's GPUs (SGLang tensor parallelism). The other ranks of a replica idle."""
     tp = worker.config.tp_size
-    if worker.world_size % tp:
-        raise UserError(
-            f"sglang: {worker.world_size} ranks cannot be split into replicas of tp_size={tp}"
-        )
-    if tp > 1 and not engine_args_mod.is_cuda(worker):
-        raise UserError("sglang: tp_size > 1 needs GPUs (device is cpu)")
-    return {
-        "dp_rank": worker.rank // tp,
-        "dp_size": worker.world_size // tp,
-        "tp_rank": worker.rank % tp,
-        "tp_size": tp,
-    }
-
-
-def _is_leader(worker: WorkerContext) -> bool:
-    return worker.parallel.get("tp_rank", 0) == 0
+    return tensor_parallel_replicas(worker, tp, "tp_size")
 
 
 def load_model(worker: WorkerContext):
     worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
-    if not _is_leader(worker):
+    if not leads_replica(worker):
         return {"replica_leader": False}
     args = engine_args_mod.engine_args(worker)
     extra = dict(worker.config.engine_kwargs)
@@ -196,8 +190,7 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
     engine = _engine(worker)
     if engine is None:
         return result
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    rows = [batch.input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
+    rows = batch.sequences()
     params = {"max_new_tokens": 1, "temperature": 0.0}
     step = _batch_size(worker) or len(rows) or 1
     for start in range(0, len(rows), step):
@@ -221,9 +214,7 @@ def import_weights(worker: WorkerContext, buckets) -> bool:
     """Colocated path: every bucket of this call inside one weight-update session."""
     engine = _engine(worker)
     if engine is None:
-        for _ in buckets:  # drain: transports may hand a generator
-            pass
-        return True
+        return drain(buckets)
     tensors = [(name, t.detach()) for bucket in buckets for name, t in bucket.tensors]
     if not tensors:
         return True

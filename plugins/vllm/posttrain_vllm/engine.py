@@ -34,8 +34,13 @@ from posttrain import (
     RolloutSamples,
     SequenceBatch,
     UserError,
+    drain,
+    is_cuda,
+    leads_replica,
     load_tokenizer,
     resolve_model_path,
+    tensor_parallel_replicas,
+    unknown_keys,
     unshare_storage,
 )
 from posttrain_vllm import worker_side
@@ -54,10 +59,6 @@ CPU_KV_CACHE_BYTES = 64 << 20
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
-
-
-def _is_cuda(worker: WorkerContext) -> bool:
-    return worker.device.startswith("cuda")
 
 
 def multiprocessing_engine() -> bool:
@@ -80,23 +81,7 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     """Ranks ``[k*tp, (k+1)*tp)`` form replica ``k``; its first rank drives one engine that
     spans the replica's GPUs (vLLM tensor parallelism). The other ranks of a replica idle."""
     tp = worker.config.tensor_parallel_size
-    if worker.world_size % tp:
-        raise UserError(
-            f"vllm: {worker.world_size} ranks cannot be split into replicas of "
-            f"tensor_parallel_size={tp}"
-        )
-    if tp > 1 and not _is_cuda(worker):
-        raise UserError("vllm: tensor_parallel_size > 1 needs GPUs (device is cpu)")
-    return {
-        "dp_rank": worker.rank // tp,
-        "dp_size": worker.world_size // tp,
-        "tp_rank": worker.rank % tp,
-        "tp_size": tp,
-    }
-
-
-def _is_leader(worker: WorkerContext) -> bool:
-    return worker.parallel.get("tp_rank", 0) == 0
+    return tensor_parallel_replicas(worker, tp, "tensor_parallel_size")
 
 
 def engine_args(worker: WorkerContext) -> dict[str, Any]:
@@ -125,7 +110,7 @@ def engine_args(worker: WorkerContext) -> dict[str, Any]:
         args["distributed_executor_backend"] = "external_launcher"
     if cfg.kv_cache_memory_bytes is not None:
         args["kv_cache_memory_bytes"] = cfg.kv_cache_memory_bytes
-    elif not _is_cuda(worker):
+    elif not is_cuda(worker):
         args["kv_cache_memory_bytes"] = CPU_KV_CACHE_BYTES
     if cfg.gpu_memory_utilization is not None:
         args["gpu_memory_utilization"] = cfg.gpu_memory_utilization
@@ -160,26 +145,21 @@ def _check_engine_tokenizer(worker: WorkerContext, llm) -> None:
 
 def _sleep_mode(worker: WorkerContext) -> bool:
     enabled = worker.config.enable_sleep_mode
-    return _is_cuda(worker) if enabled is None else bool(enabled)
+    return is_cuda(worker) if enabled is None else bool(enabled)
 
 
 def check_engine_kwargs(kwargs: dict[str, Any]) -> None:
     """Unknown ``engine_kwargs`` keys: a clear error naming them and close matches."""
     import dataclasses
-    import difflib
 
     from vllm.engine.arg_utils import EngineArgs
 
     known = {f.name for f in dataclasses.fields(EngineArgs)}
     unknown = sorted(set(kwargs) - known)
     if unknown:
-        hints = []
-        for key in unknown:
-            close = difflib.get_close_matches(key, known, n=1)
-            hints.append(f"{key!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
         raise UserError(
             "vllm: strategy_config.engine_kwargs has keys vLLM's EngineArgs does not accept: "
-            + ", ".join(hints)
+            + unknown_keys(unknown, known)
         )
 
 
@@ -206,7 +186,7 @@ def check_cpu_head_size(path: str) -> None:
 
 def load_model(worker: WorkerContext):
     worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
-    if not _is_leader(worker):
+    if not leads_replica(worker):
         return {"replica_leader": False}
     os.environ.setdefault(_MP_ENV, "0")
     if beside_another_role() and multiprocessing_engine():
@@ -214,14 +194,14 @@ def load_model(worker: WorkerContext):
             "vllm: beside another role in the same processes (cluster.colocation: auto) the "
             f"engine runs in-process; unset {_MP_ENV} or set cluster.colocation: separate"
         )
-    if _is_cuda(worker) and "CUDA_VISIBLE_DEVICES" not in os.environ:
+    if is_cuda(worker) and "CUDA_VISIBLE_DEVICES" not in os.environ:
         # The leader drives the replica's GPUs: its own and the next tp - 1. (A launcher that
         # already narrowed the visible devices, as Ray does, is left alone.)
         first = int(os.environ.get("LOCAL_RANK", "0"))
         tp = worker.config.tensor_parallel_size
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(tp))
     args = engine_args(worker)
-    if not _is_cuda(worker):
+    if not is_cuda(worker):
         check_cpu_head_size(args["model"])
         if worker.config.enforce_eager:
             _eager_sampler()
@@ -358,8 +338,7 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    lengths = batch.attention_mask.sum(dim=1).tolist()
-    prompts = [batch.input_ids[i, : int(n)].tolist() for i, n in enumerate(lengths)]
+    prompts = batch.sequences()
     params = SamplingParams(max_tokens=1, prompt_logprobs=0, detokenize=False, temperature=0.0)
     step = _batch_size(worker) or len(prompts) or 1
     for start in range(0, len(prompts), step):
@@ -390,9 +369,7 @@ def _shm_dir(worker: WorkerContext) -> str:
 def import_weights(worker: WorkerContext, buckets) -> bool:
     llm = _llm(worker)
     if llm is None:
-        for _ in buckets:  # drain: transports may hand a generator
-            pass
-        return True
+        return drain(buckets)
     via_files = multiprocessing_engine() or worker.config.tensor_parallel_size > 1
     for bucket in buckets:
         tensors = [(name, t.detach()) for name, t in bucket.tensors]
@@ -458,7 +435,7 @@ def _warn_no_sleep(worker: WorkerContext) -> None:
     if worker.state.get(_CPU_SLEEP_WARNED):
         return
     worker.state[_CPU_SLEEP_WARNED] = True
-    reason = "vLLM has no sleep mode on CPU" if not _is_cuda(worker) else "sleep mode is off"
+    reason = "vLLM has no sleep mode on CPU" if not is_cuda(worker) else "sleep mode is off"
     log.warning("%s: release/resume memory keeps the engine as it is", reason)
 
 
