@@ -66,7 +66,8 @@ def parse_strategy(text: str) -> tuple[str, dict]:
 
 
 def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
-    """Seconds per step (the first left out) and peak GiB per rank of one strategy."""
+    """Seconds per step (the first left out, unless it is the only one) and peak GiB per rank of
+    one strategy."""
     from posttrain.launch.local import LocalLauncher
 
     raw, model_dtype = {"micro_batch_size": args.batch, **extra}, "fp32"
@@ -96,7 +97,8 @@ def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
         peaks = group.call("run_function", "train_throughput:peak_memory")
     finally:
         launcher.shutdown()
-    return {"step": sum(times[1:]) / max(1, len(times) - 1), "peak": max(peaks)}
+    timed = times[1:] or times  # the first step warms up, unless it is the only one
+    return {"step": sum(timed) / len(timed), "peak": max(peaks)}
 
 
 def main() -> int:
