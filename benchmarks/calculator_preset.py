@@ -101,8 +101,7 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    from posttrain.backends.models import load_causal_lm, load_tokenizer
-    from posttrain.config.sections import ModelArgs
+    from posttrain import ModelArgs, load_causal_lm, load_tokenizer
     from posttrain.tasks.data import synthetic_multi_digit_arithmetic
 
     with tempfile.TemporaryDirectory() as cache:

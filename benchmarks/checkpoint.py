@@ -25,26 +25,10 @@ import sys
 import tempfile
 import time
 
-from shapes import SHAPES
+from common import SHAPES, build_model, print_table
 from trainer_runs import random_train_batch, trainer_group
 
 GB = 1e9
-
-
-def build_model(shape: str, out_dir: str, dtype: str) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from posttrain.tasks.presets import build_tokenizer
-
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(config)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    model.save_pretrained(out_dir)
-    build_tokenizer().save_pretrained(out_dir)
-    return sum(p.numel() for p in model.parameters())
 
 
 def strategy_config(strategy: str, dtype: str) -> tuple[dict, str]:
@@ -152,25 +136,34 @@ def main() -> int:
     args.dir = os.path.abspath(args.dir or os.getcwd())
     results = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as model_dir:
-        params = build_model(args.shape, model_dir, args.dtype)
+        params = build_model(args.shape, model_dir, dtype=args.dtype).params
         for strategy in args.strategies.split("+"):
             results[strategy] = measure(args, model_dir, strategy)
-    print(
-        f"checkpoint saves: {args.shape} ({params / 1e6:.0f}M params), {args.device} x 1, "
-        f"{args.dtype}, checkpoints in {args.dir}"
-    )
-    print(
-        "| strategy | GB saved | sync save s | stall s (1st) | stall s | write s | write GB/s "
-        "| disk copy GB/s | write / disk | step s | step s (saving) |"
-    )
-    print("| --- | " + " | ".join(["---:"] * 10) + " |")
+    rows = []
     for strategy, r in results.items():
         rate = r["bytes"] / GB / r["write_s"]
-        print(
-            f"| {strategy} | {r['bytes'] / GB:.2f} | {r['sync_s']:.2f} | {r['first_stall_s']:.2f} "
-            f"| {r['stall_s']:.3f} | {r['write_s']:.2f} | {rate:.2f} | {r['disk']:.2f} "
-            f"| {rate / r['disk']:.2f} | {r['step']:.3f} | {r['step_saving']:.3f} |"
+        rows.append(
+            {
+                "strategy": strategy,
+                "GB saved": r["bytes"] / GB,
+                "sync save s": r["sync_s"],
+                "stall s (1st)": r["first_stall_s"],
+                "stall s": r["stall_s"],
+                "write s": r["write_s"],
+                "write GB/s": rate,
+                "disk copy GB/s": r["disk"],
+                "write / disk": rate / r["disk"],
+                "step s": r["step"],
+                "step s (saving)": r["step_saving"],
+            }
         )
+    print_table(
+        rows,
+        f"checkpoint saves: {args.shape} ({params / 1e6:.0f}M params), {args.device} x 1, "
+        f"{args.dtype}, checkpoints in {args.dir}",
+        float_format=".2f",
+        formats={"stall s": ".3f", "step s": ".3f", "step s (saving)": ".3f"},
+    )
     return 0
 
 

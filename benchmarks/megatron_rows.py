@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 
-from shapes import SHAPES
+from common import SHAPES
 
 # Megatron builds rotary tables for the model's longest position: the benchmark's sequences.
 MAX_POSITIONS = {"qwen2-1.5b": 32768, "tiny": 256}

@@ -42,6 +42,7 @@ import subprocess
 import sys
 import time
 
+from common import device_name, flops_per_token, peak_bf16_tflops, print_table
 from megatron_baselines import row_megatron_local, row_transformers
 from megatron_rows import (
     BATCHES,
@@ -50,7 +51,6 @@ from megatron_rows import (
     hf_config,
     row_megatron_packing,
     row_megatron_train,
-    shape_config,
 )
 
 ROW_FUNCS = {
@@ -60,7 +60,6 @@ ROW_FUNCS = {
     "megatron_packing": row_megatron_packing,
 }
 ROWS = tuple(ROW_FUNCS)
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
 
 
 def param_count(shape: str) -> int:
@@ -71,11 +70,6 @@ def param_count(shape: str) -> int:
     with torch.device("meta"):
         model = Qwen2ForCausalLM(hf_config(shape))
     return sum(p.numel() for p in model.parameters())
-
-
-def flops_per_token(shape: str, seq: int, params: int) -> float:
-    cfg = shape_config(shape)
-    return 6.0 * params + 6.0 * cfg["num_hidden_layers"] * cfg["hidden_size"] * seq
 
 
 def child(args) -> int:
@@ -92,11 +86,6 @@ def child(args) -> int:
     ROW_FUNCS[args.child](args, dev, emit)
     gc.collect()
     return 0
-
-
-# --------------------------------------------------------------------------------------------
-# Driver
-# --------------------------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -146,21 +135,6 @@ def run_row(row: str, args) -> tuple[list[dict], str]:
     return results, note
 
 
-def device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    return "cpu"
-
-
-def peak_tflops(name: str) -> float | None:
-    for key, value in PEAK_TFLOPS.items():
-        if key in name:
-            return value
-    return None
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated: " + ",".join(ROWS))
@@ -204,55 +178,41 @@ def main() -> int:
         print(note, flush=True)
         failed |= "exit 0 " not in note
         results += got
+    report(args, name, params, results)
+    return 1 if failed else 0
 
-    peak = peak_tflops(name)
+
+def report(args, name: str, params: int, results: list[dict]) -> None:
+    """The training table, the export and packing figures, and how they were computed."""
+    peak = peak_bf16_tflops(name)
     train = [r for r in results if not r.get("export") and not r.get("packing")]
     base = {(r["rows"], r["seq"]): r for r in train if r["row"] == "transformers"}
-    columns = [
-        ("row", 15, "<"),
-        ("attention", 9, "<"),
-        ("tokens/step", 11, ">"),
-        ("s/step", 7, ">"),
-        ("tokens/s", 9, ">"),
-        ("TFLOP/s", 7, ">"),
-        ("MFU", 6, ">"),
-        ("peak GiB", 8, ">"),
-        ("vs transformers", 15, ">"),
-        ("grad norm", 9, ">"),
-    ]
-
-    def line(cells) -> str:
-        return "| " + " | ".join(f"{c:{a}{w}}" for c, (_, w, a) in zip(cells, columns)) + " |"
-
-    print("\n" + line([name for name, _, _ in columns]))
-    print(
-        "| "
-        + " | ".join("-" * w if a == "<" else "-" * (w - 1) + ":" for _, w, a in columns)
-        + " |"
-    )
+    table = []
     for rows_, seq in BATCHES[args.shape]:
         for r in train:
             if (r["rows"], r["seq"]) != (rows_, seq):
                 continue
             tps = rows_ * seq / r["seconds"]
-            tflops = tps * flops_per_token(args.shape, seq, params) / 1e12
+            tflops = tps * flops_per_token(args.shape, params, seq) / 1e12
             ref = base.get((rows_, seq))
-            print(
-                line(
-                    [
-                        r["row"],
-                        r["backend"],
-                        f"{rows_}x{seq}",
-                        f"{r['seconds']:.3f}",
-                        f"{tps:.0f}",
-                        f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
-                        f"{100 * tflops / peak:.1f}%" if peak else "n/a",
-                        f"{r['peak']:.1f}",
-                        f"{ref['seconds'] / r['seconds']:.2f}x" if ref else "n/a",
-                        f"{r['grad_norm']:.3g}" if r.get("grad_norm") is not None else "n/a",
-                    ]
-                )
+            table.append(
+                {
+                    "row": r["row"],
+                    "attention": r["backend"],
+                    "tokens/step": f"{rows_}x{seq}",
+                    "s/step": f"{r['seconds']:.3f}",
+                    "tokens/s": f"{tps:.0f}",
+                    "TFLOP/s": f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
+                    "MFU": f"{100 * tflops / peak:.1f}%" if peak else "n/a",
+                    "peak GiB": f"{r['peak']:.1f}",
+                    "vs transformers": f"{ref['seconds'] / r['seconds']:.2f}x" if ref else "n/a",
+                    "grad norm": f"{r['grad_norm']:.3g}"
+                    if r.get("grad_norm") is not None
+                    else "n/a",
+                }
             )
+    print()
+    print_table(table, text_columns=2)
     ours = {(r["rows"], r["seq"]): r for r in train if r["row"] == "megatron_train"}
     ratios = [base[k]["seconds"] / ours[k]["seconds"] for k in ours if k in base]
     if ratios:
@@ -291,7 +251,6 @@ def main() -> int:
         f"against {peak or 'n/a'} TFLOP/s dense bf16; 'vs transformers' = its s/step / this "
         f"row's s/step."
     )
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

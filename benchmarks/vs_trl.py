@@ -30,9 +30,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from vs_trl_measures import WARMUP_STEPS, aggregate, print_runs, print_table, summarize
+from common import REPO, copy_tokenizer, posttrain_run_command
+from vs_trl_measures import WARMUP_STEPS, aggregate, print_runs, print_summary, summarize
 
-REPO = Path(__file__).resolve().parents[1]
 WORKFLOW = REPO / "benchmarks" / "vs_trl.yaml"
 TRL_SIDE = REPO / "benchmarks" / "trl_grpo_side.py"
 
@@ -97,9 +97,7 @@ def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -
         "p_digit": float(probs[:, digits].sum(-1).mean()),
     }
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    for name in os.listdir(base):  # the tokenizer files, as the preset builder wrote them
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(base / name, out_dir / name)
+    copy_tokenizer(base, out_dir)  # as the preset builder wrote it
     shutil.rmtree(base)
     return info
 
@@ -154,7 +152,6 @@ def run_side(name: str, cmd: list[str], steps_file: Path, log: Path) -> tuple[fl
 
 def run_posttrain(work: Path, model_dir: Path, steps: int, seed: int, extra: list[str]) -> dict:
     run_dir = work / "posttrain_run"
-    cmd = [sys.executable, "-m", "posttrain.cli", "run", str(WORKFLOW)]
     sets = [
         f"model_args.model_name_or_path={model_dir}",
         f"trainer.output_dir={run_dir}",
@@ -162,8 +159,7 @@ def run_posttrain(work: Path, model_dir: Path, steps: int, seed: int, extra: lis
         f"trainer.seed={seed}",
         *extra,
     ]
-    for item in sets:
-        cmd += ["--set", item]
+    cmd = posttrain_run_command(WORKFLOW, sets)
     launch, done, lines = run_side(
         "posttrain", cmd, run_dir / "metrics.jsonl", work / "posttrain.log"
     )
@@ -308,10 +304,7 @@ def main() -> int:
         json.dumps({"warm_start": info, "runs": summaries, "medians": totals}, indent=2)
     )
     print_runs(summaries)
-    if len(totals) == 2:
-        print_table(totals["posttrain"], totals["trl"], args, info, trl_version)
-    else:
-        print(json.dumps(totals, indent=2))
+    print_summary(totals, args, info, trl_version)
     print(
         f"load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
         f"{os.cpu_count()} CPUs; model, logs and per-step metrics: {work}"

@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import statistics
 
+from common import print_table
+
 WARMUP_STEPS = 5  # steps left out of the steady-state per-step time (caches, allocator, JIT)
 
 
@@ -73,16 +75,20 @@ def aggregate(runs: list[dict]) -> dict:
     return out
 
 
-def print_table(pt: dict, trl: dict, args, info: dict, trl_version: str) -> None:
+def print_summary(totals: dict[str, dict], args, info: dict, trl_version: str) -> None:
+    """The medians of each side that ran, side by side, with their ratios when both ran."""
+    names = {"posttrain": "posttrain", "trl": "TRL"}
+    both = len(totals) == 2
     repeats = f", median of {args.repeats} runs per side" if args.repeats > 1 else ""
+    sides = " vs ".join(f"TRL {trl_version}" if side == "trl" else side for side in totals)
     print(
-        f"\nposttrain vs TRL {trl_version}: single_digit_addition, {info['parameters'] / 1e6:.2f}M-"
+        f"\n{sides}: single_digit_addition, {info['parameters'] / 1e6:.2f}M-"
         f"parameter Qwen2, warm start reward {info['expected_reward']:.3f}, 64 completions/step, "
         f"lr 1e-4, one thread per process, {args.steps} steps{repeats}"
     )
     if args.set:
         print(f"posttrain overrides: {' '.join(args.set)}")
-    rows = [
+    measures = [
         (f"wall time per step, median after step {WARMUP_STEPS} (s)", "step", ".4f"),
         ("step's own time, median (s)", "step_own", ".4f"),
         ("start-up: launch to step 1 (s)", "startup", ".1f"),
@@ -94,13 +100,17 @@ def print_table(pt: dict, trl: dict, args, info: dict, trl_version: str) -> None
         (f"reward, first {args.window} steps", "reward_first", ".3f"),
         (f"reward, last {args.window} steps", "reward_last", ".3f"),
     ]
-    width = max(len(label) for label, _, _ in rows)
-    print(f"| {'':{width}} | {'posttrain':>9} | {'TRL':>9} | {'pt/TRL':>7} |")
-    print(f"| {'-' * width} | {'-' * 9} | {'-' * 9} | {'-' * 7} |")
-    for label, key, spec in rows:
-        a, b = pt[key], trl[key]
-        r = ratio(a, b) if not key.startswith("reward") else ""
-        print(f"| {label:{width}} | {fmt(a, spec):>9} | {fmt(b, spec):>9} | {r:>7} |")
+    rows = []
+    for label, key, spec in measures:
+        row = {"": label, **{names[side]: fmt(t[key], spec) for side, t in totals.items()}}
+        if both:
+            a, b = totals["posttrain"][key], totals["trl"][key]
+            row["pt/TRL"] = ratio(a, b) if not key.startswith("reward") else ""
+        rows.append(row)
+    print_table(rows)
+    if not both:
+        return
+    pt, trl = totals["posttrain"], totals["trl"]
     if pt["hits"] < args.repeats or trl["hits"] < args.repeats:
         print(
             f"threshold reached in {pt['hits']}/{args.repeats} posttrain runs, "
