@@ -6,6 +6,8 @@ hour, each side's idle time per step and the final reward, and the ratios async 
     python benchmarks/async_rollout.py                       # CPU: the quickstart's tiny task
     python benchmarks/async_rollout.py --device cuda --shape qwen2-1.5b --max-new-tokens 64 \
         --steps 12 --rollout-batch-size 16                   # 2 GPUs, a 1.5B-shaped model
+    python benchmarks/async_rollout.py --shape tiny --steps 1 --rollout-batch-size 4 \
+        --set algorithm.group_size=2                         # smoke check
 
 ``--shape`` builds a randomly initialised Qwen2 of that shape (benchmarks/common.py) with the
 quickstart's tokenizer: it measures speed, not learning. Without it the quickstart's preset

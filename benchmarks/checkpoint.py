@@ -4,6 +4,7 @@ disk's own speed measured with a plain file copy in the same run.
 
     python benchmarks/checkpoint.py --device cpu  --shape qwen2-100m
     python benchmarks/checkpoint.py --device cuda --shape qwen2-1.5b --dtype bf16
+    python benchmarks/checkpoint.py --shape tiny --seq 32 --strategies fsdp2_train  # smoke check
 
 One rank per trainer, a model built locally (random init), one optimizer step first so the
 optimizer state is saved too. Per trainer: a synchronous save (``trainer.async_save: false``,

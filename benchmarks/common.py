@@ -20,6 +20,16 @@ from typing import Any, NamedTuple
 
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
+# ``--tiny``: the quickstart as a smoke check (seconds on CPU): one rank process, 4 prompts x 2
+# samples a step, no final checkpoint.
+TINY_QUICKSTART = (
+    "actor_train.device_mapping=[0]",
+    "actor_infer.device_mapping=[0]",
+    "reference.device_mapping=[0]",
+    "algorithm.rollout_batch_size=4",
+    "algorithm.group_size=2",
+    "trainer.save_final=false",
+)
 
 # Qwen2-shaped models the benchmarks build locally (random init, no download).
 SHAPES = {

@@ -6,6 +6,7 @@ same run, and the step-time ratio (e.g. PPO's critic cost against GRPO).
     python benchmarks/quickstart.py [--steps 100] [--save-steps 25] [--workflow WORKFLOW.yaml]
     python benchmarks/quickstart.py --workflow examples/quickstart_ppo.yaml \
         --baseline examples/quickstart.yaml --set trainer.save_steps=0
+    python benchmarks/quickstart.py --tiny --steps 1 --save-steps 0      # smoke check
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import statistics
 import sys
 from pathlib import Path
 
-from common import QUICKSTART, print_table, run_workflow, steady, steady_step_s
+from common import QUICKSTART, TINY_QUICKSTART, print_table, run_workflow, steady, steady_step_s
 
 # "outside_phases": step time no phase accounts for (the driver's own work between phases).
 PHASES = (
@@ -34,6 +35,7 @@ def overrides(args) -> list[str]:
     return [
         f"trainer.max_steps={args.steps}",
         f"trainer.save_steps={args.save_steps}",
+        *(TINY_QUICKSTART if args.tiny else ()),
         *args.set,
     ]
 
@@ -76,6 +78,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=100)
     parser.add_argument("--save-steps", type=int, default=25)
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
+    parser.add_argument("--tiny", action="store_true", help="a smoke check: one rank, 4x2 samples")
     args = parser.parse_args()
     run = run_workflow(args.workflow, overrides(args))
     report(args.workflow, run.metrics, run.wall_s, args.steps)

@@ -3,6 +3,7 @@ the same workflow for N steps in one invocation; prints mean step time (step 1 e
 worker start-up time, time outside the steps, and the ray/local ratios.
 
     python benchmarks/ray_vs_local.py [--steps 40] [--set KEY=VALUE ...]
+    python benchmarks/ray_vs_local.py --tiny --steps 1                  # smoke check
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import os
 import re
 import statistics
 
-from common import QUICKSTART, print_table, run_workflow, steady
+from common import QUICKSTART, TINY_QUICKSTART, print_table, run_workflow, steady
 
 
 def run(workflow: str, launcher: str, steps: int, extra: list[str]) -> dict:
@@ -41,8 +42,9 @@ def main() -> int:
     parser.add_argument("--workflow", default=str(QUICKSTART))
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
+    parser.add_argument("--tiny", action="store_true", help="a smoke check: one rank, 4x2 samples")
     args = parser.parse_args()
-    extra = args.set
+    extra = [*(TINY_QUICKSTART if args.tiny else ()), *args.set]
     local, ray = (run(args.workflow, name, args.steps, extra) for name in ("local", "ray"))
     labels = {
         "mean step time, step 1 excl. (s)": "step",

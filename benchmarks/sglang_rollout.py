@@ -16,6 +16,8 @@ weights (``qwen2-100m`` of benchmarks/common.py). Run it in the SGLang venv (``.
 
     .venv-sglang/bin/python benchmarks/sglang_rollout.py [--prompts 64] [--n 4]
         [--max-new-tokens 32] [--max-total-tokens 16384] [--skip-100m]
+    .venv-sglang/bin/python benchmarks/sglang_rollout.py --prompts 2 --n 1 --max-new-tokens 2 \
+        --repeats 1 --skip-100m                                           # smoke check
 """
 
 from __future__ import annotations

@@ -4,6 +4,7 @@ CUDA, with each row's ratio to the first strategy's tokens/s.
 
     python benchmarks/train_throughput.py --device cuda --ranks 2 --shape qwen2-1.5b \
         --batch 4 --seq 2048 --dtype bf16 --strategies fsdp2_train+deepspeed_train:zero_stage=3
+    python benchmarks/train_throughput.py --ranks 1 --batch 1 --seq 32 --steps 1  # smoke check
 
 Mixed precision (``--dtype bf16``): float32 master weights and bf16 compute for every strategy
 (fsdp2_train's ``param_dtype``; deepspeed_train's bf16 mode through ``model_args.dtype``).

@@ -10,6 +10,8 @@ benchmarks/common.py).
 
     .venv-vllm/bin/python benchmarks/vllm_rollout.py [--prompts 64] [--n 4] [--max-new-tokens 32]
         [--skip-100m] [--skip-mp]
+    .venv-vllm/bin/python benchmarks/vllm_rollout.py --prompts 2 --n 1 --max-new-tokens 2 \
+        --repeats 1 --skip-100m --skip-mp                                # smoke check
 """
 
 from __future__ import annotations

@@ -4,6 +4,8 @@ run: per-step time, start-up, and steps and time to a rolling reward threshold, 
     benchmarks/trl_env.sh .venv-trl        # once: TRL in its own virtual environment
     nice -n 5 python benchmarks/vs_trl.py [--steps 150] [--threshold 0.65] [--window 10]
         [--repeats 3] [--trl-python .venv-trl/bin/python] [--set KEY=VALUE ...]
+    python benchmarks/vs_trl.py --only posttrain --steps 7 --window 1 --repeats 1 \
+        --sft-steps 1                                        # smoke check (no TRL needed)
 
 Both sides start from the same locally built model: a ~0.5M-parameter Qwen2 over the arithmetic
 alphabet (posttrain.tasks.presets' builder, hidden 128, 2 layers), given a short supervised warm

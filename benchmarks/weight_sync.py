@@ -8,6 +8,7 @@ Effective GB/s = bytes of the model's weights in its dtype / wall time of the wh
     python benchmarks/weight_sync.py --device cuda --shape qwen2-1.5b --dtype bf16
     python benchmarks/weight_sync.py --device cuda --ranks 2 --shape qwen2-1.5b --dtype bf16 \
         --trainers megatron_train --megatron-tp 2                      # TP2 -> 2 replicas
+    python benchmarks/weight_sync.py --trainers fsdp2_train --repeats 1   # smoke check
 """
 
 from __future__ import annotations

@@ -2,6 +2,7 @@
 its own samples and the trainer's log-probs of the same tokens? Prints a table per transport.
 
     python benchmarks/weight_sync_parity.py [--trainer fsdp2_train] [--ranks 2] [--rollout NAME]
+    python benchmarks/weight_sync_parity.py --ranks 1 --steps 1            # smoke check
 """
 
 from __future__ import annotations
