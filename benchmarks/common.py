@@ -21,7 +21,8 @@ from typing import Any, NamedTuple
 REPO = Path(__file__).resolve().parents[1]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 # ``--tiny``: the quickstart as a smoke check (seconds on CPU): one rank process, 4 prompts x 2
-# samples a step, no final checkpoint.
+# samples a step, no final checkpoint, and a Ray instance (if the run starts one) with a 256 MiB
+# object store, as tests/e2e/test_ray.py starts its own (the local launcher ignores it).
 TINY_QUICKSTART = (
     "actor_train.device_mapping=[0]",
     "actor_infer.device_mapping=[0]",
@@ -29,6 +30,7 @@ TINY_QUICKSTART = (
     "algorithm.rollout_batch_size=4",
     "algorithm.group_size=2",
     "trainer.save_final=false",
+    "cluster.object_store_memory=268435456",
 )
 
 # Qwen2-shaped models the benchmarks build locally (random init, no download).
