@@ -6,8 +6,10 @@ hour, each side's idle time per step and the final reward, and the ratios async 
     python benchmarks/async_rollout.py                       # CPU: the quickstart's tiny task
     python benchmarks/async_rollout.py --device cuda --shape qwen2-1.5b --max-new-tokens 64 \
         --steps 12 --rollout-batch-size 16                   # 2 GPUs, a 1.5B-shaped model
+    python benchmarks/async_rollout.py --shape tiny --steps 1 --rollout-batch-size 4 \
+        --set algorithm.group_size=2                         # smoke check
 
-``--shape`` builds a randomly initialised Qwen2 of that shape (benchmarks/shapes.py) with the
+``--shape`` builds a randomly initialised Qwen2 of that shape (benchmarks/common.py) with the
 quickstart's tokenizer: it measures speed, not learning. Without it the quickstart's preset
 learns, and the final rewards of both modes say whether one-step staleness costs reward.
 """
@@ -20,14 +22,16 @@ import sys
 import tempfile
 from pathlib import Path
 
-from quickstart import REPO, measure
-from shapes import SHAPES
+from common import QUICKSTART, SHAPES, build_model, print_table, run_workflow, steady
 
 MODES = {"sync": 0, "async": 1}  # max_staleness
 
 
 def overrides(args, model: str | None) -> list[str]:
     sets = [
+        f"trainer.max_steps={args.steps}",
+        "trainer.save_steps=0",  # measure rollout and training, not checkpoints
+        "trainer.save_final=false",
         f"algorithm.rollout_batch_size={args.rollout_batch_size}",
         f"actor_infer.generating_args.max_new_tokens={args.max_new_tokens}",
         "actor_train.device_mapping=[0]",
@@ -53,22 +57,22 @@ def overrides(args, model: str | None) -> list[str]:
 
 
 def summary(metrics: list[dict]) -> dict[str, float]:
-    steady = metrics[1:] if len(metrics) > 1 else metrics  # step 1 warms caches up
-    step = statistics.mean(m["time/step"] for m in steady)
+    steady_metrics = steady(metrics)
+    step = statistics.mean(m["time/step"] for m in steady_metrics)
     last = metrics[-max(1, len(metrics) // 5) :]
     return {
         "step_s": step,
         "steps_per_hour": 3600 / step,
-        "trainer_idle_s": statistics.mean(m["idle/trainer_s"] for m in steady),
-        "rollout_idle_s": statistics.mean(m["idle/rollout_s"] for m in steady),
-        "staleness": statistics.mean(m.get("async/staleness", 0.0) for m in steady),
+        "trainer_idle_s": statistics.mean(m["idle/trainer_s"] for m in steady_metrics),
+        "rollout_idle_s": statistics.mean(m["idle/rollout_s"] for m in steady_metrics),
+        "staleness": statistics.mean(m.get("async/staleness", 0.0) for m in steady_metrics),
         "reward_last": statistics.mean(m["reward/mean"] for m in last),
     }
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workflow", default=str(REPO / "examples" / "quickstart.yaml"))
+    parser.add_argument("--workflow", default=str(QUICKSTART))
     parser.add_argument("--steps", type=int, default=60)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a random model of this shape")
@@ -76,37 +80,34 @@ def main() -> int:
     parser.add_argument("--max-new-tokens", type=int, default=1)
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
     args = parser.parse_args()
-    args.save_steps = 0  # measure rollout and training, not checkpoints
 
     with tempfile.TemporaryDirectory() as tmp:
         model = None
         if args.shape:
-            from checkpoint import build_model
-
             model = str(Path(tmp) / args.shape)
-            params = build_model(args.shape, model, "bf16" if args.device == "cuda" else "fp32")
+            dtype = "bf16" if args.device == "cuda" else "fp32"
+            params = build_model(args.shape, model, dtype=dtype).params
             print(f"model: {args.shape}, {params / 1e9:.2f}B parameters, random weights")
         results = {}
         for mode, staleness in MODES.items():
-            run = argparse.Namespace(**vars(args))
-            run.set = [*overrides(args, model), f"algorithm.max_staleness={staleness}"]
-            metrics, _ = measure(args.workflow, run)
-            results[mode] = summary(metrics)
+            sets = [*overrides(args, model), f"algorithm.max_staleness={staleness}"]
+            results[mode] = summary(run_workflow(args.workflow, sets).metrics)
 
     print(
         f"\nasync rollout benchmark: {args.steps} steps, {args.device}, "
         f"{args.shape or 'quickstart preset'}, {args.rollout_batch_size} prompts/step, "
         f"{args.max_new_tokens} new tokens; trainer on device 0, rollout on device 1"
     )
-    keys = list(results["sync"])
-    print(f"{'':<16}" + "".join(f"{k:>16}" for k in keys))
-    for mode, row in results.items():
-        print(f"{mode:<16}" + "".join(f"{row[k]:>16.3f}" for k in keys))
     ratios = {
         k: results["async"][k] / results["sync"][k] if results["sync"][k] else float("nan")
-        for k in keys
+        for k in results["sync"]
     }
-    print(f"{'async / sync':<16}" + "".join(f"{ratios[k]:>16.2f}" for k in keys))
+    print_table(
+        [
+            *({"": mode, **row} for mode, row in results.items()),
+            {"": "async / sync", **{k: f"{v:.2f}" for k, v in ratios.items()}},
+        ]
+    )
     return 0
 
 

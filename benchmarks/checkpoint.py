@@ -4,6 +4,7 @@ disk's own speed measured with a plain file copy in the same run.
 
     python benchmarks/checkpoint.py --device cpu  --shape qwen2-100m
     python benchmarks/checkpoint.py --device cuda --shape qwen2-1.5b --dtype bf16
+    python benchmarks/checkpoint.py --shape tiny --seq 32 --strategies fsdp2_train  # smoke check
 
 One rank per trainer, a model built locally (random init), one optimizer step first so the
 optimizer state is saved too. Per trainer: a synchronous save (``trainer.async_save: false``,
@@ -25,26 +26,10 @@ import sys
 import tempfile
 import time
 
-from shapes import SHAPES
+from common import SHAPES, build_model, print_table
 from trainer_runs import random_train_batch, trainer_group
 
 GB = 1e9
-
-
-def build_model(shape: str, out_dir: str, dtype: str) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from posttrain.tasks.presets import build_tokenizer
-
-    config = Qwen2Config(**SHAPES[shape], max_position_embeddings=4096, tie_word_embeddings=True)
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(config)
-    if dtype == "bf16":
-        model = model.to(torch.bfloat16)
-    model.save_pretrained(out_dir)
-    build_tokenizer().save_pretrained(out_dir)
-    return sum(p.numel() for p in model.parameters())
 
 
 def strategy_config(strategy: str, dtype: str) -> tuple[dict, str]:
@@ -102,17 +87,18 @@ def measure(args, model_dir: str, strategy: str) -> dict:
             return CheckpointSaver(
                 run_dir, {"actor_train": group}, {"actor_train": strategy}, {}, 1,
                 background=background, saved=lambda path, manifest: None,
+                record=b"",  # no workflow to record: the record file is written empty
             )  # fmt: skip
 
         sync = saver(False)
         start = time.perf_counter()
-        sync.save(1, {"step": 1})
+        sync.save(1, {"step": 1}, {})
         sync_s = time.perf_counter() - start
         background = saver(True)
-        background.save(2, {"step": 2})
+        background.save(2, {"step": 2}, {})
         first_stall = background.stats["stall_s"]
         background.wait()
-        background.save(3, {"step": 3})
+        background.save(3, {"step": 3}, {})
         begun = time.perf_counter()
         background.wait()
         write_s = time.perf_counter() - begun
@@ -120,7 +106,7 @@ def measure(args, model_dir: str, strategy: str) -> dict:
         scratch = tempfile.mkdtemp(prefix="copy-", dir=args.dir)
         disk = disk_copy_rate(os.path.join(run_dir, "checkpoint-3"), scratch)
         shutil.rmtree(scratch)
-        background.save(4, {"step": 4})
+        background.save(4, {"step": 4}, {})
         step_saving = step()
         background.wait()
     finally:
@@ -151,25 +137,34 @@ def main() -> int:
     args.dir = os.path.abspath(args.dir or os.getcwd())
     results = {}
     with tempfile.TemporaryDirectory(dir=args.dir) as model_dir:
-        params = build_model(args.shape, model_dir, args.dtype)
+        params = build_model(args.shape, model_dir, dtype=args.dtype).params
         for strategy in args.strategies.split("+"):
             results[strategy] = measure(args, model_dir, strategy)
-    print(
-        f"checkpoint saves: {args.shape} ({params / 1e6:.0f}M params), {args.device} x 1, "
-        f"{args.dtype}, checkpoints in {args.dir}"
-    )
-    print(
-        "| strategy | GB saved | sync save s | stall s (1st) | stall s | write s | write GB/s "
-        "| disk copy GB/s | write / disk | step s | step s (saving) |"
-    )
-    print("| --- | " + " | ".join(["---:"] * 10) + " |")
+    rows = []
     for strategy, r in results.items():
         rate = r["bytes"] / GB / r["write_s"]
-        print(
-            f"| {strategy} | {r['bytes'] / GB:.2f} | {r['sync_s']:.2f} | {r['first_stall_s']:.2f} "
-            f"| {r['stall_s']:.3f} | {r['write_s']:.2f} | {rate:.2f} | {r['disk']:.2f} "
-            f"| {rate / r['disk']:.2f} | {r['step']:.3f} | {r['step_saving']:.3f} |"
+        rows.append(
+            {
+                "strategy": strategy,
+                "GB saved": r["bytes"] / GB,
+                "sync save s": r["sync_s"],
+                "stall s (1st)": r["first_stall_s"],
+                "stall s": r["stall_s"],
+                "write s": r["write_s"],
+                "write GB/s": rate,
+                "disk copy GB/s": r["disk"],
+                "write / disk": rate / r["disk"],
+                "step s": r["step"],
+                "step s (saving)": r["step_saving"],
+            }
         )
+    print_table(
+        rows,
+        f"checkpoint saves: {args.shape} ({params / 1e6:.0f}M params), {args.device} x 1, "
+        f"{args.dtype}, checkpoints in {args.dir}",
+        float_format=".2f",
+        formats={"stall s": ".3f", "step s": ".3f", "step s (saving)": ".3f"},
+    )
     return 0
 
 

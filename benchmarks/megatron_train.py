@@ -36,43 +36,30 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import math
 import os
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 
-from shapes import SHAPES as SHAPE_SIZES
+from common import device_name, flops_per_token, peak_bf16_tflops, print_table
+from megatron_baselines import row_megatron_local, row_transformers
+from megatron_rows import (
+    BATCHES,
+    EXPORT_BUCKET_BYTES,
+    MAX_POSITIONS,
+    hf_config,
+    row_megatron_packing,
+    row_megatron_train,
+)
 
-# Megatron builds rotary tables for the model's longest position: the benchmark's sequences.
-MAX_POSITIONS = {"qwen2-1.5b": 32768, "tiny": 256}
-SHAPES = {
-    name: {**SHAPE_SIZES[name], "max_position_embeddings": n} for name, n in MAX_POSITIONS.items()
+ROW_FUNCS = {
+    "megatron_train": row_megatron_train,
+    "megatron_local": row_megatron_local,
+    "transformers": row_transformers,
+    "megatron_packing": row_megatron_packing,
 }
-# (sequences, tokens per sequence) per step.
-BATCHES = {"qwen2-1.5b": [(2, 4096), (4, 2048)], "tiny": [(2, 64), (4, 32)]}
-# megatron_packing: (rows, longest row) of one micro-batch of uneven rows (lengths uniform in
-# [longest / 8, longest]), right-padded vs packed.
-PACKING = {"qwen2-1.5b": (8, 2048), "tiny": (4, 64)}
-ROWS = ("megatron_train", "megatron_local", "transformers", "megatron_packing")
-PEAK_TFLOPS = {"H100": 989.0, "H200": 989.0}  # dense bf16, SXM
-EXPORT_BUCKET_BYTES = 512 << 20
-PROMPT_TOKENS = 16
-
-
-def hf_config(shape: str):
-    from transformers import Qwen2Config
-
-    return Qwen2Config(
-        **SHAPES[shape],
-        tie_word_embeddings=True,
-        rms_norm_eps=1e-6,
-        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
-        use_cache=False,
-        dtype="bfloat16",
-    )
+ROWS = tuple(ROW_FUNCS)
 
 
 def param_count(shape: str) -> int:
@@ -85,399 +72,8 @@ def param_count(shape: str) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
-def flops_per_token(shape: str, seq: int, params: int) -> float:
-    cfg = SHAPES[shape]
-    return 6.0 * params + 6.0 * cfg["num_hidden_layers"] * cfg["hidden_size"] * seq
-
-
-def random_tokens(rows: int, seq: int, vocab: int, seed: int = 0):
-    import torch
-
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randint(10, vocab, (rows, seq), generator=gen)
-
-
-# --------------------------------------------------------------------------------------------
-# Rows (each runs in a child process)
-# --------------------------------------------------------------------------------------------
-
-
-def _sync(dev) -> None:
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _time_steps(step, dev, warmup: int, steps: int) -> tuple[float, float]:
-    """Mean seconds per step over ``steps`` timed steps after ``warmup``; peak GiB allocated."""
-    import torch
-
-    if dev.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    for _ in range(warmup):
-        step()
-    _sync(dev)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    _sync(dev)
-    seconds = (time.perf_counter() - start) / steps
-    peak = torch.cuda.max_memory_allocated() / 2**30 if dev.type == "cuda" else 0.0
-    return seconds, peak
-
-
-def _profile(step, dev, path: str) -> None:
-    """One profiled step: the kernels that take the time (``--profile-dir``)."""
-    import torch
-    from torch.profiler import ProfilerActivity, profile
-
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dev.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        step()
-        _sync(dev)
-    key = "cuda_time_total" if dev.type == "cuda" else "cpu_time_total"
-    with open(path, "w") as f:
-        f.write(prof.key_averages().table(sort_by=key, row_limit=40, max_name_column_width=70))
-    del prof
-    if dev.type == "cuda":
-        torch.cuda.empty_cache()
-
-
-def _time_shapes(args, dev, emit, row: str, make_step, backend: str, params: int, grad_norm):
-    """Time ``make_step(rows, seq)``'s step at every batch shape and emit one result per shape
-    (``grad_norm()`` read after the timed steps); ``--profile-dir``: one profiled step each."""
-    for rows, seq in BATCHES[args.shape]:
-        step = make_step(rows, seq)
-        seconds, peak = _time_steps(step, dev, args.warmup, args.steps)
-        emit(
-            rows=rows,
-            seq=seq,
-            seconds=seconds,
-            peak=peak,
-            params=params,
-            backend=backend,
-            grad_norm=grad_norm(),
-        )
-        if args.profile_dir:
-            _profile(step, dev, os.path.join(args.profile_dir, f"{row}_{rows}x{seq}.txt"))
-
-
-def _init_dist(dev) -> None:
-    import torch
-    import torch.distributed as dist
-
-    if dev.type == "cuda":
-        torch.cuda.set_device(0)
-    dist.init_process_group("nccl" if dev.type == "cuda" else "gloo")
-
-
-def _megatron_worker(args, dev):
-    """A megatron_train worker on one device through the plugin's own path (random init)."""
-    from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
-    from posttrain.launch.worker import WorkerContext
-    from posttrain_megatron import bridge as plugin_bridge
-    from posttrain_megatron import engine
-    from posttrain_megatron.config import MegatronTrainConfig
-
-    tmp = tempfile.mkdtemp(prefix="megatron-bench-")
-    hf_config(args.shape).save_pretrained(tmp)  # config only: no weights on disk
-
-    # Random init: build_models would load HF weights from the directory, which holds none.
-    # Everything else (spec, overrides, DDP, optimizer, train_step, export) is the plugin's.
-    make_bridge = plugin_bridge.make_bridge
-
-    def make_bridge_without_weights(*a, **kw):
-        bridge = make_bridge(*a, **kw)
-        bridge.load_weights = lambda *a, **kw: None
-        return bridge
-
-    plugin_bridge.make_bridge = make_bridge_without_weights
-    worker = WorkerContext(
-        role="actor_train",
-        strategy_name="megatron_train",
-        config=MegatronTrainConfig(),
-        model_args=ModelArgs(model_name_or_path=tmp, dtype="bf16"),
-        training_args=TrainingArgs(learning_rate=1e-5, max_grad_norm=1.0),
-        device=dev.type,
-        seed=0,
-        run_dir=tmp,
-        base_dir=tmp,
-        algorithm=AlgorithmConfig(),
-    )
-    worker.parallel = engine.setup_parallel(worker)
-    worker.model = engine.load_model(worker)
-    return worker
-
-
-def _rl_batch(ids: list[list[int]], vocab: int):
-    """An RL training batch of these token rows (their first PROMPT_TOKENS are the prompt)."""
-    import torch
-
-    from posttrain.protocol import build_sequence_batch
-
-    rows = len(ids)
-    batch = build_sequence_batch(
-        [r[:PROMPT_TOKENS] for r in ids], [r[PROMPT_TOKENS:] for r in ids], pad_token_id=0
-    )
-    gen = torch.Generator().manual_seed(1)
-    batch = batch.with_tensors(
-        # About a random-init model's log-probs: ratios near 1, inside the clip range.
-        old_logprobs=torch.full_like(batch.response_mask, -math.log(vocab)),
-        advantages=torch.randn(rows, 1, generator=gen) * batch.response_mask,
-    )
-    batch.meta.update(
-        global_tokens=float(batch.response_mask.sum()), global_seqs=float(rows), dp_size=1
-    )
-    return batch
-
-
-def row_megatron_train(args, dev, emit) -> None:
-    import attrs
-
-    from posttrain.algorithms.policy_loss import PolicyLoss
-    from posttrain_megatron import engine, weights
-    from posttrain_megatron.model_builder import attention_backend
-
-    worker = _megatron_worker(args, dev)
-    params = sum(p.numel() for m in worker.model for p in m.parameters())
-    backend = attention_backend(worker.config.attention_backend)
-    loss_fn = PolicyLoss(worker.algorithm)
-    vocab = SHAPES[args.shape]["vocab_size"]
-
-    def make_step(rows: int, seq: int):
-        worker.config = attrs.evolve(worker.config, micro_batch_size=rows)  # one micro-batch
-        batch = _rl_batch(random_tokens(rows, seq, vocab).tolist(), vocab)
-
-        def step():
-            last.update(engine.train_step(worker, batch, loss_fn))
-
-        return step
-
-    last: dict = {}
-    _time_shapes(
-        args,
-        dev,
-        emit,
-        "megatron_train",
-        make_step,
-        backend,
-        params,
-        lambda: last.get("actor/grad_norm"),
-    )
-
-    # Export every weight in buckets (collective gathers, copies to host memory).
-    passes = []
-    for _ in range(2):
-        _sync(dev)
-        start = time.perf_counter()
-        nbytes = tensors = buckets = 0
-        for bucket in weights.export_weights(worker, bucket_bytes=EXPORT_BUCKET_BYTES):
-            buckets += 1
-            tensors += len(bucket.tensors)
-            nbytes += bucket.nbytes
-            del bucket
-        passes.append(time.perf_counter() - start)
-    emit(export=True, nbytes=nbytes, tensors=tensors, buckets=buckets, seconds=passes)
-    engine.shutdown_worker(worker)
-
-
-def row_megatron_packing(args, dev, emit) -> None:
-    """One micro-batch of rows of uneven length, right-padded and packed (pack_sequences)."""
-    import attrs
-    import torch
-
-    from posttrain.algorithms.policy_loss import PolicyLoss
-    from posttrain_megatron import engine
-
-    rows, longest = PACKING[args.shape]
-    worker = _megatron_worker(args, dev)
-    loss_fn = PolicyLoss(worker.algorithm)
-    vocab = SHAPES[args.shape]["vocab_size"]
-    gen = torch.Generator().manual_seed(2)
-    lengths = torch.randint(longest // 8, longest + 1, (rows,), generator=gen).tolist()
-    lengths[0] = longest  # the padded width
-    tokens = random_tokens(rows, longest, vocab).tolist()
-    batch = _rl_batch([r[:n] for r, n in zip(tokens, lengths)], vocab)
-    for packed in (False, True):
-        worker.config = attrs.evolve(worker.config, micro_batch_size=rows, pack_sequences=packed)
-        seconds, peak = _time_steps(
-            lambda: engine.train_step(worker, batch, loss_fn), dev, args.warmup, args.steps
-        )
-        emit(
-            packing=True,
-            packed=packed,
-            rows=rows,
-            width=longest,
-            tokens=sum(lengths),
-            seconds=seconds,
-            peak=peak,
-        )
-    engine.shutdown_worker(worker)
-
-
-def row_megatron_local(args, dev, emit) -> None:
-    import torch
-    import torch.nn.functional as F
-    from megatron.core import parallel_state as ps
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
-    from megatron.core.transformer import TransformerConfig
-    from megatron.core.transformer.module import Float16Module
-
-    _init_dist(dev)
-    cpu = dev.type == "cpu"
-    if cpu:  # CPU check of this script only: megatron-core hard-codes CUDA (test support)
-        from posttrain_megatron import cpu_support
-
-        cpu_support.apply()
-    ps.initialize_model_parallel(tensor_model_parallel_size=1, pipeline_model_parallel_size=1)
-    model_parallel_cuda_manual_seed(0)
-    shape = SHAPES[args.shape]
-    config = TransformerConfig(
-        num_layers=shape["num_hidden_layers"],
-        hidden_size=shape["hidden_size"],
-        num_attention_heads=shape["num_attention_heads"],
-        num_query_groups=shape["num_key_value_heads"],
-        ffn_hidden_size=shape["intermediate_size"],
-        kv_channels=shape["hidden_size"] // shape["num_attention_heads"],
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        normalization="RMSNorm",
-        layernorm_epsilon=1e-6,
-        add_bias_linear=False,
-        add_qkv_bias=True,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        init_method_std=0.02,
-        bf16=True,
-        params_dtype=torch.bfloat16,
-        pipeline_dtype=torch.bfloat16,
-        # Fusions that need TransformerEngine / apex / compiled extensions: off, as in the plugin.
-        masked_softmax_fusion=False,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        apply_rope_fusion=False,
-        gradient_accumulation_fusion=False,
-        persist_layer_norm=False,
-        use_cpu_initialization=cpu,
-    )
-    model = GPTModel(
-        config=config,
-        transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
-        vocab_size=shape["vocab_size"],
-        max_sequence_length=shape["max_position_embeddings"],
-        position_embedding_type="rope",
-        rotary_base=1_000_000,
-        share_embeddings_and_output_weights=True,
-    )
-    params = sum(p.numel() for p in model.parameters())
-    if not cpu:
-        model.cuda(torch.cuda.current_device())
-    model = Float16Module(config, model)
-    model = DistributedDataParallel(
-        config, DistributedDataParallelConfig(grad_reduce_in_fp32=True), module=model
-    )
-    optimizer = get_megatron_optimizer(
-        OptimizerConfig(
-            optimizer="adam",
-            lr=1e-5,
-            min_lr=0.0,
-            weight_decay=0.0,
-            clip_grad=1.0,
-            bf16=True,
-            params_dtype=torch.bfloat16,
-        ),
-        [model],
-    )
-    config.finalize_model_grads_func = finalize_model_grads
-    forward_backward = get_forward_backward_func()
-
-    def make_step(rows: int, seq: int):
-        ids = random_tokens(rows, seq, shape["vocab_size"]).to(dev)
-        labels = torch.roll(ids, -1, dims=1)
-        positions = torch.arange(seq, device=dev).unsqueeze(0).expand_as(ids)
-
-        def loss_func(output):
-            mean = output.float().mean()
-            return mean, {"lm loss": mean.detach()}
-
-        def forward_step(data_iterator, model):
-            # labels given: the model returns the per-token cross entropy [b, s]
-            return model(ids, positions, None, labels=labels), loss_func
-
-        def step():
-            model.zero_grad_buffer()
-            optimizer.zero_grad()
-            losses = forward_backward(
-                forward_step_func=forward_step,
-                data_iterator=iter([None]),
-                model=model,
-                num_microbatches=1,
-                seq_length=seq,
-                micro_batch_size=rows,
-                forward_only=False,
-            )
-            _, grad_norm, _ = optimizer.step()
-            last.update(loss=float(losses[0]["lm loss"]), grad_norm=float(grad_norm))
-
-        return step
-
-    last: dict = {}
-    _time_shapes(
-        args, dev, emit, "megatron_local", make_step, "local", params, lambda: last.get("grad_norm")
-    )
-    ps.destroy_model_parallel()
-
-
-def row_transformers(args, dev, emit) -> None:
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device(dev):
-        model = AutoModelForCausalLM.from_config(
-            hf_config(args.shape), attn_implementation="sdpa", dtype=torch.bfloat16
-        )
-    model.train()
-    params = sum(p.numel() for p in model.parameters())
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
-
-    def make_step(rows: int, seq: int):
-        ids = random_tokens(rows, seq, SHAPES[args.shape]["vocab_size"]).to(dev)
-
-        def step():
-            loss = model(input_ids=ids, labels=ids).loss
-            loss.backward()
-            last["grad_norm"] = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-
-        return step
-
-    last: dict = {}
-    _time_shapes(
-        args, dev, emit, "transformers", make_step, "sdpa", params, lambda: float(last["grad_norm"])
-    )
-
-
-ROW_FUNCS = {
-    "megatron_train": row_megatron_train,
-    "megatron_packing": row_megatron_packing,
-    "megatron_local": row_megatron_local,
-    "transformers": row_transformers,
-}
-
-
 def child(args) -> int:
+    """One row, in this process (started by :func:`run_row`)."""
     import torch
 
     dev = torch.device(args.device)
@@ -490,11 +86,6 @@ def child(args) -> int:
     ROW_FUNCS[args.child](args, dev, emit)
     gc.collect()
     return 0
-
-
-# --------------------------------------------------------------------------------------------
-# Driver
-# --------------------------------------------------------------------------------------------
 
 
 def free_port() -> int:
@@ -544,28 +135,13 @@ def run_row(row: str, args) -> tuple[list[dict], str]:
     return results, note
 
 
-def device_name(device: str) -> str:
-    import torch
-
-    if device == "cuda":
-        return torch.cuda.get_device_name(0)
-    return "cpu"
-
-
-def peak_tflops(name: str) -> float | None:
-    for key, value in PEAK_TFLOPS.items():
-        if key in name:
-            return value
-    return None
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--rows", default=",".join(ROWS), help="comma-separated: " + ",".join(ROWS))
     parser.add_argument("--steps", type=int, default=10, help="timed steps per shape")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--tiny", action="store_true", help="a tiny shape (CPU check)")
-    parser.add_argument("--shape", default=None, choices=sorted(SHAPES))
+    parser.add_argument("--shape", default=None, choices=sorted(MAX_POSITIONS))
     parser.add_argument("--device", default=None, choices=["cpu", "cuda"])
     parser.add_argument("--profile-dir", default=None, help="write one profiled step per row")
     parser.add_argument("--child", default=None, choices=ROWS, help=argparse.SUPPRESS)
@@ -602,55 +178,41 @@ def main() -> int:
         print(note, flush=True)
         failed |= "exit 0 " not in note
         results += got
+    report(args, name, params, results)
+    return 1 if failed else 0
 
-    peak = peak_tflops(name)
+
+def report(args, name: str, params: int, results: list[dict]) -> None:
+    """The training table, the export and packing figures, and how they were computed."""
+    peak = peak_bf16_tflops(name)
     train = [r for r in results if not r.get("export") and not r.get("packing")]
     base = {(r["rows"], r["seq"]): r for r in train if r["row"] == "transformers"}
-    columns = [
-        ("row", 15, "<"),
-        ("attention", 9, "<"),
-        ("tokens/step", 11, ">"),
-        ("s/step", 7, ">"),
-        ("tokens/s", 9, ">"),
-        ("TFLOP/s", 7, ">"),
-        ("MFU", 6, ">"),
-        ("peak GiB", 8, ">"),
-        ("vs transformers", 15, ">"),
-        ("grad norm", 9, ">"),
-    ]
-
-    def line(cells) -> str:
-        return "| " + " | ".join(f"{c:{a}{w}}" for c, (_, w, a) in zip(cells, columns)) + " |"
-
-    print("\n" + line([name for name, _, _ in columns]))
-    print(
-        "| "
-        + " | ".join("-" * w if a == "<" else "-" * (w - 1) + ":" for _, w, a in columns)
-        + " |"
-    )
+    table = []
     for rows_, seq in BATCHES[args.shape]:
         for r in train:
             if (r["rows"], r["seq"]) != (rows_, seq):
                 continue
             tps = rows_ * seq / r["seconds"]
-            tflops = tps * flops_per_token(args.shape, seq, params) / 1e12
+            tflops = tps * flops_per_token(args.shape, params, seq) / 1e12
             ref = base.get((rows_, seq))
-            print(
-                line(
-                    [
-                        r["row"],
-                        r["backend"],
-                        f"{rows_}x{seq}",
-                        f"{r['seconds']:.3f}",
-                        f"{tps:.0f}",
-                        f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
-                        f"{100 * tflops / peak:.1f}%" if peak else "n/a",
-                        f"{r['peak']:.1f}",
-                        f"{ref['seconds'] / r['seconds']:.2f}x" if ref else "n/a",
-                        f"{r['grad_norm']:.3g}" if r.get("grad_norm") is not None else "n/a",
-                    ]
-                )
+            table.append(
+                {
+                    "row": r["row"],
+                    "attention": r["backend"],
+                    "tokens/step": f"{rows_}x{seq}",
+                    "s/step": f"{r['seconds']:.3f}",
+                    "tokens/s": f"{tps:.0f}",
+                    "TFLOP/s": f"{tflops:.1f}" if tflops >= 1 else f"{tflops:.2g}",
+                    "MFU": f"{100 * tflops / peak:.1f}%" if peak else "n/a",
+                    "peak GiB": f"{r['peak']:.1f}",
+                    "vs transformers": f"{ref['seconds'] / r['seconds']:.2f}x" if ref else "n/a",
+                    "grad norm": f"{r['grad_norm']:.3g}"
+                    if r.get("grad_norm") is not None
+                    else "n/a",
+                }
             )
+    print()
+    print_table(table, text_columns=2)
     ours = {(r["rows"], r["seq"]): r for r in train if r["row"] == "megatron_train"}
     ratios = [base[k]["seconds"] / ours[k]["seconds"] for k in ours if k in base]
     if ratios:
@@ -689,7 +251,6 @@ def main() -> int:
         f"against {peak or 'n/a'} TFLOP/s dense bf16; 'vs transformers' = its s/step / this "
         f"row's s/step."
     )
-    return 1 if failed else 0
 
 
 if __name__ == "__main__":

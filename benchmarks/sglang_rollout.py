@@ -12,10 +12,12 @@ full state dict, both import paths of the plugin:
   (``update_weights_from_distributed``, gloo on CPU).
 
 Models: ``preset:tiny-qwen2`` and a ~100M-parameter Qwen2-shaped model built here with random
-weights. Run it in the SGLang venv (``.ci/sglang_env.sh``):
+weights (``qwen2-100m`` of benchmarks/common.py). Run it in the SGLang venv (``.ci/sglang_env.sh``):
 
     .venv-sglang/bin/python benchmarks/sglang_rollout.py [--prompts 64] [--n 4]
         [--max-new-tokens 32] [--max-total-tokens 16384] [--skip-100m]
+    .venv-sglang/bin/python benchmarks/sglang_rollout.py --prompts 2 --n 1 --max-new-tokens 2 \
+        --repeats 1 --skip-100m                                           # smoke check
 """
 
 from __future__ import annotations
@@ -28,37 +30,15 @@ import tempfile
 import time
 from types import SimpleNamespace
 
+from common import build_model, print_table
+
 RANK_SIDE = "posttrain.weight_sync.rank_side"
 
 
-def build_100m(path: str, tokenizer_from: str) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(path, safe_serialization=True)
-    for name in os.listdir(tokenizer_from):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(tokenizer_from, name), path)
-    return sum(p.numel() for p in model.parameters())
-
-
 def make_worker(model_path: str, base_dir: str, infer_batch_size: int, kv_tokens: int):
+    from posttrain import ModelArgs, WorkerContext, WorkerRuntime
     from posttrain.config.converter import CONVERTER
-    from posttrain.config.sections import ModelArgs
     from posttrain.host.plugin_host import create_plugin_host
-    from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
     host = create_plugin_host()
     # A KV cache that holds the whole batch: with less, SGLang retracts and recomputes requests,
@@ -82,7 +62,7 @@ def make_worker(model_path: str, base_dir: str, infer_batch_size: int, kv_tokens
 
 
 def rollout_rates(runtime, args) -> tuple[float, float]:
-    from posttrain.protocol import GenerationRequest, SamplingParams
+    from posttrain import GenerationRequest, SamplingParams
     from posttrain_sglang import engine
 
     prompts = [[1, 4 + i % 10, 14, 4 + (i * 7) % 10, 17] for i in range(args.prompts)]
@@ -122,7 +102,7 @@ def rollout_rates(runtime, args) -> tuple[float, float]:
 def _buckets(model_path: str, bucket_bytes: int):
     from safetensors.torch import load_file
 
-    from posttrain.protocol import bucketize
+    from posttrain import bucketize
 
     state = load_file(os.path.join(model_path, "model.safetensors"))
     return list(bucketize(sorted(state.items()), bucket_bytes))
@@ -212,7 +192,7 @@ def main() -> int:
     models = [("tiny-qwen2 (preset)", tiny)]
     if not args.skip_100m:
         big = os.path.join(tmp, "qwen2-100m")
-        params = build_100m(big, tiny)
+        params = build_model("qwen2-100m", big, max_positions=512).params
         models.append((f"qwen2 {params / 1e6:.0f}M (random)", big))
 
     rows = []
@@ -231,29 +211,28 @@ def main() -> int:
             finally:
                 runtime.shutdown()
             rows.append(
-                (label, start_s, plugin_rate, plain_rate, tensor_s, dist_s, buckets, nbytes)
+                {
+                    "model": label,
+                    "start s": f"{start_s:.1f}",
+                    "plugin tok/s": f"{plugin_rate:.0f}",
+                    "plain SGLang tok/s": f"{plain_rate:.0f}",
+                    "plugin/plain": f"{plugin_rate / plain_rate:.3f}",
+                    "sync s (tensor)": f"{tensor_s:.3f}",
+                    "sync s (distributed)": f"{dist_s:.3f}",
+                    "buckets": buckets,
+                    "MB synced": f"{nbytes / 1e6:.0f}",
+                }
             )
             print(f"done: {label}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(
+    print_table(
+        rows,
         f"\nrollout: {args.prompts} prompts x n={args.n}, up to {args.max_new_tokens} new tokens, "
         f"temperature 1, fp32, torch_native attention, KV cache {args.max_total_tokens} tokens, "
-        f"CPU threads={os.cpu_count()}; sync buckets of {args.bucket_mb} MiB"
+        f"CPU threads={os.cpu_count()}; sync buckets of {args.bucket_mb} MiB",
     )
-    header = (
-        "| model | start s | plugin tok/s | plain SGLang tok/s | plugin/plain "
-        "| sync s (tensor) | sync s (distributed) | buckets | MB synced |"
-    )
-    print(header)
-    print("|" + " --- |" * 9)
-    for label, start_s, plugin_rate, plain_rate, tensor_s, dist_s, buckets, nbytes in rows:
-        print(
-            f"| {label} | {start_s:.1f} | {plugin_rate:.0f} | {plain_rate:.0f} "
-            f"| {plugin_rate / plain_rate:.3f} | {tensor_s:.3f} | {dist_s:.3f} | {buckets} "
-            f"| {nbytes / 1e6:.0f} |"
-        )
     return 0
 
 

@@ -4,6 +4,7 @@ CUDA, with each row's ratio to the first strategy's tokens/s.
 
     python benchmarks/train_throughput.py --device cuda --ranks 2 --shape qwen2-1.5b \
         --batch 4 --seq 2048 --dtype bf16 --strategies fsdp2_train+deepspeed_train:zero_stage=3
+    python benchmarks/train_throughput.py --ranks 1 --batch 1 --seq 32 --steps 1  # smoke check
 
 Mixed precision (``--dtype bf16``): float32 master weights and bf16 compute for every strategy
 (fsdp2_train's ``param_dtype``; deepspeed_train's bf16 mode through ``model_args.dtype``).
@@ -18,7 +19,7 @@ import sys
 import tempfile
 import time
 
-from shapes import SHAPES
+from common import SHAPES, build_model, flops_per_token, print_table
 from trainer_runs import random_train_batch, trainer_group
 
 
@@ -29,22 +30,6 @@ def peak_memory(runtime) -> float:
     if not torch.cuda.is_available():
         return 0.0
     return torch.cuda.max_memory_allocated() / 2**30
-
-
-def build_model(shape: str, out_dir: str) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    from posttrain.tasks.presets import build_tokenizer
-
-    config = Qwen2Config(
-        **SHAPES[shape], max_position_embeddings=8192, tie_word_embeddings=shape != "qwen2-1.5b"
-    )
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(config)
-    model.save_pretrained(out_dir)
-    build_tokenizer().save_pretrained(out_dir)
-    return sum(p.numel() for p in model.parameters())
 
 
 # How each strategy is asked for bf16 compute over float32 master weights:
@@ -66,7 +51,8 @@ def parse_strategy(text: str) -> tuple[str, dict]:
 
 
 def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
-    """Seconds per step (the first left out) and peak GiB per rank of one strategy."""
+    """Seconds per step (the first left out, unless it is the only one) and peak GiB per rank of
+    one strategy."""
     from posttrain.launch.local import LocalLauncher
 
     raw, model_dtype = {"micro_batch_size": args.batch, **extra}, "fp32"
@@ -96,7 +82,8 @@ def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
         peaks = group.call("run_function", "train_throughput:peak_memory")
     finally:
         launcher.shutdown()
-    return {"step": sum(times[1:]) / max(1, len(times) - 1), "peak": max(peaks)}
+    timed = times[1:] or times  # the first step warms up, unless it is the only one
+    return {"step": sum(timed) / len(timed), "peak": max(peaks)}
 
 
 def main() -> int:
@@ -116,39 +103,43 @@ def main() -> int:
         "baseline (e.g. fsdp2_train+deepspeed_train:zero_stage=3)",
     )
     args = parser.parse_args()
-    sys.path.insert(0, os.path.dirname(__file__))
+    # The ranks call this module's peak_memory by name: they import it from here.
     os.environ["PYTHONPATH"] = os.pathsep.join(
         [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]
     )
     strategies = [parse_strategy(text) for text in args.strategies.split("+")]
     results = []
     with tempfile.TemporaryDirectory() as tmp:
-        params = build_model(args.shape, tmp)
+        params = build_model(
+            args.shape,
+            tmp,
+            max_positions=8192,
+            tie_word_embeddings=args.shape != "qwen2-1.5b",
+        ).params
         for strategy, extra in strategies:
             results.append(measure(args, tmp, strategy, extra))
-    cfg = SHAPES[args.shape]
     tokens = args.batch * args.ranks * args.seq
-    attn = 6 * cfg["num_hidden_layers"] * cfg["hidden_size"] * args.seq  # causal: half of 12
-    flops = tokens * (6 * params + attn)
-    print(
+    flops = tokens * flops_per_token(args.shape, params, args.seq)
+    base = tokens / results[0]["step"]
+    rows = []
+    for (strategy, extra), r in zip(strategies, results):
+        rate = tokens / r["step"]
+        rows.append(
+            {
+                "strategy": strategy + "".join(f" {k}={v}" for k, v in extra.items()),
+                "s/step": r["step"],
+                "tokens/s": f"{rate:.0f}",
+                "TFLOP/s/GPU": f"{flops / r['step'] / 1e12 / args.ranks:.1f}",
+                "peak GiB/rank": f"{r['peak']:.1f}",
+                "vs first": f"{rate / base:.2f}x",
+            }
+        )
+    print_table(
+        rows,
         f"train throughput: {args.shape} ({params / 1e6:.0f}M params), {args.device} x "
         f"{args.ranks}, {args.dtype} compute, {tokens} tokens/step, checkpointing "
-        f"{args.checkpointing}"
+        f"{args.checkpointing}",
     )
-    print(
-        f"| {'strategy':<32} | {'s/step':>7} | {'tokens/s':>9} | {'TFLOP/s/GPU':>11} | "
-        f"{'peak GiB/rank':>13} | {'vs first':>8} |"
-    )
-    print(f"| {'-' * 32} | {'-' * 7} | {'-' * 9} | {'-' * 11} | {'-' * 13} | {'-' * 8} |")
-    base = tokens / results[0]["step"]
-    for (strategy, extra), r in zip(strategies, results):
-        name = strategy + "".join(f" {k}={v}" for k, v in extra.items())
-        rate = tokens / r["step"]
-        print(
-            f"| {name:<32} | {r['step']:>7.3f} | {rate:>9.0f} | "
-            f"{flops / r['step'] / 1e12 / args.ranks:>11.1f} | {r['peak']:>13.1f} | "
-            f"{rate / base:>7.2f}x |"
-        )
     return 0
 
 

@@ -1,59 +1,76 @@
-"""One trainer role started by hand for a benchmark, and a random batch to train it on."""
+"""Roles started by hand for a benchmark (no workflow, no loop), and a random batch to train one
+on. The launcher and the role's config are core internals: benchmarks are not plugins."""
 
 from __future__ import annotations
 
+from posttrain import GeneratingArgs, ModelArgs, TrainingArgs
+from posttrain.config.converter import CONVERTER
+from posttrain.config.sections import AlgorithmConfig, RoleConfig, StrategyArgs
+from posttrain.host.plugin_host import create_plugin_host
+from posttrain.launch.base import GroupSpec
 
-def trainer_group(
-    launcher,
+
+def role_spec(
+    role: str,
     strategy: str,
-    raw: dict,
     model_dir: str,
     run_dir: str,
     *,
-    model_dtype: str,
-    device: str,
-    ranks: int = 1,
+    raw: dict | None = None,
+    devices: tuple[int, ...] = (0,),
+    ranks: int | None = None,
+    model_dtype: str = "fp32",
+    device: str = "cpu",
     checkpointing: bool = False,
+    learning_rate: float = 1e-5,
+    seed: int = 0,
     threads: int | None = None,
-):
-    """``actor_train`` on ``ranks`` local ranks running ``strategy`` with ``strategy_config``
-    ``raw`` (learning rate 1e-5, seed 0)."""
-    from posttrain.config.converter import CONVERTER
-    from posttrain.config.sections import (
-        AlgorithmConfig,
-        ModelArgs,
-        RoleConfig,
-        StrategyArgs,
-        TrainingArgs,
-    )
-    from posttrain.host.plugin_host import create_plugin_host
-    from posttrain.launch.base import GroupSpec
-
+) -> GroupSpec:
+    """``role`` running ``strategy`` with ``strategy_config`` ``raw`` on ``devices`` (``ranks``
+    ranks, default one per device), default generating settings."""
     spec = create_plugin_host().strategies()[strategy]
-    role = RoleConfig(
+    config = RoleConfig(
         strategy_args=StrategyArgs(
-            strategy_name=strategy, strategy_config=CONVERTER.structure(raw, spec.config_class)
+            strategy_name=strategy,
+            strategy_config=CONVERTER.structure(raw or {}, spec.config_class),
         ),
-        device_mapping=tuple(range(ranks)),
+        device_mapping=devices,
+        world_size=ranks,
         model_args=ModelArgs(
             model_name_or_path=model_dir,
             dtype=model_dtype,
             disable_gradient_checkpointing=not checkpointing,
         ),
-        training_args=TrainingArgs(learning_rate=1e-5),
+        training_args=TrainingArgs(learning_rate=learning_rate),
+        generating_args=GeneratingArgs(),
     )
-    return launcher.start_group(
-        GroupSpec(
-            role="actor_train",
-            config=role,
-            algorithm=AlgorithmConfig(),
-            seed=0,
-            run_dir=run_dir,
-            base_dir=model_dir,
-            device=device,
-            threads=threads,
-        )
+    return GroupSpec(
+        role=role,
+        config=config,
+        algorithm=AlgorithmConfig(),
+        seed=seed,
+        run_dir=run_dir,
+        base_dir=run_dir,
+        device=device,
+        threads=threads,
     )
+
+
+def trainer_group(
+    launcher, strategy: str, raw: dict, model_dir: str, run_dir: str, *, ranks: int = 1, **settings
+):
+    """``actor_train`` running ``strategy`` on ``ranks`` local ranks; ``settings``: the other
+    keywords of :func:`role_spec`."""
+    spec = role_spec(
+        "actor_train",
+        strategy,
+        model_dir,
+        run_dir,
+        raw=raw,
+        devices=tuple(range(ranks)),
+        **settings,
+    )
+    return launcher.start_group(spec)
 
 
 def random_train_batch(rows: int, seq: int, dp_size: int):

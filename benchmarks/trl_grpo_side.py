@@ -3,6 +3,8 @@ with TRL's own virtual environment (benchmarks/trl_env.sh), as a new user would 
 
     .venv-trl/bin/python benchmarks/trl_grpo_side.py --model DIR --prompts PROMPTS.jsonl \
         --out STEPS.jsonl [--steps 200] [--prompts-per-step 8] [--group-size 8] [--lr 1e-4]
+    .venv-trl/bin/python benchmarks/trl_grpo_side.py --model DIR --prompts PROMPTS.jsonl \
+        --out STEPS.jsonl --steps 1 --prompts-per-step 2 --group-size 2   # smoke check
 
 It does not import posttrain. The reward is posttrain's ``exact_match`` (same semantics, copied).
 Every optimizer step appends one line to --out: step, reward (mean over the step's completions),
@@ -18,10 +20,7 @@ import time
 
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import torch
-from datasets import Dataset
 from transformers import TrainerCallback
-from trl import GRPOConfig, GRPOTrainer
 
 
 def exact_match(completions, answer, **_):
@@ -73,6 +72,11 @@ def main() -> None:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=42)
     args = parser.parse_args()
+    # Imported once the arguments are read: --help and argument errors need no TRL.
+    import torch
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
     torch.set_num_threads(1)
 
     with open(args.prompts, encoding="utf-8") as f:

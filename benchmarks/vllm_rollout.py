@@ -5,10 +5,13 @@ through the plugin's ``posttrain_generate`` hook and once straight to ``LLM.gene
 tokens/s ratio is the plugin's overhead. Weight sync times ``posttrain_import_weights`` for every
 bucket of a full state dict (in-process: tensors through ``collective_rpc``; multiprocessing
 engine: safetensors in /dev/shm). Models: ``preset:small-qwen2`` (~3M parameters) and a
-~100M-parameter Qwen2-shaped model built here with random weights.
+~100M-parameter Qwen2-shaped model built here with random weights (``qwen2-100m`` of
+benchmarks/common.py).
 
     .venv-vllm/bin/python benchmarks/vllm_rollout.py [--prompts 64] [--n 4] [--max-new-tokens 32]
         [--skip-100m] [--skip-mp]
+    .venv-vllm/bin/python benchmarks/vllm_rollout.py --prompts 2 --n 1 --max-new-tokens 2 \
+        --repeats 1 --skip-100m --skip-mp                                # smoke check
 """
 
 from __future__ import annotations
@@ -19,35 +22,13 @@ import shutil
 import tempfile
 import time
 
-
-def build_100m(path: str, tokenizer_from: str) -> int:
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=32000,
-        hidden_size=768,
-        intermediate_size=2048,
-        num_hidden_layers=12,
-        num_attention_heads=12,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
-        tie_word_embeddings=True,
-    )
-    torch.manual_seed(0)
-    model = Qwen2ForCausalLM(config)
-    model.save_pretrained(path, safe_serialization=True)
-    for name in os.listdir(tokenizer_from):
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(os.path.join(tokenizer_from, name), path)
-    return sum(p.numel() for p in model.parameters())
+from common import build_model, print_table
 
 
 def make_worker(model_path: str, base_dir: str, infer_batch_size: int):
+    from posttrain import ModelArgs, WorkerContext, WorkerRuntime
     from posttrain.config.converter import CONVERTER
-    from posttrain.config.sections import ModelArgs
     from posttrain.host.plugin_host import create_plugin_host
-    from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
     host = create_plugin_host()
     config = CONVERTER.structure({}, host.strategies()["vllm"].config_class)
@@ -70,7 +51,7 @@ def make_worker(model_path: str, base_dir: str, infer_batch_size: int):
 def rollout_rates(runtime, args) -> tuple[float, float]:
     from vllm.inputs import TokensPrompt
 
-    from posttrain.protocol import GenerationRequest, SamplingParams
+    from posttrain import GenerationRequest, SamplingParams
     from posttrain_vllm import engine
 
     prompts = [[1, 4 + i % 10, 14, 4 + (i * 7) % 10, 17] for i in range(args.prompts)]
@@ -106,7 +87,7 @@ def rollout_rates(runtime, args) -> tuple[float, float]:
 def sync_time(runtime, model_path: str, bucket_bytes: int) -> tuple[float, int, int]:
     from safetensors.torch import load_file
 
-    from posttrain.protocol import bucketize
+    from posttrain import bucketize
 
     state = load_file(os.path.join(model_path, "model.safetensors"))
     buckets = list(bucketize(sorted(state.items()), bucket_bytes))
@@ -137,7 +118,7 @@ def main() -> int:
     models = [("small-qwen2 (preset)", small)]
     if not args.skip_100m:
         big = os.path.join(tmp, "qwen2-100m")
-        params = build_100m(big, small)
+        params = build_model("qwen2-100m", big, max_positions=512).params
         models.append((f"qwen2 {params / 1e6:.0f}M (random)", big))
     modes = ["0"] if args.skip_mp else ["0", "1"]
 
@@ -152,37 +133,30 @@ def main() -> int:
                 plugin_rate, plain_rate = rollout_rates(runtime, args)
                 sync_s, buckets, nbytes = sync_time(runtime, path, args.bucket_mb << 20)
                 runtime.shutdown()
+                engine_mode = "multiprocess" if mode == "1" else "in-process"
                 rows.append(
-                    (
-                        label,
-                        "multiprocess" if mode == "1" else "in-process",
-                        start_s,
-                        plugin_rate,
-                        plain_rate,
-                        sync_s,
-                        buckets,
-                        nbytes,
-                    )
+                    {
+                        "model": label,
+                        "engine": engine_mode,
+                        "start s": f"{start_s:.1f}",
+                        "plugin tok/s": f"{plugin_rate:.0f}",
+                        "plain vLLM tok/s": f"{plain_rate:.0f}",
+                        "plugin/plain": f"{plugin_rate / plain_rate:.3f}",
+                        "sync s": f"{sync_s:.3f}",
+                        "buckets": buckets,
+                        "MB synced": f"{nbytes / 1e6:.0f}",
+                    }
                 )
-                print(f"done: {label} {rows[-1][1]}", flush=True)
+                print(f"done: {label} {engine_mode}", flush=True)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    print(
+    print_table(
+        rows,
         f"\nrollout: {args.prompts} prompts x n={args.n}, up to {args.max_new_tokens} new tokens, "
-        f"temperature 1, fp32, CPU threads={os.cpu_count()}; sync buckets of {args.bucket_mb} MiB"
+        f"temperature 1, fp32, CPU threads={os.cpu_count()}; sync buckets of {args.bucket_mb} MiB",
+        text_columns=2,
     )
-    header = (
-        "| model | engine | start s | plugin tok/s | plain vLLM tok/s | plugin/plain "
-        "| sync s | buckets | MB synced |"
-    )
-    print(header)
-    print("|" + " --- |" * 9)
-    for label, mode, start_s, plugin_rate, plain_rate, sync_s, buckets, nbytes in rows:
-        print(
-            f"| {label} | {mode} | {start_s:.1f} | {plugin_rate:.0f} | {plain_rate:.0f} "
-            f"| {plugin_rate / plain_rate:.3f} | {sync_s:.3f} | {buckets} | {nbytes / 1e6:.0f} |"
-        )
     return 0
 
 

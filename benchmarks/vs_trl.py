@@ -4,6 +4,8 @@ run: per-step time, start-up, and steps and time to a rolling reward threshold, 
     benchmarks/trl_env.sh .venv-trl        # once: TRL in its own virtual environment
     nice -n 5 python benchmarks/vs_trl.py [--steps 150] [--threshold 0.65] [--window 10]
         [--repeats 3] [--trl-python .venv-trl/bin/python] [--set KEY=VALUE ...]
+    python benchmarks/vs_trl.py --only posttrain --steps 7 --window 1 --repeats 1 \
+        --sft-steps 1                                        # smoke check (no TRL needed)
 
 Both sides start from the same locally built model: a ~0.5M-parameter Qwen2 over the arithmetic
 alphabet (posttrain.tasks.presets' builder, hidden 128, 2 layers), given a short supervised warm
@@ -15,27 +17,26 @@ token, no KL, one thread per process. posttrain runs benchmarks/vs_trl.yaml thro
 ``posttrain run`` (fsdp2_train + hf_infer on device [0]) in this environment; TRL runs
 benchmarks/trl_grpo_side.py in its venv. The sides run one after the other, never at once,
 ``--repeats`` times each in alternating order; each process's per-step rewards and step-end
-times give the measures (``summarize``).
+times give the measures (``vs_trl_measures.summarize``).
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import os
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from common import REPO, copy_tokenizer, posttrain_run_command
+from vs_trl_measures import WARMUP_STEPS, aggregate, print_runs, print_summary, summarize
+
 WORKFLOW = REPO / "benchmarks" / "vs_trl.yaml"
 TRL_SIDE = REPO / "benchmarks" / "trl_grpo_side.py"
-WARMUP_STEPS = 5  # steps left out of the steady-state per-step time (caches, allocator, JIT)
 
 
 # --- the shared starting point -------------------------------------------------------------------
@@ -98,9 +99,7 @@ def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -
         "p_digit": float(probs[:, digits].sum(-1).mean()),
     }
     model.save_pretrained(str(out_dir), safe_serialization=True)
-    for name in os.listdir(base):  # the tokenizer files, as the preset builder wrote them
-        if name.startswith(("tokenizer", "special_tokens")):
-            shutil.copy(base / name, out_dir / name)
+    copy_tokenizer(base, out_dir)  # as the preset builder wrote it
     shutil.rmtree(base)
     return info
 
@@ -155,7 +154,6 @@ def run_side(name: str, cmd: list[str], steps_file: Path, log: Path) -> tuple[fl
 
 def run_posttrain(work: Path, model_dir: Path, steps: int, seed: int, extra: list[str]) -> dict:
     run_dir = work / "posttrain_run"
-    cmd = [sys.executable, "-m", "posttrain.cli", "run", str(WORKFLOW)]
     sets = [
         f"model_args.model_name_or_path={model_dir}",
         f"trainer.output_dir={run_dir}",
@@ -163,8 +161,7 @@ def run_posttrain(work: Path, model_dir: Path, steps: int, seed: int, extra: lis
         f"trainer.seed={seed}",
         *extra,
     ]
-    for item in sets:
-        cmd += ["--set", item]
+    cmd = posttrain_run_command(WORKFLOW, sets)
     launch, done, lines = run_side(
         "posttrain", cmd, run_dir / "metrics.jsonl", work / "posttrain.log"
     )
@@ -214,123 +211,6 @@ def run_trl(
         for _, r in lines
     ]
     return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
-
-
-# --- measures ------------------------------------------------------------------------------------
-
-
-def summarize(side: dict, threshold: float, window: int) -> dict:
-    rows = side["rows"]
-    ends = [r["end"] for r in rows]
-    # Wall time per step: from one step's end to the next (everything the loop does, logging
-    # included), steady state only.
-    intervals = [b - a for a, b in itertools.pairwise(ends)][WARMUP_STEPS:]
-    own = [r["own"] for r in rows][WARMUP_STEPS + 1 :]
-    rewards = [r["reward"] for r in rows]
-    first_begin = rows[0]["begin"]
-    out = {
-        "step": statistics.median(intervals) if intervals else float("nan"),
-        "step_own": statistics.median(own) if own else float("nan"),
-        "startup": first_begin - side["launch"],
-        "loop": ends[-1] - first_begin,
-        "wall": side["done"] - side["launch"],
-        "steps": len(rows),
-        "reward_first": statistics.mean(rewards[:window]),
-        "reward_last": statistics.mean(rewards[-window:]),
-        "hit_step": None,
-        "hit_loop": None,
-        "hit_wall": None,
-    }
-    for k in range(window, len(rows) + 1):
-        if statistics.mean(rewards[k - window : k]) >= threshold:
-            out["hit_step"] = k
-            out["hit_loop"] = rows[k - 1]["end"] - first_begin
-            out["hit_wall"] = rows[k - 1]["end"] - side["launch"]
-            break
-    return out
-
-
-def fmt(value, spec: str) -> str:
-    return "-" if value is None or value != value else format(value, spec)
-
-
-def ratio(a, b) -> str:
-    return "-" if a is None or b is None or not b or a != a or b != b else f"{a / b:.2f}x"
-
-
-KEYS = (
-    "step",
-    "step_own",
-    "startup",
-    "hit_step",
-    "hit_loop",
-    "hit_wall",
-    "loop",
-    "wall",
-    "reward_first",
-    "reward_last",
-)
-
-
-def aggregate(runs: list[dict]) -> dict:
-    """The median over repeats of every measure; a threshold never reached counts as missing."""
-    out = {}
-    for key in KEYS:
-        values = [r[key] for r in runs if r[key] is not None]
-        out[key] = statistics.median(values) if values else None
-    out["hits"] = sum(r["hit_step"] is not None for r in runs)
-    return out
-
-
-def print_table(pt: dict, trl: dict, args, info: dict, trl_version: str) -> None:
-    repeats = f", median of {args.repeats} runs per side" if args.repeats > 1 else ""
-    print(
-        f"\nposttrain vs TRL {trl_version}: single_digit_addition, {info['parameters'] / 1e6:.2f}M-"
-        f"parameter Qwen2, warm start reward {info['expected_reward']:.3f}, 64 completions/step, "
-        f"lr 1e-4, one thread per process, {args.steps} steps{repeats}"
-    )
-    if args.set:
-        print(f"posttrain overrides: {' '.join(args.set)}")
-    rows = [
-        (f"wall time per step, median after step {WARMUP_STEPS} (s)", "step", ".4f"),
-        ("step's own time, median (s)", "step_own", ".4f"),
-        ("start-up: launch to step 1 (s)", "startup", ".1f"),
-        (f"steps to rolling({args.window}) reward >= {args.threshold}", "hit_step", ".0f"),
-        ("time to threshold, from step 1 (s)", "hit_loop", ".2f"),
-        ("time to threshold, from launch (s)", "hit_wall", ".1f"),
-        ("loop time, all steps (s)", "loop", ".1f"),
-        ("wall time, launch to exit (s)", "wall", ".1f"),
-        (f"reward, first {args.window} steps", "reward_first", ".3f"),
-        (f"reward, last {args.window} steps", "reward_last", ".3f"),
-    ]
-    width = max(len(label) for label, _, _ in rows)
-    print(f"| {'':{width}} | {'posttrain':>9} | {'TRL':>9} | {'pt/TRL':>7} |")
-    print(f"| {'-' * width} | {'-' * 9} | {'-' * 9} | {'-' * 7} |")
-    for label, key, spec in rows:
-        a, b = pt[key], trl[key]
-        r = ratio(a, b) if not key.startswith("reward") else ""
-        print(f"| {label:{width}} | {fmt(a, spec):>9} | {fmt(b, spec):>9} | {r:>7} |")
-    if pt["hits"] < args.repeats or trl["hits"] < args.repeats:
-        print(
-            f"threshold reached in {pt['hits']}/{args.repeats} posttrain runs, "
-            f"{trl['hits']}/{args.repeats} TRL runs (medians over those that reached it)"
-        )
-    print(
-        f"goals: time to threshold <= 0.50x TRL's (now {ratio(pt['hit_wall'], trl['hit_wall'])} "
-        f"from launch, {ratio(pt['hit_loop'], trl['hit_loop'])} from step 1); per step <= 1.00x "
-        f"(now {ratio(pt['step'], trl['step'])})"
-    )
-
-
-def print_runs(summaries: dict[str, list[dict]]) -> None:
-    print("per run: s/step, start-up (s), to threshold: steps / s from step 1 / s from launch")
-    for side, runs in summaries.items():
-        for run in runs:
-            print(
-                f"  {side:<9} seed {run['seed']}: {fmt(run['step'], '.4f')}  "
-                f"{fmt(run['startup'], '.1f')}  {fmt(run['hit_step'], 'd')} / "
-                f"{fmt(run['hit_loop'], '.2f')} / {fmt(run['hit_wall'], '.1f')}"
-            )
 
 
 def main() -> int:
@@ -426,10 +306,7 @@ def main() -> int:
         json.dumps({"warm_start": info, "runs": summaries, "medians": totals}, indent=2)
     )
     print_runs(summaries)
-    if len(totals) == 2:
-        print_table(totals["posttrain"], totals["trl"], args, info, trl_version)
-    else:
-        print(json.dumps(totals, indent=2))
+    print_summary(totals, args, info, trl_version)
     print(
         f"load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
         f"{os.cpu_count()} CPUs; model, logs and per-step metrics: {work}"

@@ -2,6 +2,7 @@
 its own samples and the trainer's log-probs of the same tokens? Prints a table per transport.
 
     python benchmarks/weight_sync_parity.py [--trainer fsdp2_train] [--ranks 2] [--rollout NAME]
+    python benchmarks/weight_sync_parity.py --ranks 1 --steps 1            # smoke check
 """
 
 from __future__ import annotations
@@ -11,17 +12,9 @@ import os
 import tempfile
 import time
 
-from posttrain.config.converter import CONVERTER
-from posttrain.config.sections import (
-    AlgorithmConfig,
-    GeneratingArgs,
-    ModelArgs,
-    RoleConfig,
-    StrategyArgs,
-    TrainingArgs,
-)
-from posttrain.host.plugin_host import create_plugin_host
-from posttrain.launch.base import GroupSpec
+from common import print_table
+from trainer_runs import role_spec
+
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import concat_tensor_rows
 from posttrain.tasks.presets import preset_path
@@ -30,32 +23,24 @@ from posttrain.weight_sync.transport import BroadcastTransport, SharedMemoryTran
 
 
 def start(launcher, strategy: str, ranks: int, devices: tuple[int, ...], role: str, tmp: str):
-    spec = create_plugin_host().strategies()[strategy]
-    config = CONVERTER.structure({}, spec.config_class)
-    role_config = RoleConfig(
-        strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
-        device_mapping=devices,
-        world_size=ranks,
-        model_args=ModelArgs(model_name_or_path=preset_path("preset:tiny-qwen2")),
-        training_args=TrainingArgs(learning_rate=1e-2),
-        generating_args=GeneratingArgs(),
+    """``role`` on ``preset:tiny-qwen2``, one thread per rank, learning rate 1e-2 (a step moves
+    the weights far enough for a stale sync to show)."""
+    spec = role_spec(
+        role,
+        strategy,
+        preset_path("preset:tiny-qwen2"),
+        tmp,
+        devices=devices,
+        ranks=ranks,
+        learning_rate=1e-2,
+        seed=1,
+        threads=1,
     )
-    return launcher.start_group(
-        GroupSpec(
-            role=role,
-            config=role_config,
-            algorithm=AlgorithmConfig(),
-            seed=1,
-            run_dir=tmp,
-            base_dir=tmp,
-            device="cpu",
-            threads=1,
-        )
-    )
+    return launcher.start_group(spec)
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--trainer", default="fsdp2_train")
     parser.add_argument("--ranks", type=int, default=2)
     parser.add_argument("--rollout", default="hf_infer")
@@ -98,23 +83,23 @@ def main() -> None:
                     ]
                     got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
                     rows.append(
-                        (
-                            transport_cls.name,
-                            step + 1,
-                            stats["buckets"],
-                            stats["bytes"] / 2**20,
-                            sync_s * 1000,
-                            max_sample_logprob_diff(out, got),
-                        )
+                        {
+                            "transport": transport_cls.name,
+                            "step": step + 1,
+                            "buckets": stats["buckets"],
+                            "MiB": stats["bytes"] / 2**20,
+                            "sync ms": f"{sync_s * 1000:.1f}",
+                            "max abs dlogp": f"{max_sample_logprob_diff(out, got):.2e}",
+                        }
                     )
                 rollout.shutdown()
         finally:
             launcher.shutdown()
-    print(f"{args.trainer} x{args.ranks} -> {args.rollout}: log-prob parity after each sync")
-    header = ("transport", "step", "buckets", "MiB", "sync ms", "max |dlogp|")
-    print("{:<14} {:>4} {:>7} {:>6} {:>8} {:>12}".format(*header))
-    for name, step, buckets, mib, ms, diff in rows:
-        print(f"{name:<14} {step:>4} {buckets:>7} {mib:>6.2f} {ms:>8.1f} {diff:>12.2e}")
+    print_table(
+        rows,
+        f"{args.trainer} x{args.ranks} -> {args.rollout}: log-prob parity after each sync",
+        float_format=".2f",
+    )
 
 
 if __name__ == "__main__":

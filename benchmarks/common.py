@@ -1,0 +1,231 @@
+"""What the benchmarks share: the model shapes, a random model of a shape, a workflow run through
+the CLI, a printed table, the device and its peak, and the FLOPs of a token.
+
+Benchmarks are scripts run from anywhere (``python benchmarks/X.py``): Python puts this folder
+first on ``sys.path``, so they import this module as ``common``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NamedTuple
+
+REPO = Path(__file__).resolve().parents[1]
+QUICKSTART = REPO / "examples" / "quickstart.yaml"
+# ``--tiny``: the quickstart as a smoke check (seconds on CPU): one rank process, 4 prompts x 2
+# samples a step, no final checkpoint, and a Ray instance (if the run starts one) with a 256 MiB
+# object store, as tests/e2e/test_ray.py starts its own (the local launcher ignores it).
+TINY_QUICKSTART = (
+    "actor_train.device_mapping=[0]",
+    "actor_infer.device_mapping=[0]",
+    "reference.device_mapping=[0]",
+    "algorithm.rollout_batch_size=4",
+    "algorithm.group_size=2",
+    "trainer.save_final=false",
+    "cluster.object_store_memory=268435456",
+)
+
+# Qwen2-shaped models the benchmarks build locally (random init, no download).
+SHAPES = {
+    "tiny": dict(
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1024,
+    ),
+    "qwen2-100m": dict(
+        hidden_size=768,
+        intermediate_size=2048,
+        num_hidden_layers=12,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=32000,
+    ),
+    "qwen2-0.5b": dict(
+        hidden_size=896,
+        intermediate_size=4864,
+        num_hidden_layers=24,
+        num_attention_heads=14,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+    "qwen2-1.5b": dict(
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+    ),
+}
+
+# Dense bf16 peak TFLOP/s of a GPU, by a part of its name (SXM parts).
+PEAK_BF16_TFLOPS = {"H100": 989.0, "H200": 989.0}
+
+
+class BuiltModel(NamedTuple):
+    params: int  # the tied embedding counted once
+    nbytes: int  # of the weights in the saved dtype
+
+
+def build_model(
+    shape: str,
+    out_dir: str,
+    *,
+    dtype: str = "fp32",
+    max_positions: int = 4096,
+    tie_word_embeddings: bool = True,
+) -> BuiltModel:
+    """A Qwen2 of ``shape`` (random init, seed 0) saved in ``dtype``, with the tokenizer of
+    ``preset:tiny-qwen2`` (the arithmetic alphabet: the model's vocabulary is larger than the
+    tokenizer's)."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from posttrain import torch_dtype
+    from posttrain.tasks.presets import preset_path
+
+    config = Qwen2Config(
+        **SHAPES[shape],
+        max_position_embeddings=max_positions,
+        tie_word_embeddings=tie_word_embeddings,
+    )
+    torch.manual_seed(0)
+    with torch.device("cpu"):
+        model = Qwen2ForCausalLM(config).to(torch_dtype(dtype))
+    model.save_pretrained(out_dir)
+    # Copied as the preset saved it: the saved class keeps every loader (posttrain's, an
+    # engine's own, another transformers version) reading the same vocabulary.
+    copy_tokenizer(preset_path("preset:tiny-qwen2"), out_dir)
+    params = list(model.parameters())
+    return BuiltModel(
+        params=sum(p.numel() for p in params),
+        nbytes=sum(p.numel() * p.element_size() for p in params),
+    )
+
+
+def copy_tokenizer(from_dir: str | Path, to_dir: str | Path) -> None:
+    """The tokenizer files of the HF directory ``from_dir``, copied into ``to_dir``."""
+    for path in Path(from_dir).iterdir():
+        if path.name.startswith(("tokenizer", "special_tokens")):
+            shutil.copy(path, to_dir)
+
+
+def posttrain_run_command(workflow: str | Path, overrides: Sequence[str]) -> list[str]:
+    """``posttrain run WORKFLOW --set KEY=VALUE ...`` with this interpreter."""
+    command = [sys.executable, "-m", "posttrain.cli", "run", str(workflow)]
+    for item in overrides:
+        command += ["--set", item]
+    return command
+
+
+class WorkflowRun(NamedTuple):
+    metrics: list[dict[str, Any]]  # one record per step, from the run's metrics.jsonl
+    wall_s: float  # the whole command: start-up, steps, teardown
+    stdout: str
+
+
+def run_workflow(
+    workflow: str | Path, overrides: Sequence[str], env: dict[str, str] | None = None
+) -> WorkflowRun:
+    """Run ``workflow`` through the CLI in a subprocess, into a temporary run directory that the
+    JSONL logger writes, with ``--set`` ``overrides`` (later ones win). A failed run ends the
+    benchmark with its output's tail."""
+    with tempfile.TemporaryDirectory() as tmp:
+        run_dir = Path(tmp) / "run"
+        command = posttrain_run_command(
+            workflow, [f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", *overrides]
+        )
+        start = time.perf_counter()
+        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        wall = time.perf_counter() - start
+        if proc.returncode:
+            sys.exit(
+                f"posttrain run {workflow} failed (exit {proc.returncode}):\n"
+                f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
+            )
+        with open(run_dir / "metrics.jsonl") as f:
+            metrics = [json.loads(line) for line in f]
+    return WorkflowRun(metrics, wall, proc.stdout)
+
+
+def steady(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The steps after the first (it warms caches up), or the only one."""
+    return metrics[1:] if len(metrics) > 1 else metrics
+
+
+def steady_step_s(metrics: list[dict[str, Any]]) -> float:
+    return statistics.mean(m["time/step"] for m in steady(metrics))
+
+
+def print_table(
+    rows: Sequence[dict[str, Any]],
+    title: str | None = None,
+    *,
+    float_format: str = ".3f",
+    formats: dict[str, str] | None = None,
+    text_columns: int = 1,
+) -> None:
+    """A Markdown table of ``rows`` (their keys are the columns, in the first row's order) under
+    ``title``. The first ``text_columns`` columns are left-aligned, the others right-aligned;
+    floats are formatted with ``formats[column]``, else ``float_format``; None is ``-``,
+    anything else ``str``."""
+    if title:
+        print(title)
+    columns = list(rows[0]) if rows else []
+    formats = formats or {}
+
+    def text(column: str, value: Any) -> str:
+        if value is None:
+            return "-"
+        if isinstance(value, float):
+            return format(value, formats.get(column, float_format))
+        return str(value)
+
+    cells = [[text(c, row.get(c)) for c in columns] for row in rows]
+    widths = [max([len(c), *(len(r[i]) for r in cells)]) for i, c in enumerate(columns)]
+    left = [i < text_columns for i in range(len(columns))]
+
+    def line(values: list[str]) -> str:
+        padded = (v.ljust(w) if lj else v.rjust(w) for v, w, lj in zip(values, widths, left))
+        return "| " + " | ".join(padded) + " |"
+
+    print(line(columns))
+    print(line(["-" * w if lj else "-" * (w - 1) + ":" for w, lj in zip(widths, left)]))
+    for row in cells:
+        print(line(row))
+
+
+def device_name(device: str) -> str:
+    """The GPU's name for ``cuda`` (device 0), else ``cpu``."""
+    if device == "cuda":
+        import torch
+
+        return torch.cuda.get_device_name(0)
+    return "cpu"
+
+
+def peak_bf16_tflops(name: str) -> float | None:
+    """Dense bf16 peak TFLOP/s of the GPU called ``name``; None where unknown (CPUs)."""
+    return next((peak for part, peak in PEAK_BF16_TFLOPS.items() if part in name), None)
+
+
+def flops_per_token(shape: str, params: int, seq: int, *, training: bool = True) -> float:
+    """FLOPs per token of a Qwen2 of ``shape`` with ``params`` parameters over sequences of
+    ``seq`` tokens: 2 * N for the forward matmuls (the tied embedding counted once: it is the
+    output layer's matmul; the lookup costs nothing) and 2 * L * h * s for causal attention
+    (QK^T and AV, 4 * s * h per token and layer, halved by the mask); training (forward and
+    backward) is 3 times the forward: 6 * N + 6 * L * h * s."""
+    cfg = SHAPES[shape]
+    per_pass = 2.0 * params + 2.0 * cfg["num_hidden_layers"] * cfg["hidden_size"] * seq
+    return 3 * per_pass if training else per_pass

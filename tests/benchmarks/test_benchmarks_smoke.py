@@ -1,0 +1,161 @@
+"""Every script in benchmarks/ runs in its smallest setting (the tiny shape or preset, one or two
+steps, CPU) and prints its table, so that a change of core's or a plugin's API that breaks a
+benchmark fails here. The figures printed are not checked: these tests measure nothing.
+
+The engines that the main test environment lacks: vLLM and SGLang (benchmarks/vllm_rollout.py,
+benchmarks/sglang_rollout.py) drive an engine from their first step, so only their argument
+parsing is checked here; their smallest runs are tests/vllm/test_vllm_benchmark.py and
+tests/sglang/test_sglang_benchmark.py, in those engines' environments. TRL
+(benchmarks/trl_grpo_side.py, the TRL side of benchmarks/vs_trl.py) lives in its own virtual
+environment (benchmarks/trl_env.sh .venv-trl): here its argument parsing always runs, and the
+posttrain side of vs_trl.py; both sides run where .venv-trl exists.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+TRL_PYTHON = Path(__file__).resolve().parents[2] / ".venv-trl" / "bin" / "python"
+
+pytestmark = pytest.mark.slow
+
+
+def table(out: str, first_column: str) -> tuple[list[str], list[list[str]]]:
+    """The header and the rows, as stripped cells, of the Markdown table printed in ``out``
+    whose first column is called ``first_column``."""
+
+    def cells(line: str) -> list[str]:
+        return [cell.strip() for cell in line.strip().strip("|").split("|")]
+
+    lines = out.splitlines()
+    start = next(
+        i for i, line in enumerate(lines) if line.startswith("|") and cells(line)[0] == first_column
+    )
+    rows = []
+    for line in lines[start + 2 :]:
+        if not line.startswith("|"):
+            break
+        rows.append(cells(line))
+    return cells(lines[start]), rows
+
+
+def column(rows: list[list[str]], index: int = 0) -> list[str]:
+    return [row[index] for row in rows]
+
+
+@pytest.mark.timeout(150)
+def test_checkpoint(run_benchmark, tmp_path):
+    out = run_benchmark(
+        "checkpoint.py", "--shape", "tiny", "--seq", "32", "--strategies", "fsdp2_train",
+        "--dir", str(tmp_path),
+    )  # fmt: skip
+    header, rows = table(out, "strategy")
+    assert "stall s" in header and column(rows) == ["fsdp2_train"]
+
+
+@pytest.mark.timeout(150)
+def test_weight_sync(run_benchmark):
+    out = run_benchmark("weight_sync.py", "--trainers", "fsdp2_train", "--repeats", "1")
+    _, rows = table(out, "trainer")
+    assert column(rows, 2) == ["in_process", "shared_memory"]
+
+
+@pytest.mark.timeout(150)
+def test_weight_sync_parity(run_benchmark):
+    out = run_benchmark("weight_sync_parity.py", "--ranks", "1", "--steps", "1")
+    header, rows = table(out, "transport")
+    assert "max abs dlogp" in header
+    assert column(rows) == ["shared_memory", "broadcast"]
+
+
+@pytest.mark.timeout(150)
+def test_train_throughput(run_benchmark):
+    out = run_benchmark(
+        "train_throughput.py", "--ranks", "1", "--batch", "1", "--seq", "32", "--steps", "1"
+    )
+    header, rows = table(out, "strategy")
+    assert "tokens/s" in header and column(rows) == ["fsdp2_train"]
+
+
+@pytest.mark.timeout(210)
+def test_megatron_train(run_benchmark):
+    """Every row (each its own process) in the tiny shape, one timed step, no warm-up."""
+    out = run_benchmark(
+        "megatron_train.py", "--tiny", "--device", "cpu", "--steps", "1", "--warmup", "0",
+        timeout=180,
+    )  # fmt: skip
+    _, rows = table(out, "row")
+    assert set(column(rows)) == {"megatron_train", "megatron_local", "transformers"}
+    assert "export_weights (512 MiB buckets)" in out
+    assert "packed:" in out
+
+
+@pytest.mark.timeout(150)
+def test_quickstart(run_benchmark):
+    out = run_benchmark("quickstart.py", "--tiny", "--steps", "1", "--save-steps", "0")
+    _, rows = table(out, "phase")
+    assert column(rows)[0] == "rollout" and column(rows)[-1] == "step"
+
+
+@pytest.mark.timeout(150)
+def test_ray_vs_local(run_benchmark):
+    out = run_benchmark("ray_vs_local.py", "--tiny", "--steps", "1")
+    header, rows = table(out, "")
+    assert header == ["", "local", "ray", "ray/local"]
+    assert column(rows)[0] == "mean step time, step 1 excl. (s)"
+
+
+@pytest.mark.timeout(150)
+def test_async_rollout(run_benchmark):
+    """A random model of the tiny shape (the path that builds one), one step per mode."""
+    out = run_benchmark(
+        "async_rollout.py", "--shape", "tiny", "--steps", "1", "--rollout-batch-size", "4",
+        "--set", "algorithm.group_size=2",
+    )  # fmt: skip
+    header, rows = table(out, "")
+    assert "trainer_idle_s" in header
+    assert column(rows) == ["sync", "async", "async / sync"]
+
+
+@pytest.mark.timeout(90)
+def test_calculator_preset(run_benchmark):
+    out = run_benchmark(
+        "calculator_preset.py", "--prompts", "4", "--samples", "1", "--warm-start-steps", "2"
+    )
+    assert "tool-call rate:" in out
+    assert "samples: 4 (4 prompts x 1)" in out
+
+
+@pytest.mark.timeout(150)
+def test_vs_trl_posttrain_side(run_benchmark, tmp_path):
+    """The shortest run the script accepts (steps beyond the warm-up steps), no TRL."""
+    out = run_benchmark(
+        "vs_trl.py", "--only", "posttrain", "--steps", "7", "--window", "1", "--repeats", "1",
+        "--sft-steps", "1", "--work-dir", str(tmp_path / "work"),
+    )  # fmt: skip
+    header, rows = table(out, "")
+    assert header == ["", "posttrain"]
+    assert column(rows)[0].startswith("wall time per step")
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no TRL venv: benchmarks/trl_env.sh .venv-trl")
+def test_vs_trl_both_sides(run_benchmark, tmp_path):
+    out = run_benchmark(
+        "vs_trl.py", "--steps", "7", "--window", "1", "--repeats", "1", "--sft-steps", "1",
+        "--trl-python", str(TRL_PYTHON), "--work-dir", str(tmp_path / "work"),
+        timeout=270,
+    )  # fmt: skip
+    header, rows = table(out, "")
+    assert header == ["", "posttrain", "TRL", "pt/TRL"]
+    assert column(rows)[0].startswith("wall time per step")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("script", ["vllm_rollout.py", "sglang_rollout.py", "trl_grpo_side.py"])
+def test_engine_benchmarks_parse_their_arguments(run_benchmark, script):
+    """Without their engine, these scripts get as far as their arguments (and their imports)."""
+    out = run_benchmark(script, "--help")
+    assert out.startswith("usage:")
