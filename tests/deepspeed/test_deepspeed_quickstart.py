@@ -41,7 +41,10 @@ def test_quickstart_deepspeed_learns_addition(tmp_path, posttrain_cache):
     wall = time.monotonic() - started
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     # Hybrid layout: the trainer and both hf_infer roles live in the same 2 rank processes.
-    plan = "actor_train (deepspeed_train) + actor_infer (hf_infer) + reference (hf_infer): 2 shared"
+    plan = (
+        "actor_train (deepspeed_train) + actor_infer (hf_infer) + reference (hf_infer): "
+        "2 rank processes, shared"
+    )
     assert plan in proc.stdout + proc.stderr, proc.stdout[-3000:]
     with open(run_dir / "metrics.jsonl") as f:
         metrics = [json.loads(line) for line in f]
