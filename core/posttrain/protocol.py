@@ -28,6 +28,8 @@ class SamplingParams:
     # A sample ends with the token that completes one of these strings (vLLM's ``stop``): the
     # response keeps that token and its log-prob; its text is cut where the string begins.
     stop: tuple[str, ...] = ()
+    # Sample past the end-of-sequence token (``stop_token_ids`` and ``stop`` still apply).
+    ignore_eos: bool = False
 
 
 def stop_string_start(text: str, stop: Iterable[str]) -> int | None:

@@ -159,3 +159,16 @@ def test_engine_benchmarks_parse_their_arguments(run_benchmark, script):
     """Without their engine, these scripts get as far as their arguments (and their imports)."""
     out = run_benchmark(script, "--help")
     assert out.startswith("usage:")
+
+
+@pytest.mark.timeout(150)
+def test_rl_step(run_benchmark):
+    """The tiny shape and workload, one steady step, profiled: the phase table, the slowest
+    rank's time in each phase, and a phase's profile."""
+    out = run_benchmark(
+        "rl_step.py", "--shape", "tiny", "--workload", "tiny", "--steps", "2", "--profile"
+    )
+    header, rows = table(out, "phase")
+    assert column(rows) == ["rollout", "logprobs", "train", "weight_sync", "step"]
+    assert "TFLOP/s/GPU" in header and "on ranks s" in header
+    assert "## profile: train_step.actor_train.rank0" in out

@@ -56,3 +56,24 @@ def test_hf_infer_stops_with_the_token_completing_a_stop_string(hf_infer_worker)
         by_pair += tokenizer.decode(want_ids, skip_special_tokens=True).endswith(stop[0])
     print(f"\nstop {stop}: {cut} of {len(texts)} samples cut, {by_pair} by {stop[0]!r}")
     assert cut >= 2 and by_pair >= 1
+
+
+def test_hf_infer_ignore_eos_samples_the_full_length(hf_infer_worker):
+    """``generating_args.ignore_eos`` (forced lengths, for benchmarks): every sample runs to
+    max_new_tokens; without it some end at EOS, which the tiny model samples often."""
+    from posttrain.backends import hf_infer
+
+    eos = hf_infer_worker.state["tokenizer"].eos_token_id
+
+    def lengths(ignore_eos: bool) -> tuple[list[int], list[list[int]]]:
+        sampling = SamplingParams(n=8, max_new_tokens=12, ignore_eos=ignore_eos)
+        out = hf_infer.generate(
+            hf_infer_worker, GenerationRequest(prompt_ids=PROMPTS, sampling=sampling, seed=5)
+        )
+        return [len(r) for r in out.response_ids], out.response_ids
+
+    forced, forced_ids = lengths(True)
+    assert set(forced) == {12}
+    free, free_ids = lengths(False)
+    assert min(free) < 12 and all(r[-1] == eos for r in free_ids if len(r) < 12)
+    assert any(eos in r[:-1] for r in forced_ids)  # EOS sampled, and sampling went on

@@ -177,3 +177,25 @@ def test_cpu_patch_targets_exist_in_installed_megatron_core():
 
     for module, attribute in PATCHED_INTERNALS:
         assert hasattr(importlib.import_module(module), attribute), f"{module}.{attribute}"
+
+
+@pytest.mark.parametrize(
+    ("offloads", "released"),
+    [
+        ({}, set()),
+        ({"param_offload": True}, {"weights"}),
+        ({"param_offload": True, "grad_offload": True}, {"weights", "grads"}),
+        ({"optimizer_offload": True}, {"optimizer"}),
+    ],
+)
+def test_release_moves_what_the_config_offloads(offloads, released):
+    """A colocated megatron role moves to the host only what param_offload / grad_offload /
+    optimizer_offload say (as verl); by default it keeps its memory on the device."""
+    from types import SimpleNamespace
+
+    from posttrain_megatron.config import MegatronTrainConfig
+    from posttrain_megatron.engine import _tags
+
+    worker = SimpleNamespace(config=MegatronTrainConfig(**offloads))
+    assert _tags(worker, None) == released
+    assert _tags(worker, ["weights"]) == released & {"weights"}

@@ -143,7 +143,14 @@ def _start_group(launcher, tmp_path, model: str, name: str):
     from posttrain.launch.base import GroupSpec
     from posttrain_megatron.config import MegatronTrainConfig
 
-    config = MegatronTrainConfig(use_distributed_optimizer=True, micro_batch_size=2)
+    # The offloads that make release_memory move state to the host (off by default).
+    config = MegatronTrainConfig(
+        use_distributed_optimizer=True,
+        micro_batch_size=2,
+        param_offload=True,
+        grad_offload=True,
+        optimizer_offload=True,
+    )
     role = RoleConfig(
         strategy_args=StrategyArgs(strategy_name="megatron_train", strategy_config=config),
         device_mapping=(0, 1),

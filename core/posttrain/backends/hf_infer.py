@@ -13,6 +13,7 @@ import torch
 
 from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.backends.models import load_model_with_head, load_tokenizer
+from posttrain.backends.plumbing import memory_tags
 from posttrain.backends.tensors import unshare_storage
 from posttrain.protocol import (
     GenerationRequest,
@@ -64,7 +65,9 @@ def _filter_logits(
 def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
     sampling = request.sampling
     tokenizer = worker.state["tokenizer"]
-    stop_ids = set(sampling.stop_token_ids) | {tokenizer.eos_token_id}
+    stop_ids = set(sampling.stop_token_ids)
+    if not sampling.ignore_eos:
+        stop_ids.add(tokenizer.eos_token_id)
     generator = torch.Generator(device=worker.device)
     generator.manual_seed(request.seed if request.seed is not None else worker.seed)
     prompts = [list(p) for p in request.prompt_ids for _ in range(sampling.n)]
@@ -100,7 +103,7 @@ def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     responses: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
-    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    done = [False] * batch  # on the host: read every step
     past = None
     step_ids, step_pos = input_ids, position_ids
     for _ in range(sampling.max_new_tokens):
@@ -121,11 +124,13 @@ def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
             probs = torch.softmax(filtered, dim=-1)
             token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
         token_logp = raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        # One transfer to the host per step, not one per sample (each would wait for the GPU).
+        tokens, token_logps = token.tolist(), token_logp.tolist()
         running = [i for i in range(batch) if not done[i]]
         for i in running:
-            responses[i].append(int(token[i]))
-            logprobs[i].append(float(token_logp[i]))
-            if int(token[i]) in stop_ids:
+            responses[i].append(tokens[i])
+            logprobs[i].append(token_logps[i])
+            if tokens[i] in stop_ids:
                 done[i] = True
         if sampling.stop:
             # As vLLM: the text without special tokens; the token completing a stop string is
@@ -136,12 +141,13 @@ def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
             for i, text in zip(running, texts):
                 if stop_string_start(text, sampling.stop) is not None:
                     done[i] = True
-        if bool(done.all()):
+        if all(done):
             break
-        token = torch.where(done, torch.full_like(token, pad_id), token)
+        finished = torch.tensor(done, dtype=torch.bool, device=device)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
         step_ids = token.unsqueeze(-1)
         step_pos = step_pos[:, -1:] + 1
-        attention = torch.cat([attention, (~done).long().unsqueeze(-1)], dim=-1)
+        attention = torch.cat([attention, (~finished).long().unsqueeze(-1)], dim=-1)
     return responses, logprobs
 
 
@@ -173,10 +179,18 @@ def import_weights(worker: WorkerContext, buckets) -> bool:
     params = dict(worker.model.state_dict(keep_vars=True))
     with torch.no_grad():
         for bucket in buckets:
-            for name, tensor in bucket.tensors:
+            for name, _ in bucket.tensors:
                 if name not in params:
                     raise KeyError(f"hf_infer: the model has no weight named {name!r}")
-                params[name].data.copy_(tensor.to(params[name].device, params[name].dtype))
+            targets = [params[name].data for name, _ in bucket.tensors]
+            sources = [tensor for _, tensor in bucket.tensors]
+            if all(s.device == t.device for s, t in zip(sources, targets)):
+                # One grouped copy (casting as needed) of a bucket already on the device (the
+                # in-process hand-over): per-tensor copies cost more in launches than in bytes.
+                torch._foreach_copy_(targets, sources)
+            else:
+                for target, source in zip(targets, sources):
+                    target.copy_(source)
     return True
 
 
@@ -207,15 +221,18 @@ def export_hf(worker: WorkerContext, path: str) -> bool:
 
 
 def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
-    """Move the weights to host memory while a colocated role uses the device."""
-    worker.model.to("cpu")
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
+    """Move the weights to host memory while a colocated role uses the device, when the
+    config says so (``param_offload``)."""
+    if worker.config.param_offload and "weights" in memory_tags(tags):
+        worker.model.to("cpu")
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     return True
 
 
 def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
-    worker.model.to(worker.device)
+    if worker.config.param_offload and "weights" in memory_tags(tags):
+        worker.model.to(worker.device)
     return True
 
 

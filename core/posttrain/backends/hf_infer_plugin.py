@@ -24,6 +24,9 @@ class HFInferConfig:
     # Prompts per forward pass when generating or scoring (the role's infer_batch_size wins).
     batch_size: int = attrs.field(default=64, validator=at_least(1))
     use_cache: bool = True
+    # Move the weights to host memory while another role on the same GPUs runs (a KV cache
+    # lives only during a generation); off, they stay on the device.
+    param_offload: bool = False
 
 
 class HFInferPlugin(EngineHooks):

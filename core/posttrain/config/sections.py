@@ -70,6 +70,9 @@ class GeneratingArgs:
     # A sample also ends with the token that completes one of these strings; the reward sees the
     # text before the string (vLLM's `stop`).
     stop_strings: list[str] = attrs.field(factory=list)
+    # Keep sampling past the end-of-sequence token, to max_new_tokens (vLLM's `ignore_eos`):
+    # forced lengths for benchmarks; stop_token_ids and stop_strings still end a sample.
+    ignore_eos: bool = False
 
 
 @attrs.frozen(kw_only=True)

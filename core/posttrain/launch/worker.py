@@ -6,8 +6,9 @@ A :class:`WorkerContext` is handed to every worker hook. Backends keep their eng
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import attrs
 
@@ -82,13 +83,30 @@ class WorkerRuntime:
     rank-side code such as the in-process weight transport reaches the other roles through it.
     """
 
+    # Per hook since the driver last asked (call_stats): the seconds spent in it on this rank
+    # and the peak GPU memory (bytes) of this process's device (one process drives one GPU,
+    # whatever roles it hosts).
+    _seconds: ClassVar[dict[str, float]] = {}
+    _peaks: ClassVar[dict[str, int]] = {}
+
     def __init__(self, ctx: WorkerContext, peers: dict[str, WorkerRuntime] | None = None):
         self.ctx = ctx
         self.peers = peers if peers is not None else {ctx.role: self}
         self._export: Iterator | None = None
 
     def _call(self, hook_name: str, **kwargs: Any) -> Any:
+        on_gpu = str(self.ctx.device).startswith("cuda")
+        if on_gpu:
+            import torch
+
+            torch.cuda.reset_peak_memory_stats()
+        start = time.perf_counter()
         result = getattr(self.ctx.hook, hook_name)(worker=self.ctx, **kwargs)
+        name = hook_name.removeprefix("posttrain_")
+        self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
+        if on_gpu:
+            peak = torch.cuda.max_memory_allocated()
+            self._peaks[name] = max(peak, self._peaks.get(name, 0))
         if result is None:
             raise NoImplementationError(
                 f"no installed plugin implements {hook_name} for strategy "
@@ -173,6 +191,20 @@ class WorkerRuntime:
 
     def shutdown(self) -> bool:
         return bool(self.ctx.hook.posttrain_shutdown_worker(worker=self.ctx))
+
+    def call_stats(self) -> dict[str, dict[str, float]]:
+        """Per hook (``generate``, ``train_step``, ...) since the last ask: ``seconds`` spent in
+        it on this rank, and on a GPU the ``peak_bytes`` of device memory."""
+        stats = {
+            name: {
+                "seconds": seconds,
+                **({"peak_bytes": self._peaks[name]} if name in self._peaks else {}),
+            }
+            for name, seconds in self._seconds.items()
+        }
+        self._seconds.clear()
+        self._peaks.clear()
+        return stats
 
     def ping(self) -> str:
         return "pong"

@@ -39,6 +39,7 @@ def sampling_params(generating_args: GeneratingArgs | None) -> SamplingParams:
         max_new_tokens=gen.max_new_tokens if gen else 32,
         stop_token_ids=tuple(gen.stop_token_ids) if gen else (),
         stop=tuple(gen.stop_strings) if gen else (),
+        ignore_eos=gen.ignore_eos if gen else False,
     )
 
 

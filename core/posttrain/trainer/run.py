@@ -36,6 +36,7 @@ from posttrain.rollout.generation import Rollout
 from posttrain.rollout.groups import collect_groups
 from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
 from posttrain.tasks.data import PromptSampler, load_prompts
+from posttrain.trainer.call_stats import phase_call_stats
 from posttrain.trainer.loggers import make_loggers
 from posttrain.trainer.phase_timer import PHASES, PhaseTimer
 from posttrain.trainer.plugin_metrics import contributed_metrics
@@ -337,6 +338,7 @@ class Trainer:
         metrics["driver/calls"] = float(self.launcher.driver_calls() - calls_before)
         metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
         metrics["step"] = self.state.step
+        metrics.update(phase_call_stats(self.groups))
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -37,6 +37,10 @@ class DeepSpeedZeroConfig:
     stage3_max_live_parameters: int = attrs.field(default=1_000_000_000, validator=at_least(0))
     stage3_max_reuse_distance: int = attrs.field(default=1_000_000_000, validator=at_least(0))
     stage3_prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=at_least(0))
+    # Move the engine's states (weights, gradients, optimizer state) to host memory while
+    # another role on the same GPUs runs (DeepSpeed's offload_states); off, they stay on the
+    # device: faster, when memory allows.
+    release_when_idle: bool = False
     # Any other DeepSpeed config keys, merged over what the plugin builds (nested dicts merge).
     ds_config: dict[str, Any] = attrs.field(factory=dict)
 

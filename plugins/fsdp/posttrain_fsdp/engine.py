@@ -260,6 +260,17 @@ def _export_buckets(
         yield bucket if keep else WeightBucket()
 
 
+def _full(value: torch.Tensor) -> torch.Tensor:
+    """A state-dict entry whole: a DTensor gathered over its mesh (a collective), or, on a mesh
+    of one rank, its local tensor as it is (no collective: one per tensor cost more than the
+    copies of an in-process sync)."""
+    if not isinstance(value, DTensor):
+        return value
+    if value.device_mesh.size() == 1:
+        return value.to_local()
+    return value.full_tensor()
+
+
 def _gathered(
     worker: WorkerContext, keep: bool, device: str | None = "cpu"
 ) -> Iterator[tuple[str, torch.Tensor]]:
@@ -279,7 +290,7 @@ def _gathered(
         if source is not None and source in cache:
             yield hf_name(name), cache[source]
             continue
-        full = value.full_tensor() if isinstance(value, DTensor) else value
+        full = _full(value)
         if keep and device is None:
             tensor = full.detach().to(dtype=dtype)
         elif keep:
@@ -528,11 +539,23 @@ def _optimizers(worker: WorkerContext) -> list:
     return [] if optimizer is None else [optimizer]
 
 
+def _offloaded(worker: WorkerContext, tags: list[str]) -> set[str]:
+    """The asked tags this role's config offloads (``param_offload``: weights and grads,
+    ``optimizer_offload``: the optimizer state); none by default."""
+    cfg = worker.config
+    offloaded = {"weights", "grads"} if cfg.param_offload else set()
+    if getattr(cfg, "optimizer_offload", False):
+        offloaded.add("optimizer")
+    return memory_tags(tags) & offloaded
+
+
 def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         log_once(log, "fsdp: release_memory on a CPU device: nothing to free")
         return True
-    wanted = memory_tags(tags)
+    wanted = _offloaded(worker, tags)
+    if not wanted:
+        return True  # nothing offloaded: no sync, no emptied cache
     if wanted & {"weights", "grads"}:
         worker.model.zero_grad(set_to_none=True)
         worker.model.cpu()
@@ -545,7 +568,9 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
 def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         return True
-    wanted = memory_tags(tags)
+    wanted = _offloaded(worker, tags)
+    if not wanted:
+        return True
     device = rank_device(worker)
     offloaded = getattr(worker.config, "cpu_offload", False)
     if wanted & {"weights", "grads"} and not offloaded:

@@ -38,6 +38,11 @@ class FSDP2TrainConfig:
     reshard_after_forward: bool = True
     # Keep sharded parameters, gradients and optimizer state in host memory (CPUOffloadPolicy).
     cpu_offload: bool = False
+    # Move the weights and gradients (param_offload) and the optimizer state (optimizer_offload)
+    # to host memory while another role on the same GPUs runs, as verl's knobs; off, they stay
+    # on the device: faster, when memory allows.
+    param_offload: bool = False
+    optimizer_offload: bool = False
     # Rows per micro-batch; None: training_args.per_device_train_batch_size.
     micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Rows per forward pass when computing log-probs; None: micro_batch_size.
@@ -54,6 +59,8 @@ class FSDP2InferConfig:
     param_dtype: DtypeName | None = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
+    # Move the weights to host memory while another role on the same GPUs runs.
+    param_offload: bool = False
 
 
 class FSDPPlugin(EngineHooks):

@@ -40,6 +40,38 @@ class _PosttrainNames:
         self.has_vp_stage = True
         return decoder_block_spec(self.config, self.attention_backend, vp_stage=vp_stage)
 
+    def export_weights(self, models):
+        """mbridge's walk, without its per-tensor object collectives when there is one pipeline
+        stage and no expert parallelism: mbridge broadcasts every tensor's name and spec across
+        the pipeline group (four object collectives per tensor, each a host round trip), which
+        made an in-process sync of a 1.5B model take 0.3 s instead of a few milliseconds of
+        copies. The TP gather and the HF conversion are mbridge's own."""
+        if self.mpu.pp_size > 1 or self.mpu.ep_size > 1:
+            yield from super().export_weights(models)
+            return
+        from mbridge.core.util import unwrap_model
+
+        for model in (unwrap_model(m) for m in models):
+            to_global = self._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
+            named = dict(model.named_parameters())
+            # As mbridge: a router's expert_bias is in the state dict only.
+            named.update(
+                (key, value)
+                for key, value in model.state_dict().items()
+                if "expert_bias" in key and "_extra_state" not in key and key not in named
+            )
+            for local_name, param in named.items():
+                name = to_global[local_name]
+                if getattr(param, "tensor_model_parallel", False):
+                    shards = [param]
+                    if self.mpu.tp_size > 1:
+                        shards = [torch.empty_like(param) for _ in range(self.mpu.tp_size)]
+                        torch.distributed.all_gather(shards, param, group=self.mpu.tp_group)
+                    merged = self._weight_merge_across_tp(name, shards, param)
+                else:
+                    merged = param
+                yield from zip(*self._weight_to_hf_format(name, merged))
+
     def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True):
         mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
         dense_norm_fused = "pre_mlp_layernorm" not in self._MLP_MAPPING

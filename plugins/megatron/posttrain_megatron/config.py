@@ -47,7 +47,8 @@ class MegatronParallelConfig:
     dist_checkpointing_path: str | None = None
     # Any other TransformerConfig field, e.g. {apply_rope_fusion: false}.
     override_transformer_config: dict[str, Any] = attrs.field(factory=dict)
-    # Keep parameters in host memory between phases when colocated (release/resume).
+    # Move the weights to host memory while another role on the same GPUs runs (colocated roles,
+    # as verl's param_offload); off, they stay on the device: faster, when memory allows.
     param_offload: bool = False
     # Rows per forward pass when scoring (log-probs); None: the role's infer_batch_size, else 8.
     logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))

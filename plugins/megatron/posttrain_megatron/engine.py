@@ -77,13 +77,16 @@ def load_model(worker: WorkerContext):
 
 
 def _tags(worker: WorkerContext, tags: list[str] | None) -> set[str]:
-    if tags:
-        return set(tags)
+    """What a release moves to the host: what was asked (everything by default) and the
+    strategy config offloads (``param_offload``, ``grad_offload``, ``optimizer_offload``, as in
+    verl); with none of them set a colocated role keeps its memory on the device."""
     cfg = worker.config
-    chosen = {"weights"} if cfg.param_offload else set()
+    offloaded = {"weights"} if cfg.param_offload else set()
     if getattr(cfg, "grad_offload", False):
-        chosen.add("grads")
-    return chosen or {"weights", "grads", "optimizer"}
+        offloaded.add("grads")
+    if getattr(cfg, "optimizer_offload", False):
+        offloaded.add("optimizer")
+    return set(tags or ("weights", "grads", "optimizer")) & offloaded
 
 
 def _buffers(model):
@@ -102,6 +105,8 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
         log_once(log, "megatron: release_memory on a CPU device: nothing to free", logging.INFO)
         return True
     wanted = _tags(worker, tags)
+    if not wanted:
+        return True  # nothing offloaded: no sync, no emptied cache
     params, grads = "weights" in wanted, bool(wanted & {"weights", "grads"})
     for model in worker.model:
         buffers = _buffers(model)
@@ -120,6 +125,8 @@ def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         return True
     wanted = _tags(worker, tags)
+    if not wanted:
+        return True
     params, grads = "weights" in wanted, bool(wanted & {"weights", "grads"})
     for model in worker.model:
         buffers = _buffers(model)

@@ -128,7 +128,7 @@ def _sample_seed(seed: int | None, prompt: int, sample: int, n: int) -> int | No
 
 
 def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
-    eos = worker.state["tokenizer"].eos_token_id
+    eos = None if sampling.ignore_eos else worker.state["tokenizer"].eos_token_id
     stop_ids = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
     params: dict[str, Any] = {
         "n": 1,  # the plugin repeats each prompt n times (one seed per sample)
@@ -137,6 +137,7 @@ def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
         "top_k": sampling.top_k if sampling.top_k > 0 else -1,
         "max_new_tokens": sampling.max_new_tokens,
         "stop_token_ids": stop_ids,
+        "ignore_eos": sampling.ignore_eos,
     }
     stop = list(sampling.stop)
     if stop:

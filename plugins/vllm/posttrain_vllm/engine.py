@@ -271,7 +271,7 @@ def _request_seed(seed: int | None, index: int, n: int) -> int | None:
 def sampling_params(worker: WorkerContext, sampling, seed: int | None, **extra):
     from vllm import SamplingParams
 
-    eos = worker.state["tokenizer"].eos_token_id
+    eos = None if sampling.ignore_eos else worker.state["tokenizer"].eos_token_id
     stop = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
     if sampling.stop and not worker.state.get(_HAS_TOKENIZER):
         raise UserError(
@@ -285,6 +285,7 @@ def sampling_params(worker: WorkerContext, sampling, seed: int | None, **extra):
         top_k=sampling.top_k if sampling.top_k > 0 else 0,
         max_tokens=sampling.max_new_tokens,
         stop_token_ids=stop,
+        ignore_eos=sampling.ignore_eos,
         # vLLM keeps the token completing a stop string (and its log-prob) in token_ids.
         stop=list(sampling.stop),
         logprobs=0,  # the sampled token's log-prob only

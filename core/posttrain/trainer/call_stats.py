@@ -1,0 +1,43 @@
+"""Where a phase's time and memory go on the ranks: each rank process records, per hook, the
+seconds spent in it and the peak GPU memory (:meth:`~posttrain.launch.worker.WorkerRuntime.
+call_stats`); once a step the driver asks one role of each set of rank processes and logs
+``rank_time/<phase>_s`` (the slowest rank's seconds in the phase's hooks: the phase's time minus
+it is the driver's and the transfers' share) and, on GPUs, ``memory/<phase>_peak_gib``."""
+
+from __future__ import annotations
+
+from posttrain.launch.base import WorkerGroup
+
+# The phase whose work a hook is.
+PHASE_OF_HOOK = {
+    "generate": "rollout",
+    "compute_scores": "reward",
+    "compute_logprobs": "logprobs",
+    "compute_values": "values",
+    "train_step": "train",
+    "import_weights": "weight_sync",
+}
+
+
+def phase_call_stats(groups: dict[str, WorkerGroup]) -> dict[str, float]:
+    """``rank_time/<phase>_s`` and ``memory/<phase>_peak_gib`` of the step's phases."""
+    asked: list[WorkerGroup] = []
+    out: dict[str, float] = {}
+    for group in groups.values():
+        if any(group.shares_processes_with(other) for other in asked):
+            continue  # the same processes: their figures came with the other role's
+        asked.append(group)
+        seconds: dict[str, list[float]] = {}
+        for answer in group.call("call_stats"):
+            for hook, stats in answer.items():
+                phase = PHASE_OF_HOOK.get(hook)
+                if phase is None:
+                    continue
+                seconds.setdefault(phase, []).append(stats["seconds"])
+                if "peak_bytes" in stats:
+                    key = f"memory/{phase}_peak_gib"
+                    out[key] = max(out.get(key, 0.0), stats["peak_bytes"] / 2**30)
+        for phase, per_rank in seconds.items():
+            key = f"rank_time/{phase}_s"
+            out[key] = out.get(key, 0.0) + max(per_rank)
+    return out
