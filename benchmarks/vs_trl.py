@@ -32,11 +32,11 @@ import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, copy_tokenizer, posttrain_run_command
+from common import REPO, copy_tokenizer
 from vs_trl_measures import WARMUP_STEPS, aggregate, print_runs, print_summary, summarize
+from vs_trl_sides import run_posttrain, run_trl
 
 WORKFLOW = REPO / "benchmarks" / "vs_trl.yaml"
-TRL_SIDE = REPO / "benchmarks" / "trl_grpo_side.py"
 
 
 # --- the shared starting point -------------------------------------------------------------------
@@ -107,93 +107,26 @@ def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -
 # --- the two sides -------------------------------------------------------------------------------
 
 
-def side_env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
-def follow(proc: subprocess.Popen, path: Path, poll_s: float = 0.005) -> list[tuple[float, dict]]:
-    """Lines of a JSONL file as the process appends them, each with its arrival (time.time())."""
-    lines: list[tuple[float, dict]] = []
-    buf = ""
-    handle = None
-    while True:
-        running = proc.poll() is None
-        if handle is None and path.exists():
-            handle = open(path, encoding="utf-8")  # noqa: SIM115
-        if handle is not None:
-            chunk = handle.read()
-            now = time.time()
-            if chunk:
-                buf += chunk
-                *complete, buf = buf.split("\n")
-                lines += [(now, json.loads(line)) for line in complete if line.strip()]
-        if not running:
-            break
-        time.sleep(poll_s)
-    if handle is not None:
-        handle.close()
-    return lines
-
-
-def run_side(name: str, cmd: list[str], steps_file: Path, log: Path) -> tuple[float, float, list]:
-    with open(log, "w") as out:
-        launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=side_env(), cwd=REPO)
-        lines = follow(proc, steps_file)
-        done = time.time()
-    if proc.returncode:
-        tail = log.read_text()[-3000:]
-        sys.exit(f"{name} side failed (exit {proc.returncode}); log {log}:\n{tail}")
-    return launch, done, lines
-
-
-def run_posttrain(work: Path, model_dir: Path, steps: int, seed: int, extra: list[str]) -> dict:
-    run_dir = work / "posttrain_run"
+def run_posttrain_side(
+    work: Path, model_dir: Path, steps: int, seed: int, extra: list[str]
+) -> dict:
     sets = [
         f"model_args.model_name_or_path={model_dir}",
-        f"trainer.output_dir={run_dir}",
         f"trainer.max_steps={steps}",
         f"trainer.seed={seed}",
         *extra,
     ]
-    cmd = posttrain_run_command(WORKFLOW, sets)
-    launch, done, lines = run_side(
-        "posttrain", cmd, run_dir / "metrics.jsonl", work / "posttrain.log"
-    )
-    rows = []
-    for arrived, m in lines:
-        # A step's metrics line is written as the step ends; time/step is the step's own time.
-        rows.append(
-            {
-                "reward": m["reward/mean"],
-                "begin": arrived - m["time/step"],
-                "end": arrived,
-                "own": m["time/step"],
-            }
-        )
-    return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
+    return run_posttrain(work, WORKFLOW, sets)
 
 
-def run_trl(
+def run_trl_side(
     work: Path, model_dir: Path, prompts: Path, steps: int, seed: int, trl_python: str
 ) -> dict:
-    steps_file = work / "trl_steps.jsonl"
-    cmd = [
-        trl_python,
-        str(TRL_SIDE),
+    side_args = [
         "--model",
         str(model_dir),
         "--prompts",
         str(prompts),
-        "--out",
-        str(steps_file),
-        "--output-dir",
-        str(work / "trl_output"),
         "--steps",
         str(steps),
         "--prompts-per-step",
@@ -205,12 +138,7 @@ def run_trl(
         "--seed",
         str(seed),
     ]
-    launch, done, lines = run_side("TRL", cmd, steps_file, work / "trl.log")
-    rows = [
-        {"reward": r["reward"], "begin": r["begin"], "end": r["end"], "own": r["end"] - r["begin"]}
-        for _, r in lines
-    ]
-    return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
+    return run_trl(work, trl_python, side_args)
 
 
 def main() -> int:
@@ -296,9 +224,9 @@ def main() -> int:
                 f"run {r + 1}/{args.repeats}: {side}, {args.steps} steps, seed {seed}", flush=True
             )
             if side == "posttrain":
-                result = run_posttrain(run_dir, model_dir, args.steps, seed, args.set)
+                result = run_posttrain_side(run_dir, model_dir, args.steps, seed, args.set)
             else:
-                result = run_trl(run_dir, model_dir, prompts, args.steps, seed, trl_python)
+                result = run_trl_side(run_dir, model_dir, prompts, args.steps, seed, trl_python)
             summaries[side].append({"seed": seed, **summarize(result, args.threshold, args.window)})
     load_after = os.getloadavg()
     totals = {side: aggregate(runs) for side, runs in summaries.items()}
