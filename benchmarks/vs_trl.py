@@ -176,7 +176,7 @@ def main() -> int:
     parser.add_argument("--work-dir", default=None, help="keep model, logs and metrics here")
     parser.add_argument("--only", choices=["posttrain", "trl"], default=None, help="run one side")
     args = parser.parse_args()
-    if args.steps <= max(args.window, WARMUP_STEPS + 1):
+    if args.steps <= max(args.window, WARMUP_STEPS):
         parser.error("--steps must exceed --window and the warm-up steps")
     trl_python = args.trl_python
     if args.only != "posttrain" and not Path(trl_python).exists():
