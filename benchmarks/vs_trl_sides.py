@@ -17,6 +17,26 @@ from common import REPO, posttrain_run_command
 TRL_SIDE = REPO / "benchmarks" / "trl_grpo_side.py"
 
 
+def default_trl_python() -> str:
+    """TRL's own virtual environment (benchmarks/trl_env.sh .venv-trl) where there is one, else
+    this interpreter (a machine where TRL imports beside posttrain, e.g. from carried wheels)."""
+    venv = REPO / ".venv-trl" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def trl_version(trl_python: str) -> str:
+    """TRL's version in ``trl_python``; ends the benchmark when TRL does not import there."""
+    proc = subprocess.run(
+        [trl_python, "-c", "import trl; print(trl.__version__)"], capture_output=True, text=True
+    )
+    if proc.returncode:
+        sys.exit(
+            f"TRL does not import with {trl_python} (make a venv with benchmarks/trl_env.sh "
+            f".venv-trl, or pass --trl-python):\n{proc.stderr[-2000:]}"
+        )
+    return proc.stdout.strip()
+
+
 def side_env() -> dict[str, str]:
     return {
         **os.environ,
@@ -78,6 +98,7 @@ def run_posttrain(work: Path, workflow: Path, overrides: list[str]) -> dict:
                 "begin": arrived - m["time/step"],
                 "end": arrived,
                 "own": m["time/step"],
+                "length": m["response/length_mean"],
             }
         )
     return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
@@ -97,7 +118,13 @@ def run_trl(work: Path, trl_python: str, side_args: list[str]) -> dict:
     ]
     launch, done, lines = run_side("TRL", cmd, steps_file, work / "trl.log")
     rows = [
-        {"reward": r["reward"], "begin": r["begin"], "end": r["end"], "own": r["end"] - r["begin"]}
+        {
+            "reward": r["reward"],
+            "begin": r["begin"],
+            "end": r["end"],
+            "own": r["end"] - r["begin"],
+            "length": r["length"],
+        }
         for _, r in lines
     ]
     return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
