@@ -132,7 +132,7 @@ def test_calculator_preset(run_benchmark):
 def test_vs_trl_posttrain_side(run_benchmark, tmp_path):
     """The shortest run the script accepts (steps beyond the warm-up steps), no TRL."""
     out = run_benchmark(
-        "vs_trl.py", "--only", "posttrain", "--steps", "7", "--window", "1", "--repeats", "1",
+        "vs_trl.py", "--only", "posttrain", "--steps", "6", "--window", "1", "--repeats", "1",
         "--sft-steps", "1", "--work-dir", str(tmp_path / "work"),
     )  # fmt: skip
     header, rows = table(out, "")
@@ -144,7 +144,7 @@ def test_vs_trl_posttrain_side(run_benchmark, tmp_path):
 @pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no TRL venv: benchmarks/trl_env.sh .venv-trl")
 def test_vs_trl_both_sides(run_benchmark, tmp_path):
     out = run_benchmark(
-        "vs_trl.py", "--steps", "7", "--window", "1", "--repeats", "1", "--sft-steps", "1",
+        "vs_trl.py", "--steps", "6", "--window", "1", "--repeats", "1", "--sft-steps", "1",
         "--trl-python", str(TRL_PYTHON), "--work-dir", str(tmp_path / "work"),
         timeout=270,
     )  # fmt: skip
