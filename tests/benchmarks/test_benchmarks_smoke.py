@@ -8,7 +8,8 @@ parsing is checked here; their smallest runs are tests/vllm/test_vllm_benchmark.
 tests/sglang/test_sglang_benchmark.py, in those engines' environments. TRL
 (benchmarks/trl_grpo_side.py, the TRL side of benchmarks/vs_trl.py) lives in its own virtual
 environment (benchmarks/trl_env.sh .venv-trl): here its argument parsing always runs, and the
-posttrain side of vs_trl.py; both sides run where .venv-trl exists.
+posttrain side of vs_trl.py in both modes; both sides of the learning mode run where .venv-trl
+exists.
 """
 
 from __future__ import annotations
@@ -138,6 +139,19 @@ def test_vs_trl_posttrain_side(run_benchmark, tmp_path):
     header, rows = table(out, "")
     assert header == ["", "posttrain"]
     assert column(rows)[0].startswith("wall time per step")
+
+
+@pytest.mark.timeout(150)
+def test_vs_trl_speed_posttrain_side(run_benchmark, tmp_path):
+    """The speed mode's smallest setting (the GPU mode's batch and lengths on the tiny shape, on
+    CPU), one warm-up step and one steady step, no TRL."""
+    out = run_benchmark(
+        "vs_trl.py", "--shape", "tiny", "--device", "cpu", "--steps", "2", "--only", "posttrain",
+        "--work-dir", str(tmp_path / "work"),
+    )  # fmt: skip
+    header, rows = table(out, "")
+    assert header == ["", "posttrain"]
+    assert column(rows)[0].startswith("per-step time")
 
 
 @pytest.mark.timeout(300)
