@@ -1,23 +1,36 @@
-"""posttrain against Hugging Face TRL's GRPOTrainer on the tiny addition task, side by side in one
-run: per-step time, start-up, and steps and time to a rolling reward threshold, as ratios.
+"""posttrain against Hugging Face TRL's GRPOTrainer, side by side in one run, in two modes: how
+fast each learns the tiny addition task on CPU (the default), and how fast each runs an RL step
+of a real shape on one GPU (``--shape``). Each reports its measures as ratios.
 
     benchmarks/trl_env.sh .venv-trl        # once: TRL in its own virtual environment
     nice -n 5 python benchmarks/vs_trl.py [--steps 150] [--threshold 0.65] [--window 10]
         [--repeats 3] [--trl-python .venv-trl/bin/python] [--set KEY=VALUE ...]
-    python benchmarks/vs_trl.py --only posttrain --steps 7 --window 1 --repeats 1 \
+    python benchmarks/vs_trl.py --only posttrain --steps 6 --window 1 --repeats 1 \
         --sft-steps 1                                        # smoke check (no TRL needed)
+    python3 benchmarks/vs_trl.py --device cuda --shape qwen2-1.5b [--steps 6] \
+        [--max-tokens-per-micro-batch 16384]                 # speed mode, one GPU
+    python benchmarks/vs_trl.py --shape tiny --device cpu --steps 3   # its smallest setting
 
-Both sides start from the same locally built model: a ~0.5M-parameter Qwen2 over the arithmetic
-alphabet (posttrain.tasks.presets' builder, hidden 128, 2 layers), given a short supervised warm
-start (plain torch, deterministic) that teaches the format more than the sums: after "a+b=" it emits
-a digit, the right one a little more often than the others (see ``warm_start``). Then GRPO on
-the 55 problems of ``single_digit_addition`` with the ``exact_match`` reward: 8 prompts x 8
-samples = 64 completions and one optimizer step per RL step, lr 1e-4, temperature 1, one new
-token, no KL, one thread per process. posttrain runs benchmarks/vs_trl.yaml through
-``posttrain run`` (fsdp2_train + hf_infer on device [0]) in this environment; TRL runs
-benchmarks/trl_grpo_side.py in its venv. The sides run one after the other, never at once,
-``--repeats`` times each in alternating order; each process's per-step rewards and step-end
-times give the measures (``vs_trl_measures.summarize``).
+The learning mode: both sides start from the same locally built model: a ~0.5M-parameter Qwen2
+over the arithmetic alphabet (posttrain.tasks.presets' builder, hidden 128, 2 layers), given a
+short supervised warm start (plain torch, deterministic) that teaches the format more than the
+sums: after "a+b=" it emits a digit, the right one a little more often than the others (see
+``warm_start``). Then GRPO on the 55 problems of ``single_digit_addition`` with the
+``exact_match`` reward: 8 prompts x 8 samples = 64 completions and one optimizer step per RL
+step, lr 1e-4, temperature 1, one new token, no KL, one thread per process. posttrain runs
+benchmarks/vs_trl.yaml through ``posttrain run`` (fsdp2_train + hf_infer on device [0]) in this
+environment; TRL runs benchmarks/trl_grpo_side.py in its venv. The sides run one after the other,
+never at once, ``--repeats`` times each in alternating order; each process's per-step rewards and
+step-end times give the measures (``vs_trl_measures.summarize``).
+
+The speed mode (benchmarks/vs_trl_speed.py says what both sides run): one random model of the
+shape, 16 prompts x 8 completions of 16 + 64 tokens a step, KL to a reference, each side once;
+per-step time and tokens/s (medians of the steps after the first), start-up. TRL runs in
+``--trl-python``: .venv-trl's where it exists, else this interpreter. On a GPU machine with no
+network that is posttrain's own Python, with TRL's pure-Python wheels installed apart
+(``pip install --no-deps --target DIR``) and put on PYTHONPATH: trl 1.16.0, datasets 4.8.5,
+dill 0.4.1, multiprocess 0.70.19 (datasets 5.x fingerprints a dataset in a way that needs
+pyarrow >= 24; 4.8.5 runs with pyarrow 21, the oldest TRL takes).
 """
 
 from __future__ import annotations
@@ -26,17 +39,17 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-from common import REPO, copy_tokenizer, posttrain_run_command
+import vs_trl_speed
+from common import REPO, SHAPES, copy_tokenizer
 from vs_trl_measures import WARMUP_STEPS, aggregate, print_runs, print_summary, summarize
+from vs_trl_sides import default_trl_python, run_posttrain, run_trl, trl_version
 
 WORKFLOW = REPO / "benchmarks" / "vs_trl.yaml"
-TRL_SIDE = REPO / "benchmarks" / "trl_grpo_side.py"
 
 
 # --- the shared starting point -------------------------------------------------------------------
@@ -107,93 +120,26 @@ def warm_start(out_dir: Path, sft_steps: int, answer_weight: float, seed: int) -
 # --- the two sides -------------------------------------------------------------------------------
 
 
-def side_env() -> dict[str, str]:
-    return {
-        **os.environ,
-        "OMP_NUM_THREADS": "1",
-        "MKL_NUM_THREADS": "1",
-        "TOKENIZERS_PARALLELISM": "false",
-    }
-
-
-def follow(proc: subprocess.Popen, path: Path, poll_s: float = 0.005) -> list[tuple[float, dict]]:
-    """Lines of a JSONL file as the process appends them, each with its arrival (time.time())."""
-    lines: list[tuple[float, dict]] = []
-    buf = ""
-    handle = None
-    while True:
-        running = proc.poll() is None
-        if handle is None and path.exists():
-            handle = open(path, encoding="utf-8")  # noqa: SIM115
-        if handle is not None:
-            chunk = handle.read()
-            now = time.time()
-            if chunk:
-                buf += chunk
-                *complete, buf = buf.split("\n")
-                lines += [(now, json.loads(line)) for line in complete if line.strip()]
-        if not running:
-            break
-        time.sleep(poll_s)
-    if handle is not None:
-        handle.close()
-    return lines
-
-
-def run_side(name: str, cmd: list[str], steps_file: Path, log: Path) -> tuple[float, float, list]:
-    with open(log, "w") as out:
-        launch = time.time()
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=side_env(), cwd=REPO)
-        lines = follow(proc, steps_file)
-        done = time.time()
-    if proc.returncode:
-        tail = log.read_text()[-3000:]
-        sys.exit(f"{name} side failed (exit {proc.returncode}); log {log}:\n{tail}")
-    return launch, done, lines
-
-
-def run_posttrain(work: Path, model_dir: Path, steps: int, seed: int, extra: list[str]) -> dict:
-    run_dir = work / "posttrain_run"
+def run_posttrain_side(
+    work: Path, model_dir: Path, steps: int, seed: int, extra: list[str]
+) -> dict:
     sets = [
         f"model_args.model_name_or_path={model_dir}",
-        f"trainer.output_dir={run_dir}",
         f"trainer.max_steps={steps}",
         f"trainer.seed={seed}",
         *extra,
     ]
-    cmd = posttrain_run_command(WORKFLOW, sets)
-    launch, done, lines = run_side(
-        "posttrain", cmd, run_dir / "metrics.jsonl", work / "posttrain.log"
-    )
-    rows = []
-    for arrived, m in lines:
-        # A step's metrics line is written as the step ends; time/step is the step's own time.
-        rows.append(
-            {
-                "reward": m["reward/mean"],
-                "begin": arrived - m["time/step"],
-                "end": arrived,
-                "own": m["time/step"],
-            }
-        )
-    return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
+    return run_posttrain(work, WORKFLOW, sets)
 
 
-def run_trl(
+def run_trl_side(
     work: Path, model_dir: Path, prompts: Path, steps: int, seed: int, trl_python: str
 ) -> dict:
-    steps_file = work / "trl_steps.jsonl"
-    cmd = [
-        trl_python,
-        str(TRL_SIDE),
+    side_args = [
         "--model",
         str(model_dir),
         "--prompts",
         str(prompts),
-        "--out",
-        str(steps_file),
-        "--output-dir",
-        str(work / "trl_output"),
         "--steps",
         str(steps),
         "--prompts-per-step",
@@ -205,17 +151,36 @@ def run_trl(
         "--seed",
         str(seed),
     ]
-    launch, done, lines = run_side("TRL", cmd, steps_file, work / "trl.log")
-    rows = [
-        {"reward": r["reward"], "begin": r["begin"], "end": r["end"], "own": r["end"] - r["begin"]}
-        for _, r in lines
-    ]
-    return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}
+    return run_trl(work, trl_python, side_args)
 
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=150, help="RL steps per run")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="the speed mode, on a random model of this shape (default: the learning mode)",
+    )
+    parser.add_argument(
+        "--device",
+        choices=["cpu", "cuda"],
+        default="cpu",
+        help="the speed mode's device (the learning mode runs on CPU)",
+    )
+    parser.add_argument(
+        "--steps",
+        type=int,
+        default=None,
+        help="RL steps per run (default: 150; the speed mode: 6, the first a warm-up)",
+    )
+    parser.add_argument(
+        "--max-tokens-per-micro-batch",
+        type=int,
+        default=16384,
+        help="the speed mode: posttrain's training micro-batch budget; TRL's micro-batches hold "
+        "as many rows (16384: all 128 sequences of 80 tokens in one)",
+    )
     parser.add_argument("--threshold", type=float, default=0.65, help="rolling reward to reach")
     parser.add_argument(
         "--window",
@@ -233,7 +198,12 @@ def main() -> int:
         help="runs per side, alternating which side goes first, RL seeds 42, 43, ...; the table "
         "shows medians (this machine is shared: one run's timings swing by 1.5x)",
     )
-    parser.add_argument("--trl-python", default=str(REPO / ".venv-trl" / "bin" / "python"))
+    parser.add_argument(
+        "--trl-python",
+        default=None,
+        help="the Python that runs TRL's side (default: .venv-trl/bin/python if it exists, else "
+        "this interpreter)",
+    )
     parser.add_argument("--set", action="append", default=[], help="posttrain workflow overrides")
     parser.add_argument("--sft-steps", type=int, default=100, help="warm-start SFT steps")
     parser.add_argument(
@@ -248,11 +218,16 @@ def main() -> int:
     parser.add_argument("--work-dir", default=None, help="keep model, logs and metrics here")
     parser.add_argument("--only", choices=["posttrain", "trl"], default=None, help="run one side")
     args = parser.parse_args()
-    if args.steps <= max(args.window, WARMUP_STEPS + 1):
+    if args.shape:
+        args.steps = args.steps or 6
+        return vs_trl_speed.run(args)
+    if args.device != "cpu":
+        parser.error("the learning mode runs on CPU; --device cuda goes with --shape")
+    args.steps = args.steps or 150
+    if args.steps <= max(args.window, WARMUP_STEPS):
         parser.error("--steps must exceed --window and the warm-up steps")
-    trl_python = args.trl_python
-    if args.only != "posttrain" and not Path(trl_python).exists():
-        sys.exit(f"no TRL python at {trl_python}; run: benchmarks/trl_env.sh .venv-trl")
+    trl_python = args.trl_python or default_trl_python()
+    version = trl_version(trl_python) if args.only != "posttrain" else "-"
 
     import torch
 
@@ -273,15 +248,6 @@ def main() -> int:
     prompts = work / "prompts.jsonl"
     prompts.write_text("".join(json.dumps(r) + "\n" for r in synthetic_single_digit_addition()))
 
-    trl_version = "-"
-    if args.only != "posttrain":
-        trl_version = subprocess.run(
-            [trl_python, "-c", "import trl; print(trl.__version__)"],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout.strip()
-
     sides = [s for s in ("posttrain", "trl") if args.only in (None, s)]
     summaries: dict[str, list[dict]] = {side: [] for side in sides}
     load_before = os.getloadavg()
@@ -296,9 +262,9 @@ def main() -> int:
                 f"run {r + 1}/{args.repeats}: {side}, {args.steps} steps, seed {seed}", flush=True
             )
             if side == "posttrain":
-                result = run_posttrain(run_dir, model_dir, args.steps, seed, args.set)
+                result = run_posttrain_side(run_dir, model_dir, args.steps, seed, args.set)
             else:
-                result = run_trl(run_dir, model_dir, prompts, args.steps, seed, trl_python)
+                result = run_trl_side(run_dir, model_dir, prompts, args.steps, seed, trl_python)
             summaries[side].append({"seed": seed, **summarize(result, args.threshold, args.window)})
     load_after = os.getloadavg()
     totals = {side: aggregate(runs) for side, runs in summaries.items()}
@@ -306,7 +272,7 @@ def main() -> int:
         json.dumps({"warm_start": info, "runs": summaries, "medians": totals}, indent=2)
     )
     print_runs(summaries)
-    print_summary(totals, args, info, trl_version)
+    print_summary(totals, args, info, version)
     print(
         f"load average (1 min) {load_before[0]:.1f} before, {load_after[0]:.1f} after, on "
         f"{os.cpu_count()} CPUs; model, logs and per-step metrics: {work}"

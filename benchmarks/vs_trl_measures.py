@@ -12,19 +12,29 @@ from common import print_table
 WARMUP_STEPS = 5  # steps left out of the steady-state per-step time (caches, allocator, JIT)
 
 
+def step_times(side: dict, warmup: int) -> dict:
+    """Medians over the steps after the first ``warmup``: ``step``, the wall time from the end
+    of the step before to the step's own end (everything the loop does, logging included), and
+    ``step_own``, the time the side itself counts for the step; ``startup``, from the side's
+    launch to its first step's begin."""
+    rows = side["rows"]
+    # The interval ending at step k (1-based) is at index k - 2.
+    intervals = [b["end"] - a["end"] for a, b in itertools.pairwise(rows)][max(warmup - 1, 0) :]
+    own = [r["own"] for r in rows][warmup:]
+    return {
+        "step": statistics.median(intervals) if intervals else float("nan"),
+        "step_own": statistics.median(own) if own else float("nan"),
+        "startup": rows[0]["begin"] - side["launch"],
+    }
+
+
 def summarize(side: dict, threshold: float, window: int) -> dict:
     rows = side["rows"]
     ends = [r["end"] for r in rows]
-    # Wall time per step: from one step's end to the next (everything the loop does, logging
-    # included), steady state only.
-    intervals = [b - a for a, b in itertools.pairwise(ends)][WARMUP_STEPS:]
-    own = [r["own"] for r in rows][WARMUP_STEPS + 1 :]
     rewards = [r["reward"] for r in rows]
     first_begin = rows[0]["begin"]
     out = {
-        "step": statistics.median(intervals) if intervals else float("nan"),
-        "step_own": statistics.median(own) if own else float("nan"),
-        "startup": first_begin - side["launch"],
+        **step_times(side, WARMUP_STEPS),
         "loop": ends[-1] - first_begin,
         "wall": side["done"] - side["launch"],
         "steps": len(rows),

@@ -8,7 +8,8 @@ parsing is checked here; their smallest runs are tests/vllm/test_vllm_benchmark.
 tests/sglang/test_sglang_benchmark.py, in those engines' environments. TRL
 (benchmarks/trl_grpo_side.py, the TRL side of benchmarks/vs_trl.py) lives in its own virtual
 environment (benchmarks/trl_env.sh .venv-trl): here its argument parsing always runs, and the
-posttrain side of vs_trl.py; both sides run where .venv-trl exists.
+posttrain side of vs_trl.py in both modes; both sides of the learning mode run where .venv-trl
+exists.
 """
 
 from __future__ import annotations
@@ -132,7 +133,7 @@ def test_calculator_preset(run_benchmark):
 def test_vs_trl_posttrain_side(run_benchmark, tmp_path):
     """The shortest run the script accepts (steps beyond the warm-up steps), no TRL."""
     out = run_benchmark(
-        "vs_trl.py", "--only", "posttrain", "--steps", "7", "--window", "1", "--repeats", "1",
+        "vs_trl.py", "--only", "posttrain", "--steps", "6", "--window", "1", "--repeats", "1",
         "--sft-steps", "1", "--work-dir", str(tmp_path / "work"),
     )  # fmt: skip
     header, rows = table(out, "")
@@ -140,11 +141,24 @@ def test_vs_trl_posttrain_side(run_benchmark, tmp_path):
     assert column(rows)[0].startswith("wall time per step")
 
 
+@pytest.mark.timeout(150)
+def test_vs_trl_speed_posttrain_side(run_benchmark, tmp_path):
+    """The speed mode's smallest setting (the GPU mode's batch and lengths on the tiny shape, on
+    CPU), one warm-up step and one steady step, no TRL."""
+    out = run_benchmark(
+        "vs_trl.py", "--shape", "tiny", "--device", "cpu", "--steps", "2", "--only", "posttrain",
+        "--work-dir", str(tmp_path / "work"),
+    )  # fmt: skip
+    header, rows = table(out, "")
+    assert header == ["", "posttrain"]
+    assert column(rows)[0].startswith("per-step time")
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no TRL venv: benchmarks/trl_env.sh .venv-trl")
 def test_vs_trl_both_sides(run_benchmark, tmp_path):
     out = run_benchmark(
-        "vs_trl.py", "--steps", "7", "--window", "1", "--repeats", "1", "--sft-steps", "1",
+        "vs_trl.py", "--steps", "6", "--window", "1", "--repeats", "1", "--sft-steps", "1",
         "--trl-python", str(TRL_PYTHON), "--work-dir", str(tmp_path / "work"),
         timeout=270,
     )  # fmt: skip
