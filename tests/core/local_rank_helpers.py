@@ -45,6 +45,11 @@ def pid(runtime) -> int:
     return os.getpid()
 
 
+def payload(runtime, index: int, size: int) -> bytes:
+    """``size`` bytes, all ``index``: a large answer takes several reads off the pipe."""
+    return bytes([index % 256]) * size
+
+
 def driver(model_path: str, run_dir: str, mode: str) -> None:
     """A driver process: start two ranks, print their pids, then either wait to be killed
     (``kill``) or return without shutting them down (``exit``)."""

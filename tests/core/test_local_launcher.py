@@ -6,6 +6,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -43,6 +44,37 @@ def test_a_rank_can_start_a_process(tiny_model_path, tmp_path):
     finally:
         launcher.shutdown()
     assert wait_gone(pids, 5) == []
+
+
+@pytest.mark.timeout(180)
+def test_two_driver_threads_calling_one_rank_each_get_their_own_answers(
+    tiny_model_path, tmp_path
+):
+    """The asynchronous rollout's producer and the loop may call the same processes at once:
+    large answers read by two threads at a time must not tear."""
+    launcher = LocalLauncher(start_timeout_s=120)
+    answers: dict[str, list[bool]] = {"a": [], "b": []}
+    errors: list[BaseException] = []
+
+    def caller(name: str, index: int) -> None:
+        try:
+            for _ in range(20):
+                got = group.call("run_function", "local_rank_helpers:payload", index, 1 << 20)
+                answers[name].append(got == [bytes([index]) * (1 << 20)])
+        except BaseException as exc:
+            errors.append(exc)
+
+    try:
+        group = launcher.start_group(hf_infer_spec(tiny_model_path, str(tmp_path)))
+        threads = [threading.Thread(target=caller, args=(n, i)) for i, n in enumerate("ab")]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join(timeout=120)
+    finally:
+        launcher.shutdown()
+    assert errors == []
+    assert answers == {"a": [True] * 20, "b": [True] * 20}
 
 
 def start_driver(model_path: str, run_dir: Path, mode: str):

@@ -47,6 +47,10 @@ def test_async_run_killed_resumes_without_losing_or_repeating_prompts(tmp_path, 
     assert [m["async/staleness"] for m in metrics] == [0, 1, 0, 1, 1, 1]  # 3: after the resume
     for m in metrics:
         assert m["idle/trainer_s"] == m["time/wait_rollout"]
+        # The producer's ranks report their time (asked by the producer's thread), the
+        # trainer's theirs.
+        assert 0 < m["rank_time/rollout_s"] <= m["async/rollout_s"], m
+        assert 0 < m["rank_time/train_s"] <= m["time/train"], m
     for step in (2, 4, 6):
         state = json.loads((run_dir / f"checkpoint-{step}" / "driver_state.json").read_text())
         # The data position of the batches trained on, not of the one produced ahead.

@@ -12,6 +12,7 @@ from __future__ import annotations
 import multiprocessing
 import multiprocessing.util
 import socket
+import threading
 import time
 from typing import Any
 
@@ -51,7 +52,9 @@ class LocalProcesses:
     """One set of rank processes on this machine hosting the roles of ``specs``, one pipe each.
 
     Every call carries an id; answers are matched to calls by it, so calls to several roles of
-    the same processes may be in flight at once (each rank answers them in order)."""
+    the same processes may be in flight at once (each rank answers them in order), from several
+    driver threads too (the asynchronous rollout's producer and the loop): a lock keeps one
+    thread at a time on the pipes, whose messages two readers would tear apart."""
 
     def __init__(self, specs: list[GroupSpec], timeout_s: float, start_timeout_s: float):
         import torch.multiprocessing  # noqa: F401  (tensor sharing over pipes)
@@ -65,6 +68,7 @@ class LocalProcesses:
         self.calls = 0
         self._next_id = 0
         self._answers: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
+        self._pipes = threading.Lock()
         ctx = multiprocessing.get_context("spawn")
         port = free_port()
         self.conns = []
@@ -108,15 +112,16 @@ class LocalProcesses:
             raise
 
     def send(self, role: str, method: str, per_rank_args, args, kwargs) -> int:
-        call_id = self._next_id
-        self._next_id += 1
-        self.calls += self.world_size
-        for rank, conn in enumerate(self.conns):
-            call_args = per_rank_args[rank] if per_rank_args is not None else args
-            try:
-                conn.send((call_id, role, method, tuple(call_args), kwargs or {}))
-            except (BrokenPipeError, OSError) as exc:
-                raise self._dead(role, rank, f"when sent {method} ({exc})") from None
+        with self._pipes:
+            call_id = self._next_id
+            self._next_id += 1
+            self.calls += self.world_size
+            for rank, conn in enumerate(self.conns):
+                call_args = per_rank_args[rank] if per_rank_args is not None else args
+                try:
+                    conn.send((call_id, role, method, tuple(call_args), kwargs or {}))
+                except (BrokenPipeError, OSError) as exc:
+                    raise self._dead(role, rank, f"when sent {method} ({exc})") from None
         return call_id
 
     def collect(
@@ -158,6 +163,10 @@ class LocalProcesses:
     def _answer(self, rank: int, call_id: int, role: str, method: str) -> tuple | None:
         """Rank ``rank``'s answer to ``call_id`` if it has come (answers to other calls that
         arrive first are kept for their own ``collect``)."""
+        with self._pipes:
+            return self._receive(rank, call_id, role, method)
+
+    def _receive(self, rank: int, call_id: int, role: str, method: str) -> tuple | None:
         kept = self._answers[rank]
         if call_id in kept:
             return kept.pop(call_id)

@@ -37,6 +37,9 @@ class ProducedBatch:
     # Seconds the producer spent on it, per phase (asynchronous only; the synchronous loop's
     # phases are timed by the loop's own timer).
     timings: dict[str, float] = attrs.field(factory=dict)
+    # The producer's ranks' ``rank_time``/``memory`` figures (asynchronous only: the loop's
+    # thread does not call the producer's processes, see ``AsyncBatches``).
+    rank_stats: dict[str, float] = attrs.field(factory=dict)
 
 
 # produce(index, timer) -> (scored groups, sampling metrics, sampler state after its prompts)
@@ -82,8 +85,12 @@ class AsyncBatches:
         first: int,
         last: int,
         make_timer: Callable[[], Any],
+        rank_stats: Callable[[], dict[str, float]] = dict,
     ):
         self.produce = produce
+        # Asked between two generations, from the producer's thread: the figures of the ranks
+        # it drives (a call from the loop's thread would wait behind a generation under way).
+        self.rank_stats = rank_stats
         self.max_staleness = max_staleness
         self.make_timer = make_timer
         self.version = version  # the policy the rollout engine holds
@@ -115,9 +122,10 @@ class AsyncBatches:
                         version = self.version
                     timer = self.make_timer()
                     scored, sampling, sampler_state = self.produce(index, timer)
+                    stats = self.rank_stats()
                 timings = {f"async/{k.removeprefix('time/')}_s": v for k, v in timer.pop().items()}
                 self._ready.put(
-                    ProducedBatch(index, scored, sampling, sampler_state, version, timings)
+                    ProducedBatch(index, scored, sampling, sampler_state, version, timings, stats)
                 )
         except BaseException as exc:  # handed to the loop's thread by next()
             self._ready.put(exc)

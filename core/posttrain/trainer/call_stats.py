@@ -2,7 +2,11 @@
 seconds spent in it and the peak GPU memory (:meth:`~posttrain.launch.worker.WorkerRuntime.
 call_stats`); once a step the driver asks one role of each set of rank processes and logs
 ``rank_time/<phase>_s`` (the slowest rank's seconds in the phase's hooks: the phase's time minus
-it is the driver's and the transfers' share) and, on GPUs, ``memory/<phase>_peak_gib``."""
+it is the driver's and the transfers' share) and, on GPUs, ``memory/<phase>_peak_gib``.
+
+With asynchronous rollout the producer's thread asks the processes it drives itself, between two
+generations: asked from the loop's thread, they would answer only after the generation under way.
+"""
 
 from __future__ import annotations
 
@@ -17,6 +21,34 @@ PHASE_OF_HOOK = {
     "train_step": "train",
     "import_weights": "weight_sync",
 }
+
+
+# The roles the asynchronous rollout's producer thread calls.
+PRODUCER_ROLES = ("actor_infer", "reward")
+
+
+def split_by_caller(
+    groups: dict[str, WorkerGroup],
+) -> tuple[dict[str, WorkerGroup], dict[str, WorkerGroup]]:
+    """The groups the loop's thread asks, and those the producer's thread asks: the rollout and
+    reward roles, unless their processes also host a role the loop calls."""
+    loop_roles = [role for role in groups if role not in PRODUCER_ROLES]
+    producers = {
+        role: group
+        for role, group in groups.items()
+        if role in PRODUCER_ROLES
+        and not any(group.shares_processes_with(groups[other]) for other in loop_roles)
+    }
+    return {r: g for r, g in groups.items() if r not in producers}, producers
+
+
+def add_call_stats(metrics: dict[str, float], stats: dict[str, float]) -> None:
+    """Add ``stats`` into ``metrics``: seconds add up, peaks take the larger."""
+    for key, value in stats.items():
+        if key.startswith("memory/"):
+            metrics[key] = max(metrics.get(key, 0.0), value)
+        else:
+            metrics[key] = metrics.get(key, 0.0) + value
 
 
 def phase_call_stats(groups: dict[str, WorkerGroup]) -> dict[str, float]:

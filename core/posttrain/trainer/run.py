@@ -36,7 +36,7 @@ from posttrain.rollout.generation import Rollout
 from posttrain.rollout.groups import collect_groups
 from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
 from posttrain.tasks.data import PromptSampler, load_prompts
-from posttrain.trainer.call_stats import phase_call_stats
+from posttrain.trainer.call_stats import add_call_stats, phase_call_stats, split_by_caller
 from posttrain.trainer.loggers import make_loggers
 from posttrain.trainer.phase_timer import PHASES, PhaseTimer
 from posttrain.trainer.plugin_metrics import contributed_metrics
@@ -73,6 +73,7 @@ class Trainer:
         self.record = workflow_record(workflow, source)
         self.rule_rewards: RuleRewards | None = None
         self.batches: SynchronousBatches | AsyncBatches | None = None
+        self._stats_groups: dict[str, WorkerGroup] = {}  # asked for rank figures by the loop
         # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
         self._saver: CheckpointSaver | None = None
         self.steps_run = 0  # steps this run (a resumed run starts after its checkpoint's)
@@ -195,7 +196,11 @@ class Trainer:
 
         version = self.state.step  # the policy the rollout engine holds now
         if not algo.max_staleness:
+            self._stats_groups = self.groups
             return SynchronousBatches(produce, version)
+        # The producer's thread alone calls the rollout (and reward) processes: it also asks
+        # them for their figures, the loop's thread asks the others.
+        self._stats_groups, producers = split_by_caller(self.groups)
         return AsyncBatches(
             produce,
             version,
@@ -203,6 +208,7 @@ class Trainer:
             first=self.state.step + 1,
             last=self.wf.trainer.max_steps,
             make_timer=lambda: PhaseTimer(self.console, 0, 0, show=False),
+            rank_stats=lambda: phase_call_stats(producers),
         )
 
     def _close(self) -> None:
@@ -308,6 +314,7 @@ class Trainer:
             **scored.reward_metrics,
             **produced.sampling_metrics,
             **produced.timings,
+            **produced.rank_stats,
             **self._staleness(produced),
             **kl_metrics,
             **adv_metrics,
@@ -338,7 +345,7 @@ class Trainer:
         metrics["driver/calls"] = float(self.launcher.driver_calls() - calls_before)
         metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
         metrics["step"] = self.state.step
-        metrics.update(phase_call_stats(self.groups))
+        add_call_stats(metrics, phase_call_stats(self._stats_groups))
 
     # -- checkpoints -------------------------------------------------------------------------
 
