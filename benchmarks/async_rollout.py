@@ -38,8 +38,6 @@ def overrides(args, model: str | None) -> list[str]:
         "reference.device_mapping=[0]",
         "actor_infer.device_mapping=[1]",
         f"cluster.device={args.device}",
-        # The same correction in both modes, so that only the staleness differs.
-        "algorithm.tis_cap=2.0",
         *args.set,
     ]
     if model:

@@ -166,6 +166,9 @@ def test_tis_weights_are_truncated_ratios_and_weight_the_loss():
 def test_old_logprobs_are_recomputed_for_rollout_correction():
     assert AlgorithmConfig().old_logprobs_source() == "rollout"
     assert AlgorithmConfig(tis_cap=2.0).old_logprobs_source() == "recompute"
+    # Asynchronous, one update per batch: the ratio measures against the policy that sampled.
+    assert AlgorithmConfig(max_staleness=1).old_logprobs_source() == "rollout"
+    assert AlgorithmConfig(max_staleness=1, ppo_epochs=2).old_logprobs_source() == "recompute"
 
 
 # -- the registry ------------------------------------------------------------------------------

@@ -587,6 +587,7 @@ def test_every_number_in_the_workflow_declares_its_range():
 def test_async_rollout_needs_its_own_devices_and_a_correction(fake_train_host, model_dir, tmp_path):
     raw = _valid_raw(str(model_dir))
     raw["algorithm"]["max_staleness"] = 1
+    raw["algorithm"]["old_logprobs"] = "recompute"
     _, report = _build(raw, fake_train_host, tmp_path)
     errors = _errors(report)
     (message,) = errors["actor_infer.device_mapping"]
@@ -595,6 +596,11 @@ def test_async_rollout_needs_its_own_devices_and_a_correction(fake_train_host, m
     (message,) = errors["algorithm.tis_cap"]
     assert "set algorithm.tis_cap (e.g. 2.0)" in message
 
+    # One update per batch: the ratio's old policy is the one that sampled; or a correction.
+    del raw["algorithm"]["old_logprobs"]
+    _, report = _build(raw, fake_train_host, tmp_path)
+    assert "algorithm.tis_cap" not in _errors(report)
+    raw["algorithm"]["old_logprobs"] = "recompute"
     raw["algorithm"]["tis_cap"] = 2.0
 
     raw["actor_train"]["device_mapping"] = [0]

@@ -267,13 +267,15 @@ def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
     """Rollout that runs while the trainer learns needs devices and processes of its own."""
     if not wf.algorithm.max_staleness:
         return
-    if wf.algorithm.tis_cap is None:
+    if wf.algorithm.tis_cap is None and wf.algorithm.old_logprobs_source() == "recompute":
         report.error(
             "algorithm.tis_cap",
-            f"algorithm.max_staleness is {wf.algorithm.max_staleness}, but tis_cap is null: "
-            "the loss would ignore that an older policy sampled the batch",
+            f"algorithm.max_staleness is {wf.algorithm.max_staleness} and the old log-probs are "
+            "recomputed by the trainer, but tis_cap is null: the loss would ignore that an "
+            "older policy sampled the batch",
             "set algorithm.tis_cap (e.g. 2.0): each token's loss is then weighted by "
-            "min(p_trainer / p_rollout, tis_cap)",
+            "min(p_trainer / p_rollout, tis_cap); or, with one update per batch, "
+            "old_logprobs: auto (the PPO ratio then measures against the policy that sampled)",
         )
     roles = wf.roles()
     producer = {d for name in PRODUCER_ROLES if name in roles for d in roles[name].device_mapping}

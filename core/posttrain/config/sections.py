@@ -152,9 +152,10 @@ class AlgorithmConfig:
     num_mini_batches: int = attrs.field(default=1, validator=at_least(1))
     # Where the old-policy log-probs of the ratio come from. "rollout": the rollout engine's
     # log-probs of the sampled tokens (no extra forward pass); "recompute": a trainer forward
-    # pass before the update. "auto" is "rollout" when the update is on-policy (one PPO epoch,
-    # one mini-batch: the policy that sampled is the policy being updated), else "recompute".
-    # (With tis_cap set, "auto" recomputes: the correction compares both.)
+    # pass before the update. "auto" is "rollout" when each batch makes one update (one PPO
+    # epoch, one mini-batch), else "recompute". (With tis_cap set, "auto" recomputes: the
+    # correction compares both.) With asynchronous rollout, "rollout" makes the PPO ratio and
+    # its clip measure the update against the older policy that sampled.
     old_logprobs: Literal["auto", "recompute", "rollout"] = "auto"
     # Discount and GAE lambda of token-level estimators (gae, reinforce_plus_plus).
     gamma: float = attrs.field(default=1.0, validator=between(0, 1))
@@ -176,16 +177,16 @@ class AlgorithmConfig:
     tis_cap: float | None = attrs.field(default=None, validator=greater_than(0))
     # Asynchronous rollout: the batch of the next step is generated while the trainer learns
     # from this one, by a policy at most this many updates behind the trainer's (0: the
-    # synchronous loop; 1: one-step off-policy). Needs actor_infer on devices of its own. The
-    # loss then takes the trainer's recomputed log-probs as the old policy's, with tis_cap
-    # correcting for the older policy that sampled.
+    # synchronous loop; 1: one-step off-policy). Needs actor_infer on devices of its own. With
+    # one update per batch the ratio's old policy is the one that sampled (old_logprobs: auto);
+    # with more, the trainer's recomputed log-probs, and tis_cap corrects for the older policy.
     max_staleness: int = attrs.field(default=0, validator=at_least(0))
 
     def old_logprobs_source(self) -> str:
         if self.old_logprobs != "auto":
             return self.old_logprobs
-        on_policy = self.ppo_epochs == 1 and self.num_mini_batches == 1 and not self.max_staleness
-        return "rollout" if on_policy and self.tis_cap is None else "recompute"
+        one_update = self.ppo_epochs == 1 and self.num_mini_batches == 1
+        return "rollout" if one_update and self.tis_cap is None else "recompute"
 
 
 @attrs.frozen(kw_only=True)
