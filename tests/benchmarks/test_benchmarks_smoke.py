@@ -186,3 +186,13 @@ def test_rl_step(run_benchmark):
     assert column(rows) == ["rollout", "logprobs", "train", "weight_sync", "step"]
     assert "TFLOP/s/GPU" in header and "on ranks s" in header
     assert "## profile: train_step.actor_train.rank0" in out
+
+
+@pytest.mark.timeout(150)
+def test_generation(run_benchmark):
+    out = run_benchmark(
+        "generation.py", "--shape", "tiny", "--device", "cpu", "--batches", "4",
+        "--new-tokens", "8",
+    )  # fmt: skip
+    header, rows = table(out, "mode")
+    assert "decode tok/s" in header and column(rows) == ["dynamic", "static"]

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 
+import attrs
 import pytest
 import torch
 from env_support import HANGS, RAISES, RELEASE_HUNG, SPECS
@@ -21,9 +22,15 @@ from posttrain.testing.expected import reference_logprobs
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
 
-@pytest.fixture(scope="module")
-def engine(hf_infer_worker):
-    return hf_infer_worker
+@pytest.fixture(scope="module", params=["dynamic", "static"])
+def engine(hf_infer_worker, request):
+    """The engine in each decode mode (``cuda_graph`` is ``static`` on the CPU)."""
+    worker = hf_infer_worker
+    original = worker.config
+    worker.config = attrs.evolve(original, decode=request.param)
+    yield worker
+    worker.config = original
+    worker.state.pop("decoders", None)
 
 
 class Recorder:

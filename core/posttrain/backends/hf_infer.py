@@ -6,6 +6,7 @@ as vLLM and SGLang report them by default, so they compare directly with a train
 
 from __future__ import annotations
 
+import logging
 import os
 from typing import TYPE_CHECKING
 
@@ -13,7 +14,12 @@ import torch
 
 from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.backends.models import load_model_with_head, load_tokenizer
-from posttrain.backends.plumbing import memory_tags
+from posttrain.backends.plumbing import log_once, memory_tags
+from posttrain.backends.static_decode import (
+    StaticDecoders,
+    cache_argument,
+    supports_static,
+)
 from posttrain.backends.tensors import unshare_storage
 from posttrain.protocol import (
     GenerationRequest,
@@ -26,6 +32,8 @@ from posttrain.scoring.modeling import sequence_scores, shifted_token_logprobs
 
 if TYPE_CHECKING:
     from posttrain.launch.worker import WorkerContext
+
+LOG = logging.getLogger(__name__)
 
 
 def setup_parallel(worker: WorkerContext) -> dict[str, int]:
@@ -75,47 +83,111 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     step = _batch_size(worker) * sampling.n
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
-        responses, logprobs = _sample(
-            worker.model,
-            chunk,
-            sampling,
-            stop_ids,
-            tokenizer,
-            generator,
-            worker.device,
-        )
+        decode = _start_decode(worker, chunk, sampling.max_new_tokens, tokenizer.pad_token_id)
+        responses, logprobs = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, generator)
         out.prompt_ids += chunk
         out.response_ids += responses
         out.response_logprobs += logprobs
     return out
 
 
-def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
-    """Left-padded batched decoding with a KV cache."""
-    pad_id = tokenizer.pad_token_id
+def decode_mode(worker: WorkerContext) -> str:
+    """``strategy_config.decode`` resolved: ``auto`` is ``cuda_graph`` on a GPU, ``dynamic``
+    on the CPU; a model with other than full-attention layers decodes dynamically."""
+    mode = worker.config.decode
+    if mode == "auto":
+        mode = "cuda_graph" if str(worker.device).startswith("cuda") else "dynamic"
+    if mode == "cuda_graph" and not str(worker.device).startswith("cuda"):
+        mode = "static"  # CUDA graphs need a GPU; the same fixed-shape step runs eagerly
+    if mode != "dynamic" and not supports_static(worker.model):
+        log_once(
+            LOG,
+            f"hf_infer: {type(worker.model).__name__} has layers other than full attention: "
+            "it decodes with the dynamic cache",
+            logging.WARNING,
+        )
+        mode = "dynamic"
+    return mode
+
+
+def _left_padded(prompts: list[list[int]], rows: int, pad_id: int, device):
+    """``[rows, width]`` token ids and attention mask, the prompts right-aligned (rows past
+    the prompts are all padding)."""
     width = max(len(p) for p in prompts)
-    batch = len(prompts)
-    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((rows, width), dtype=torch.long, device=device)
     for i, p in enumerate(prompts):
         input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
         attention[i, width - len(p) :] = 1
-    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return input_ids, attention
+
+
+def _start_decode(worker: WorkerContext, prompts, max_new_tokens: int, pad_id: int):
+    mode = decode_mode(worker)
+    if mode == "dynamic":
+        input_ids, attention = _left_padded(prompts, len(prompts), pad_id, worker.device)
+        return DynamicDecode(worker.model, input_ids, attention)
+    decoders = worker.state.get("decoders")
+    if decoders is None or decoders.graph != (mode == "cuda_graph"):
+        decoders = worker.state["decoders"] = StaticDecoders(graph=mode == "cuda_graph")
+    width = max(len(p) for p in prompts)
+    decoder = decoders.get(worker.model, len(prompts), width + max_new_tokens, worker.device)
+    input_ids, attention = _left_padded(prompts, decoder.rows, pad_id, worker.device)
+    return StaticDecode(decoder, input_ids, attention, pad_id)
+
+
+class DynamicDecode:
+    """transformers' growing cache (as ``generate``): each step's shapes differ."""
+
+    def __init__(self, model, input_ids: torch.Tensor, attention: torch.Tensor):
+        from transformers import DynamicCache
+
+        self.model = model
+        self.cache = {cache_argument(model): DynamicCache(config=model.config)}
+        self.attention = attention
+        self.position = (attention.cumsum(-1) - 1).clamp(min=0)
+        self.first = self._forward(input_ids)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.attention,
+            position_ids=self.position,
+            use_cache=True,
+            logits_to_keep=1,
+            **self.cache,
+        )
+        return out.logits[:, -1]
+
+    def step(self, token: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+        self.position = self.position[:, -1:] + 1
+        self.attention = torch.cat([self.attention, (~finished).long().unsqueeze(-1)], dim=-1)
+        return self._forward(token.unsqueeze(-1))
+
+
+class StaticDecode:
+    """One generation on a :class:`~posttrain.backends.static_decode.StaticDecoder` (its rows
+    past the prompts decode padding, never read)."""
+
+    def __init__(self, decoder, input_ids: torch.Tensor, attention: torch.Tensor, pad_id: int):
+        self.decoder = decoder
+        self.tokens = torch.full((decoder.rows,), pad_id, dtype=torch.long, device=input_ids.device)
+        self.first = decoder.prefill(input_ids, attention)
+
+    def step(self, token: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
+        self.tokens[: len(token)] = token
+        return self.decoder.step(self.tokens)
+
+
+def _sample(decode, batch: int, sampling, stop_ids, tokenizer, generator):
+    """Sample up to ``max_new_tokens`` for the ``batch`` prompts ``decode`` started."""
+    pad_id = tokenizer.pad_token_id
     responses: list[list[int]] = [[] for _ in range(batch)]
     logprobs: list[list[float]] = [[] for _ in range(batch)]
     done = [False] * batch  # on the host: read every step
-    past = None
-    step_ids, step_pos = input_ids, position_ids
+    next_logits = decode.first
     for _ in range(sampling.max_new_tokens):
-        outputs = model(
-            input_ids=step_ids,
-            attention_mask=attention,
-            position_ids=step_pos,
-            past_key_values=past,
-            use_cache=True,
-        )
-        past = outputs.past_key_values
-        logits = outputs.logits[:, -1].float()
+        logits = next_logits[:batch].float()
         raw_logp = torch.log_softmax(logits, dim=-1)
         filtered = _filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
         if sampling.temperature <= 0:
@@ -143,11 +215,9 @@ def _sample(model, prompts, sampling, stop_ids, tokenizer, generator, device):
                     done[i] = True
         if all(done):
             break
-        finished = torch.tensor(done, dtype=torch.bool, device=device)
+        finished = torch.tensor(done, dtype=torch.bool, device=token.device)
         token = torch.where(finished, torch.full_like(token, pad_id), token)
-        step_ids = token.unsqueeze(-1)
-        step_pos = step_pos[:, -1:] + 1
-        attention = torch.cat([attention, (~finished).long().unsqueeze(-1)], dim=-1)
+        next_logits = decode.step(token, finished)
     return responses, logprobs
 
 
@@ -224,6 +294,8 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     """Move the weights to host memory while a colocated role uses the device, when the
     config says so (``param_offload``)."""
     if worker.config.param_offload and "weights" in memory_tags(tags):
+        # Captured decode graphs point at the weights' device memory, which the move frees.
+        worker.state.pop("decoders", None)
         worker.model.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -7,6 +7,8 @@ needs it.
 
 from __future__ import annotations
 
+from typing import Literal
+
 import attrs
 
 from posttrain.config.ranges import at_least
@@ -23,7 +25,11 @@ class HFInferConfig:
 
     # Prompts per forward pass when generating or scoring (the role's infer_batch_size wins).
     batch_size: int = attrs.field(default=64, validator=at_least(1))
-    use_cache: bool = True
+    # How tokens are decoded: "dynamic" (transformers' growing KV cache, as generate: a new
+    # shape every step), "static" (a preallocated cache and a fixed-shape step), "cuda_graph"
+    # (static, with the step captured in a CUDA graph once per shape bucket and replayed;
+    # static where there is no GPU). "auto": cuda_graph on a GPU, dynamic on the CPU.
+    decode: Literal["auto", "dynamic", "static", "cuda_graph"] = "auto"
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.
     param_offload: bool = False

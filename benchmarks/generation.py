@@ -1,0 +1,140 @@
+"""Rollout generation speed of ``hf_infer`` in each decode mode (``strategy_config.decode``): the
+dynamic cache (transformers' ``generate`` way, the default before the fast path), the static
+cache, and the static cache with its step in a CUDA graph, in one run, against the dynamic one.
+
+The engine runs in this process on one device (no launcher: what is timed is the engine). Every
+row: ``batch`` prompts of 16 random tokens, ``--new-tokens`` new tokens each (forced:
+``ignore_eos``), temperature 1. Per mode and batch: the first call (which captures the graph of
+the shape, or warms the kernels up) and then a timed call; time to first token (the prefill and
+the first sample: a call with one new token), decode tokens/s over the rest, the GB/s of weights
+read by the decode steps (each step reads every weight once: the decode's memory-bound floor),
+and the peak device memory of the timed call.
+
+    python3 benchmarks/generation.py --device cuda --shape qwen2-1.5b   # 64, 256, 512 x 512
+    python benchmarks/generation.py --shape tiny --device cpu --batches 4 --new-tokens 8
+                                                                         # its smallest setting
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import tempfile
+import time
+
+from common import build_model, device_name, print_table
+
+PROMPT_TOKENS = 16
+
+
+def make_worker(model_dir: str, device: str, dtype: str):
+    from posttrain.backends import hf_infer
+    from posttrain.backends.hf_infer_plugin import HFInferConfig
+    from posttrain.config.sections import ModelArgs
+    from posttrain.launch.worker import WorkerContext
+
+    worker = WorkerContext(
+        role="actor_infer",
+        strategy_name="hf_infer",
+        config=HFInferConfig(),
+        model_args=ModelArgs(model_name_or_path=model_dir, dtype=dtype),
+        device=device,
+    )
+    worker.model = hf_infer.load_model(worker)
+    return worker
+
+
+def timed_generate(worker, prompts, new_tokens: int) -> float:
+    import torch
+
+    from posttrain.backends import hf_infer
+    from posttrain.protocol import GenerationRequest, SamplingParams
+
+    sampling = SamplingParams(n=1, max_new_tokens=new_tokens, ignore_eos=True)
+    on_gpu = worker.device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=1)
+    out = hf_infer.generate(worker, request)
+    if on_gpu:
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    if any(len(r) != new_tokens for r in out.response_ids):
+        raise RuntimeError("a sample ended before its forced length")
+    return seconds
+
+
+def measure(worker, mode: str, batch: int, new_tokens: int, weight_bytes: int) -> dict:
+    import attrs
+    import torch
+
+    worker.config = attrs.evolve(worker.config, decode=mode, batch_size=batch)
+    worker.state.pop("decoders", None)
+    rng = random.Random(batch)
+    vocab = worker.state["tokenizer"].vocab_size
+    prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
+    on_gpu = worker.device.startswith("cuda")
+    first = timed_generate(worker, prompts, new_tokens)
+    ttft = timed_generate(worker, prompts, 1)
+    if on_gpu:
+        torch.cuda.reset_peak_memory_stats()
+    total = timed_generate(worker, prompts, new_tokens)
+    decode_s = max(total - ttft, 1e-9)
+    steps = new_tokens - 1
+    row = {
+        "mode": mode,
+        "batch": batch,
+        "first call s": first,
+        "TTFT s": ttft,
+        "total s": total,
+        "decode tok/s": batch * steps / decode_s,
+        "weights GB/s": weight_bytes * steps / decode_s / 1e9,
+        "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+    }
+    worker.state.pop("decoders", None)
+    return row
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default="tiny")
+    parser.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--batches", type=int, nargs="+", default=[64, 256, 512])
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        default=None,
+        help="default: dynamic static cuda_graph on cuda, dynamic static on cpu",
+    )
+    args = parser.parse_args()
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    modes = args.modes or (
+        ["dynamic", "static", "cuda_graph"] if args.device == "cuda" else ["dynamic", "static"]
+    )
+    with tempfile.TemporaryDirectory() as model_dir:
+        built = build_model(args.shape, model_dir, dtype=dtype)
+        worker = make_worker(model_dir, args.device, dtype)
+        rows = []
+        for batch in args.batches:
+            baseline = None
+            for mode in modes:
+                row = measure(worker, mode, batch, args.new_tokens, built.nbytes)
+                baseline = baseline or row["decode tok/s"]
+                row[f"vs {modes[0]}"] = row["decode tok/s"] / baseline
+                rows.append(row)
+                print(f"{mode} x {batch}: {row['decode tok/s']:,.0f} decode tok/s", flush=True)
+    print_table(
+        rows,
+        f"hf_infer generation: {args.shape} ({built.params / 1e9:.2f}B params, {dtype}) on "
+        f"{device_name(args.device)}; {PROMPT_TOKENS} prompt + {args.new_tokens} new tokens "
+        f"(forced), temperature 1",
+        formats={"decode tok/s": ",.0f", "weights GB/s": ",.1f", f"vs {modes[0]}": ".2f"},
+        text_columns=1,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""``hf_infer``'s fixed-shape decode: a transformers ``StaticCache`` and a one-token step whose
+tensors keep their addresses, so that on a GPU the step is captured in a CUDA graph once and then
+replayed (one launch for the whole forward pass instead of one per kernel: at 1.5B, a dynamic-
+cache step is bound by those launches, not by the GPU).
+
+A :class:`StaticDecoder` serves one (rows, cache length) shape; the engine keeps a few, keyed by
+shape buckets (rows rounded up to a multiple of 8, lengths to 128) so that the batches of later
+steps reuse them. Weight syncs copy into the parameters in place: the captured graph reads the
+new weights. Moving the weights (offload) invalidates it: the engine then drops its decoders.
+
+The attention mask is built here, in the cache's coordinates (a prompt left-padded to ``width``
+occupies ``0 .. width - 1``, the i-th new token ``width + i``): a key is visible to a query when
+it is the prompt's (not padding) or a new token, and not after the query. Every query also sees
+itself, so a padding row never attends to nothing (which would put NaN into the cache).
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections import OrderedDict
+
+import torch
+
+ROWS_BUCKET = 8
+LENGTH_BUCKET = 128
+KEPT_SHAPES = 4  # decoders (caches, graphs) kept at once; the oldest goes first
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def cache_argument(model) -> str:
+    """The forward argument taking the KV cache: ``cache`` in newer transformers, else
+    ``past_key_values`` (the old name is deprecated where the new one exists)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def supports_static(model) -> bool:
+    """Whether every attention layer is full attention: the mask built here is one for all
+    layers, so sliding-window (or other) layers keep the dynamic path."""
+    layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
+    return all(kind == "full_attention" for kind in layer_types)
+
+
+class StaticDecoder:
+    """A static KV cache of ``rows x length`` tokens and the step's fixed-address inputs; with
+    ``graph``, the one-token step captured in a CUDA graph at its first call."""
+
+    def __init__(self, model, rows: int, length: int, device, graph: bool):
+        from transformers import StaticCache
+
+        self.model = model
+        self.rows, self.length = rows, length
+        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        self.cache_argument = cache_argument(model)
+        self.mask_dtype = next(model.parameters()).dtype
+        self.visible = torch.zeros(rows, length, dtype=torch.bool, device=device)
+        self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.current = torch.zeros(1, dtype=torch.long, device=device)  # the query's cache slot
+        self.slots = torch.arange(length, device=device)
+        self.use_graph = graph
+        self.graph: torch.cuda.CUDAGraph | None = None
+        self.logits: torch.Tensor | None = None  # the graph's output
+
+    def _mask(self, queries: torch.Tensor) -> torch.Tensor:
+        """The additive mask ``[rows, 1, len(queries), length]`` of queries at cache slots
+        ``queries``."""
+        keys = self.slots[None, None, :]
+        at = queries[None, :, None]
+        visible = (self.visible[:, None, :] & (keys <= at)) | (keys == at)
+        blocked = torch.finfo(self.mask_dtype).min
+        return torch.where(visible, 0.0, blocked).to(self.mask_dtype)[:, None]
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, queries: torch.Tensor):
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self._mask(queries),
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: self.cache},
+        )
+        return out.logits[:, -1]
+
+    def prefill(self, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+        """Run the left-padded prompts ``[rows, width]`` into an emptied cache; the logits of
+        their last position ``[rows, vocab]``."""
+        width = input_ids.shape[1]
+        self.cache.reset()
+        self.visible[:, :width] = attention.bool()
+        self.visible[:, width:] = True
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        logits = self._forward(input_ids, positions, self.slots[:width])
+        self.position.copy_(positions[:, -1:])
+        self.current.fill_(width - 1)
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (``[rows]``); the next logits ``[rows, vocab]`` (with a graph,
+        the graph's output buffer: read it before the next step)."""
+        self.token.copy_(tokens.view(-1, 1))
+        self.position.add_(1)
+        self.current.add_(1)
+        if not self.use_graph:
+            return self._forward(self.token, self.position, self.current)
+        if self.graph is None:
+            return self._capture()
+        self.graph.replay()
+        return self.logits
+
+    def _capture(self) -> torch.Tensor:
+        """The first step runs eagerly on a side stream (CUDA graphs' warm-up: libraries
+        initialise lazily), then the same step is captured; capturing runs nothing, so the
+        cache is as the eager step left it."""
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            logits = self._forward(self.token, self.position, self.current)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        # thread_local: work other threads of the process queue meanwhile is not an error.
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+            self.logits = self._forward(self.token, self.position, self.current)
+        self.graph = graph
+        return logits
+
+
+class StaticDecoders:
+    """The decoders of recent shapes (see the module docstring), oldest dropped first."""
+
+    def __init__(self, graph: bool):
+        self.graph = graph
+        self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
+
+    def get(self, model, rows: int, length: int, device) -> StaticDecoder:
+        key = (round_up(rows, ROWS_BUCKET), round_up(length, LENGTH_BUCKET))
+        decoder = self._decoders.pop(key, None)
+        if decoder is None:
+            while len(self._decoders) >= KEPT_SHAPES:
+                self._decoders.popitem(last=False)
+            decoder = StaticDecoder(model, *key, device, self.graph)
+        self._decoders[key] = decoder
+        return decoder
+
+    def clear(self) -> None:
+        self._decoders.clear()
