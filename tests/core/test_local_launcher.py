@@ -47,9 +47,7 @@ def test_a_rank_can_start_a_process(tiny_model_path, tmp_path):
 
 
 @pytest.mark.timeout(180)
-def test_two_driver_threads_calling_one_rank_each_get_their_own_answers(
-    tiny_model_path, tmp_path
-):
+def test_two_driver_threads_calling_one_rank_each_get_their_own_answers(tiny_model_path, tmp_path):
     """The asynchronous rollout's producer and the loop may call the same processes at once:
     large answers read by two threads at a time must not tear."""
     launcher = LocalLauncher(start_timeout_s=120)
