@@ -96,6 +96,9 @@ def test_ctrl_c_says_which_checkpoint_a_rerun_resumes_from(tmp_path, e2e_cache):
         text=True,
         env=run_env(),
         start_new_session=True,  # Ctrl-C reaches the whole foreground group: the ranks too
+        # As a terminal's foreground job: a shell's background job (a CI script run with &)
+        # starts with SIGINT ignored, which the driver would inherit and rightly keep.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.monotonic() + 120
     metrics = run_dir / "metrics.jsonl"
