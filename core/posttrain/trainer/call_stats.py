@@ -10,6 +10,7 @@ generations: asked from the loop's thread, they would answer only after the gene
 
 from __future__ import annotations
 
+from posttrain.config.checks import PRODUCER_ROLES
 from posttrain.launch.base import WorkerGroup
 
 # The phase whose work a hook is.
@@ -21,10 +22,6 @@ PHASE_OF_HOOK = {
     "train_step": "train",
     "import_weights": "weight_sync",
 }
-
-
-# The roles the asynchronous rollout's producer thread calls.
-PRODUCER_ROLES = ("actor_infer", "reward")
 
 
 def split_by_caller(
