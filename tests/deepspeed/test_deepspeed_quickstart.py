@@ -1,5 +1,6 @@
 """examples/quickstart_deepspeed.yaml (deepspeed_train ZeRO-2 + hf_infer, hybrid layout) learns
-single-digit addition: 400 GRPO steps with real DeepSpeed over gloo on 2 CPU ranks."""
+single-digit addition: the first 150 of its 400 GRPO steps, with real DeepSpeed over gloo on 2 CPU
+ranks."""
 
 from __future__ import annotations
 
@@ -13,6 +14,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOW = REPO / "examples" / "quickstart_deepspeed.yaml"
+# The example's first 150 of 400 steps show it learning (the fsdp quickstart's 10-step mean is
+# 0.68 at step 150, from 0.05; tests/e2e/test_readme_commands.py runs all 400 to 0.8): ten
+# times chance, the threshold below, shows the backend learning in 40% of the example's time.
+STEPS = 150
 
 
 @pytest.mark.slow
@@ -33,6 +38,10 @@ def test_quickstart_deepspeed_learns_addition(tmp_path, posttrain_cache):
             "trainer.resume=never",
             "--set",
             "trainer.logger=[jsonl]",
+            "--set",
+            f"trainer.max_steps={STEPS}",
+            "--set",
+            f"trainer.save_steps={STEPS}",
         ],
         capture_output=True,
         text=True,
@@ -51,9 +60,9 @@ def test_quickstart_deepspeed_learns_addition(tmp_path, posttrain_cache):
     rewards = [m["reward/mean"] for m in metrics]
     last = sum(rewards[-10:]) / 10
     print(f"\nquickstart_deepspeed: {len(rewards)} steps in {wall:.0f}s, last-10 reward {last:.3f}")
-    assert len(rewards) == 400
+    assert len(rewards) == STEPS
     assert sum(rewards[:5]) / 5 < 0.2, "the tiny model should start near chance"
-    assert last >= 0.8
-    manifest = json.loads((run_dir / "checkpoint-400" / "manifest.json").read_text())
-    assert manifest["step"] == 400
+    assert last >= 0.5
+    manifest = json.loads((run_dir / f"checkpoint-{STEPS}" / "manifest.json").read_text())
+    assert manifest["step"] == STEPS
     assert manifest["roles"]["actor_train"]["layout"]["zero_stage"] == 2
