@@ -246,6 +246,9 @@ class StrategyContract:
         self.require(spec_and_config, "rollout")
 
         group = start()
+        # A generation first, as in a run: whatever the engine keeps from it (captured CUDA
+        # graphs, a prefix cache) must see the imported weights, not the ones it was built on.
+        self._generate(group)
         state = perturbed_state(tiny_model_path)
         for bucket in bucketize(sorted(state.items()), bucket_bytes=64 << 10):
             group.call("import_weights", [bucket])
