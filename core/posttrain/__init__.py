@@ -87,6 +87,7 @@ _PUBLIC = {
     "init_default_process_group": "posttrain.backends.distributed",
     "destroy_default_process_group": "posttrain.backends.distributed",
     "agree_max": "posttrain.backends.distributed",
+    "collective_timeout_s": "posttrain.backends.distributed",
     # Exported weights and checkpoints
     "write_shards": "posttrain.backends.safetensors_shards",
     "export_streamed": "posttrain.backends.safetensors_shards",
@@ -160,6 +161,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     from posttrain.backends.distributed import (
         agree_max,
         backend_for,
+        collective_timeout_s,
         destroy_default_process_group,
         init_default_process_group,
     )

@@ -230,6 +230,13 @@ def cmd_export_hf(args, host) -> int:
     return EXIT_OK
 
 
+def cmd_stacks(args, host) -> int:
+    from posttrain.launch.stacks import live_run_stacks
+
+    print(live_run_stacks(args.run_dir, all_threads=args.all_threads))
+    return EXIT_OK
+
+
 def build_parser(host) -> argparse.ArgumentParser:
     from posttrain.version import __version__
 
@@ -274,6 +281,10 @@ def build_parser(host) -> argparse.ArgumentParser:
         help="the trained role to export (default: the policy)",
     )
     p.set_defaults(handler=cmd_export_hf)
+    p = sub.add_parser("stacks", help="the Python stacks of every process of a live run")
+    p.add_argument("run_dir", help="the run's directory (trainer.output_dir)")
+    p.add_argument("--all-threads", action="store_true", help="every thread, not just the main")
+    p.set_defaults(handler=cmd_stacks)
     host.hook.posttrain_add_cli_commands(subparsers=sub)
     return parser
 
@@ -288,6 +299,20 @@ def _show_warnings(err, caught: list[warnings.WarningMessage]) -> None:
             err.print(f"[yellow]warning[/yellow]: {escape(str(w.message))}")
         else:
             warnings.showwarning(w.message, w.category, w.filename, w.lineno, w.file, w.line)
+
+
+def _without_tracebacks(text: str) -> str:
+    """A rank's report without its Python tracebacks (the exception's own line is kept): a
+    failed rank is not the user's bug, and the traceback stays in the rank's log."""
+    kept, inside = [], False
+    for line in text.splitlines(keepends=True):
+        if line.startswith("Traceback (most recent call last):"):
+            inside = True
+        elif inside and not line[:1].isspace():
+            inside = False
+        if not inside:
+            kept.append(line)
+    return "".join(kept)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -309,7 +334,16 @@ def main(argv: list[str] | None = None) -> int:
         err.print(f"[red]error[/red]: {exc}")
         return EXIT_USER
     except WorkerError as exc:
-        err.print(f"[red]error[/red]: {exc}\n{exc.remote_traceback}")
+        from rich.markup import escape
+
+        err.print(f"[red]error[/red]: {escape(str(exc))}")
+        detail = _without_tracebacks(exc.remote_traceback)
+        if detail.strip():
+            err.print(detail.rstrip(), markup=False, highlight=False)
+        if detail != exc.remote_traceback:
+            err.print("(the rank's Python traceback is in its log, under RUN_DIR/logs/)")
+        if exc.hint:
+            err.print(exc.hint, markup=False, highlight=False)
         return EXIT_INTERNAL
     except KeyboardInterrupt as exc:
         err.print(f"interrupted {exc}".strip(), markup=False)

@@ -40,6 +40,7 @@ class WorkerError(PosttrainError):
         self.rank = rank
         self.roles = roles or (role,)
         self.remote_traceback = remote_traceback
+        self.hint = ""  # what to do next (a run's: how a rerun resumes), shown last
 
 
 class CheckpointError(UserError):

@@ -10,8 +10,20 @@ def backend_for(device: str) -> str:
     return "nccl" if device.startswith("cuda") else "gloo"
 
 
-def init_default_process_group(device: str, timeout_s: float = 600.0) -> None:
-    """Join this role's process group (MASTER_ADDR/PORT, RANK, WORLD_SIZE are set)."""
+# The launchers set it from cluster.collective_timeout_s (below cluster.call_timeout_s).
+COLLECTIVE_TIMEOUT_ENV = "POSTTRAIN_COLLECTIVE_TIMEOUT_S"
+
+
+def collective_timeout_s() -> float:
+    """How long a collective of this rank's process groups may wait before it raises (the
+    workflow's ``cluster.collective_timeout_s``; 600 s outside a run)."""
+    return float(os.environ.get(COLLECTIVE_TIMEOUT_ENV, "600"))
+
+
+def init_default_process_group(device: str, timeout_s: float | None = None) -> None:
+    """Join this role's process group (MASTER_ADDR/PORT, RANK, WORLD_SIZE are set); its
+    collectives time out after ``timeout_s`` (default: :func:`collective_timeout_s`)."""
+    timeout_s = timeout_s or collective_timeout_s()
     import torch.distributed as dist
 
     if dist.is_initialized():

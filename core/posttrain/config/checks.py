@@ -295,7 +295,17 @@ def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
 
 
 def _check_cluster(wf: Workflow, report: ErrorReport) -> None:
-    if wf.cluster.launcher != "ray":
+    c = wf.cluster
+    for name in ("hang_report_s", "collective_timeout_s"):
+        value = getattr(c, name)
+        if value is not None and value >= c.call_timeout_s:
+            report.error(
+                f"cluster.{name}",
+                f"{value:g} is not below cluster.call_timeout_s ({c.call_timeout_s:g}): it would "
+                "never come before the run gives up on the call",
+                f"set it below {c.call_timeout_s:g}, or leave it null (automatic)",
+            )
+    if c.launcher != "ray":
         return  # the local launcher runs any mapping
     for _, b, message in partial_overlaps(wf.roles()):
         report.error(

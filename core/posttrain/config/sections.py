@@ -293,8 +293,21 @@ class ClusterConfig:
     object_store_memory: int | None = attrs.field(default=None, validator=at_least(1))  # bytes
     runtime_env: dict[str, Any] = attrs.field(factory=dict)
     start_timeout_s: float = attrs.field(default=300.0, validator=greater_than(0))
+    # A call to a role that runs longer fails the run (docs/hangs.md: how the timeouts relate).
     call_timeout_s: float = attrs.field(default=1800.0, validator=greater_than(0))
+    # A call that runs this long gets every process's Python stacks written under
+    # RUN_DIR/hangs/step-N/ and a summary printed; the run goes on waiting. null: automatic, 10
+    # times the call's median duration (at least 60 s; 600 s until two are known), at most half
+    # of call_timeout_s.
+    hang_report_s: float | None = attrs.field(default=None, validator=greater_than(0))
+    # The process groups' timeout (NCCL, gloo, the weight-sync group and its store): a collective
+    # that waits this long raises on its rank, naming the collective. Below call_timeout_s, so a
+    # stuck collective fails on the ranks first. null: half of call_timeout_s.
+    collective_timeout_s: float | None = attrs.field(default=None, validator=greater_than(0))
     threads_per_worker: int | None = attrs.field(default=None, validator=at_least(1))
+
+    def collective_timeout(self) -> float:
+        return self.collective_timeout_s or self.call_timeout_s / 2
 
 
 ROLE_NAMES = ("actor_train", "actor_infer", "reference", "critic")

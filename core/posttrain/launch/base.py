@@ -106,17 +106,20 @@ class Launcher(abc.ABC):
         self.start_timeout_s = start_timeout_s
         self.process_sets: list[Any] = []
         self._calls_of_stopped = 0
+        # The driver's HangWatch (posttrain.launch.hang_watch), handed to each set of processes.
+        self.hang_watch: Any = None
 
     @abc.abstractmethod
     def _make_processes(self, specs: list[GroupSpec]) -> tuple[Any, dict[str, WorkerGroup]]:
-        """Start the rank processes of ``specs`` (they expose ``calls`` and ``shutdown()``) and
-        return them with a worker group per role."""
+        """Start the rank processes of ``specs`` (they expose ``calls``, ``watch``,
+        ``stack_targets()`` and ``shutdown()``) and return them with a worker group per role."""
 
     def start_processes(self, specs: list[GroupSpec]) -> dict[str, WorkerGroup]:
         """Start one set of rank processes hosting every role of ``specs`` (all with the same
         device mapping), run each role's setup in order (parallel groups, model loading) and
         return each role's group."""
         processes, groups = self._make_processes(specs)
+        processes.watch = self.hang_watch
         self.process_sets.append(processes)
         try:
             for group in groups.values():  # in order: the first role makes the process group
@@ -129,6 +132,11 @@ class Launcher(abc.ABC):
     def start_group(self, spec: GroupSpec) -> WorkerGroup:
         """Start the ranks of one role in processes of their own."""
         return self.start_processes([spec])[spec.role]
+
+    def stack_targets(self) -> list[Any]:
+        """Every rank process this launcher started, as :class:`~posttrain.launch.stacks.
+        StackTarget` (whose stacks the hang watchdog and ``posttrain stacks`` ask for)."""
+        return [t for processes in self.process_sets for t in processes.stack_targets()]
 
     def driver_calls(self) -> int:
         """How many calls the driver has sent to rank processes so far (one per rank)."""

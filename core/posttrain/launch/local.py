@@ -27,6 +27,7 @@ from posttrain.launch.base import (
     tail,
 )
 from posttrain.launch.rank_main import START_CALL, serve
+from posttrain.launch.stacks import StackTarget, stacks_path_for, target, this_node
 
 STOP_CALL = -2
 
@@ -65,6 +66,7 @@ class LocalProcesses:
         devices = first.config.device_mapping
         self.world_size = first.config.num_ranks
         self.timeout_s = timeout_s
+        self.watch = None  # the driver's HangWatch, once the launcher hands it over
         self.calls = 0
         self._next_id = 0
         self._answers: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
@@ -128,11 +130,14 @@ class LocalProcesses:
         self, call_id: int, role: str, method: str, timeout_s: float | None = None
     ) -> list[Any]:
         limit = timeout_s or self.timeout_s
-        deadline = time.monotonic() + limit
+        started = time.monotonic()
+        deadline = started + limit
         results: list[Any] = [None] * self.world_size
         pending = set(range(self.world_size))
         first_error: WorkerError | None = None
         while pending:
+            if self.watch is not None:
+                self.watch.check((id(self), call_id), role, method, time.monotonic() - started)
             for rank in sorted(pending):
                 answer = self._answer(rank, call_id, role, method)
                 if answer is not None:
@@ -158,7 +163,16 @@ class LocalProcesses:
                 )
         if first_error:
             raise first_error
+        if self.watch is not None:
+            self.watch.finished(role, method, time.monotonic() - started)
         return results
+
+    def stack_targets(self) -> list[StackTarget]:
+        node = this_node()
+        return [
+            target(f"{'+'.join(self.roles)} rank {rank}", proc.pid, node, stacks_path_for(log))
+            for rank, (proc, log) in enumerate(zip(self.procs, self.log_paths))
+        ]
 
     def _answer(self, rank: int, call_id: int, role: str, method: str) -> tuple | None:
         """Rank ``rank``'s answer to ``call_id`` if it has come (answers to other calls that

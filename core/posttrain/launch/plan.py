@@ -12,6 +12,7 @@ import os
 import time
 from typing import TYPE_CHECKING
 
+from posttrain.backends.distributed import COLLECTIVE_TIMEOUT_ENV
 from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.errors import UserError
 from posttrain.hookspecs import hookimpl
@@ -92,18 +93,37 @@ def group_spec(
         device=device,
         plugins=tuple(workflow.plugins),
         threads=threads,
-        env={str(k): str(v) for k, v in workflow.cluster.runtime_env.get("env_vars", {}).items()},
+        env=rank_env(workflow, run_dir, device),
         head=ROLE_HEADS.get(role_name, "lm"),
     )
 
 
+def rank_env(workflow: Workflow, run_dir: str, device: str) -> dict[str, str]:
+    """The environment every rank gets: the process groups' timeout and, on GPUs, NCCL's flight
+    recorder (dumped under RUN_DIR/hangs/ when a collective times out); then the workflow's
+    ``cluster.runtime_env.env_vars``, which override these."""
+    env = {COLLECTIVE_TIMEOUT_ENV: str(workflow.cluster.collective_timeout())}
+    if device == "cuda":
+        env |= {
+            "TORCH_NCCL_TRACE_BUFFER_SIZE": "2000",
+            "TORCH_NCCL_DUMP_ON_TIMEOUT": "1",
+            "TORCH_NCCL_DEBUG_INFO_TEMP_FILE": os.path.join(run_dir, "hangs", "nccl_trace_rank_"),
+        }
+    env |= {str(k): str(v) for k, v in workflow.cluster.runtime_env.get("env_vars", {}).items()}
+    return env
+
+
 def start_groups(
-    workflow: Workflow, host: PluginHost, run_dir: str, device: str, console
+    workflow: Workflow, host: PluginHost, run_dir: str, device: str, console, watch=None
 ) -> tuple[Launcher, dict[str, WorkerGroup]]:
-    """Start every role's ranks as the plan groups them (printing each set as it starts)."""
+    """Start every role's ranks as the plan groups them (printing each set as it starts);
+    ``watch``: the driver's :class:`~posttrain.launch.hang_watch.HangWatch`, from the roles'
+    set-up on."""
     roles = workflow.roles()
     plan = plan_processes(workflow, host)
     launcher = make_launcher(workflow, plan)
+    if watch is not None:
+        launcher.hang_watch, watch.launcher = watch, launcher
     processes = sum(roles[members[0]].num_ranks for members in plan)
     groups: dict[str, WorkerGroup] = {}
     try:

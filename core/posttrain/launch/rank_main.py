@@ -16,6 +16,7 @@ from typing import Any
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.host.references import import_beside
 from posttrain.launch.base import GroupSpec
+from posttrain.launch.stacks import install_stack_dump, stacks_path_for
 from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
 START_CALL = -1  # the call id of a rank's start-up answer
@@ -90,6 +91,7 @@ def serve(
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
+    install_stack_dump(stacks_path_for(log_path))  # for the hang watchdog, posttrain stacks
     os.environ.update(env)
     # Ctrl-C in a terminal reaches every process of the run: the driver's, which stops the ranks
     # in order and says how to resume; a rank dying of it first would be reported as a crash.
@@ -100,7 +102,7 @@ def serve(
         server = RankServer(specs, rank, world_size)
     except BaseException as exc:
         traceback.print_exc()
-        conn.send((START_CALL, "error", _describe(exc), traceback.format_exc()))
+        conn.send((START_CALL, "error", describe_error(exc), traceback.format_exc()))
         return
     conn.send((START_CALL, "ok", None, ""))
     while True:
@@ -118,10 +120,36 @@ def serve(
             result = server.handle(role, method, args, kwargs)
         except BaseException as exc:
             traceback.print_exc()
-            conn.send((call_id, "error", _describe(exc), traceback.format_exc()))
+            conn.send((call_id, "error", describe_error(exc), traceback.format_exc()))
             continue
         conn.send((call_id, "ok", result, ""))
 
 
-def _describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}"
+def describe_error(exc: BaseException) -> str:
+    """The error a rank reports: its type and message and, when it was raised inside
+    torch.distributed (a collective that timed out, a peer that went away), the collective and
+    its process group."""
+    text = f"{type(exc).__name__}: {exc}"
+    collective = _collective(exc.__traceback__)
+    return f"{text} (in torch.distributed {collective})" if collective else text
+
+
+def _collective(tb) -> str | None:
+    """The collective a traceback raised in: its outermost torch.distributed frame with a public
+    name (all_reduce, barrier, an FSDP all-gather's wait; not a decorator's wrapper), with the
+    process group it ran on."""
+    marker = os.path.join("torch", "distributed", "")
+    frames = []
+    while tb is not None:
+        if marker in tb.tb_frame.f_code.co_filename:
+            frames.append(tb.tb_frame)
+        tb = tb.tb_next
+    public = [f for f in frames if f.f_code.co_name != "wrapper" and f.f_code.co_name[0] != "_"]
+    if not frames:
+        return None
+    frame = (public or frames)[0]
+    local = frame.f_locals
+    group = next((local[k] for k in ("group", "pg", "process_group") if local.get(k)), None)
+    name = getattr(group, "group_name", None) if group is not None else None
+    where = f"{frame.f_code.co_name} ({frame.f_code.co_filename.split(marker)[-1]})"
+    return f"{where} on group {name}" if name else where

@@ -25,7 +25,14 @@ from posttrain.launch.base import (
     rank_log_path,
     tail,
 )
-from posttrain.launch.rank_main import RankServer
+from posttrain.launch.rank_main import RankServer, describe_error
+from posttrain.launch.stacks import (
+    StackTarget,
+    install_stack_dump,
+    stacks_path_for,
+    target,
+    this_node,
+)
 from posttrain.paths import display_path
 
 # How long ranks still answering get once one rank failed (they may block in a collective).
@@ -45,14 +52,16 @@ class RankActor:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
+        install_stack_dump(stacks_path_for(log_path))  # for the hang watchdog, posttrain stacks
         self.server = None
 
-    def node_info(self) -> tuple[str, int]:
-        """This actor's node IP and a port free on that node (for the group's rendezvous)."""
+    def node_info(self) -> tuple[str, int, int, str]:
+        """This actor's node IP, a port free on that node (for the group's rendezvous), its pid
+        and its host's name (for its stacks)."""
         ip = ray.util.get_node_ip_address()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
-            return ip, s.getsockname()[1]
+            return ip, s.getsockname()[1], os.getpid(), this_node()
 
     def start(self, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str]):
         os.environ.update(env)
@@ -60,7 +69,7 @@ class RankActor:
             self.server = RankServer(specs, rank, world_size)
         except BaseException as exc:
             traceback.print_exc()
-            return ("error", _describe(exc), traceback.format_exc())
+            return ("error", describe_error(exc), traceback.format_exc())
         return ("ok", None, "")
 
     def stop(self):
@@ -74,7 +83,7 @@ class RankActor:
             result = self.server.handle(role, method, args, kwargs)
         except BaseException as exc:
             traceback.print_exc()
-            return ("error", _describe(exc), traceback.format_exc())
+            return ("error", describe_error(exc), traceback.format_exc())
         return ("ok", result, "")
 
 
@@ -120,8 +129,10 @@ class RayProcesses:
         self.devices = first.config.device_mapping
         self.world_size = first.config.num_ranks
         self.timeout_s = timeout_s
+        self.watch = None  # the driver's HangWatch, once the launcher hands it over
         self.calls = 0
         self.nodes = ["?"] * self.world_size
+        self._pids: list[tuple[int, str]] = []  # each rank's (pid, host name)
         self.log_paths = [
             rank_log_path(first.run_dir, self.roles, r) for r in range(self.world_size)
         ]
@@ -153,8 +164,9 @@ class RayProcesses:
                 timeout_s=start_timeout_s,
                 wrapped=False,
             )
-            self.nodes = [ip for ip, _ in infos]
-            master_addr, master_port = infos[0]
+            self.nodes = [info[0] for info in infos]
+            self._pids = [(info[2], info[3]) for info in infos]
+            master_addr, master_port = infos[0][:2]
             refs = []
             for rank, actor in enumerate(self.actors):
                 env = {
@@ -201,11 +213,15 @@ class RayProcesses:
         wrapped: bool = True,
     ) -> list[Any]:
         limit = timeout_s or self.timeout_s
-        deadline = time.monotonic() + limit
+        started = time.monotonic()
+        deadline = started + limit
         results: list[Any] = [None] * len(refs)
         pending = {ref: rank for rank, ref in enumerate(refs)}
         first_error: WorkerError | None = None
+        call = (id(self), id(refs))
         while pending:
+            if self.watch is not None and wrapped:
+                self.watch.check(call, role, method, time.monotonic() - started)
             remaining = deadline - time.monotonic()
             if remaining <= 0:
                 break
@@ -241,7 +257,15 @@ class RayProcesses:
             self._failed = True
             rank = min(pending.values())
             raise self._error(role, rank, f"timed out in {method} after {limit:.0f}s", "")
+        if self.watch is not None and wrapped:
+            self.watch.finished(role, method, time.monotonic() - started)
         return results
+
+    def stack_targets(self) -> list[StackTarget]:
+        return [
+            target(f"{'+'.join(self.roles)} rank {rank}", pid, host, stacks_path_for(log))
+            for rank, ((pid, host), log) in enumerate(zip(self._pids, self.log_paths))
+        ]
 
     def _error(self, role: str, rank: int, message: str, trace: str) -> WorkerError:
         log = self.log_paths[rank]

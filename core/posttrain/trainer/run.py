@@ -23,10 +23,18 @@ from posttrain.checkpoint.record import RECORD, workflow_record
 from posttrain.checkpoint.resume import Resumable, checkpoint_to_resume, rerun_hint, verified
 from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import Workflow
-from posttrain.errors import RunInterrupted
+from posttrain.errors import RunInterrupted, WorkerError
 from posttrain.launch.base import Launcher, WorkerGroup
+from posttrain.launch.hang_watch import HangWatch
 from posttrain.launch.placement import TimeSharing
 from posttrain.launch.plan import resolve_device, start_groups
+from posttrain.launch.stacks import (
+    install_stack_dump,
+    remove_processes,
+    target,
+    this_node,
+    write_processes,
+)
 from posttrain.paths import display_path
 from posttrain.protocol import build_sequence_batch
 from posttrain.rewards.pool import RuleRewards
@@ -69,6 +77,7 @@ class Trainer:
         self.device = resolve_device(workflow)
         self.groups: dict[str, WorkerGroup] = {}
         self.launcher: Launcher | None = None
+        self.watch: HangWatch | None = None  # the hang watchdog, made with the rank processes
         self.state = DriverState()
         self.record = workflow_record(workflow, source)
         self.rule_rewards: RuleRewards | None = None
@@ -102,12 +111,19 @@ class Trainer:
                 self._saver.wait()  # the run ends when its last checkpoint is complete
         except KeyboardInterrupt:
             self._close()  # a save in flight stays incomplete, and is never resumed from
-            done = self.history[-1]["step"] if self.history else self.state.step
-            raise RunInterrupted(rerun_hint(self.run_dir, done, self.wf.trainer.resume)) from None
+            raise RunInterrupted(self._rerun_hint()) from None
+        except WorkerError as exc:  # a rank failed or timed out: the checkpoints stay as they are
+            self._close()
+            exc.hint = f"the run stopped {self._rerun_hint()}"
+            raise
         finally:
             self._close()
         self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.history)
         return self.history
+
+    def _rerun_hint(self) -> str:
+        done = self.history[-1]["step"] if self.history else self.state.step
+        return rerun_hint(self.run_dir, done, self.wf.trainer.resume)
 
     def _prepare_run_dir(self) -> None:
         """Create the run directory, clear what a crash left half-written, record the workflow
@@ -134,9 +150,11 @@ class Trainer:
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
         self.rule_rewards = make_rule_rewards(wf.reward, hook)
         self.estimator = advantage_estimator(wf.algorithm, hook)
+        self.watch = self._hang_watch()
         self.launcher, self.groups = start_groups(
-            wf, self.host, self.run_dir, self.device, self.console
+            wf, self.host, self.run_dir, self.device, self.console, self.watch
         )
+        write_processes(self.run_dir, self.watch.targets())  # for posttrain stacks
         self.sharing = TimeSharing(self.groups, enabled=self.device == "cuda")
         self.transport = make_transport(
             hook,
@@ -163,6 +181,23 @@ class Trainer:
         ):
             self.host.pm.register(logger, name=f"logger-{name}")
         self.batches = self._batch_source(rollout, sampler)
+
+    def _hang_watch(self) -> HangWatch:
+        """The driver's watchdog over every call to the ranks (docs/hangs.md); the driver's
+        own stacks can be asked for too."""
+        stacks = os.path.join(self.run_dir, "logs", "driver.stacks")
+        install_stack_dump(stacks)
+        if self.device == "cuda":  # where NCCL's flight recorder is dumped (rank_env)
+            os.makedirs(os.path.join(self.run_dir, "hangs"), exist_ok=True)
+        c = self.wf.cluster
+        return HangWatch(
+            self.run_dir,
+            c.hang_report_s,
+            c.call_timeout_s,
+            show=lambda text: self.console.print(text, markup=False, highlight=False),
+            device=self.device,
+            own=(target("driver", os.getpid(), this_node(), stacks),),
+        )
 
     def _resume(self, checkpoint: Resumable, sampler: PromptSampler) -> None:
         for role in checkpoint.manifest.roles:
@@ -224,6 +259,7 @@ class Trainer:
             self._saver.close()
             self._saver = None
         if self.launcher is not None:
+            remove_processes(self.run_dir)
             self.launcher.shutdown()
             self.launcher = None
 
@@ -243,6 +279,7 @@ class Trainer:
         try:
             while self.state.step < t.max_steps:
                 self.state.step += 1
+                self.watch.step = self.state.step
                 timer.at_step(self.state.step)
                 step_start = time.perf_counter()
                 calls_before = self.launcher.driver_calls()

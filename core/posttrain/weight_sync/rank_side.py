@@ -24,6 +24,7 @@ from datetime import timedelta
 
 import torch
 
+from posttrain.backends.distributed import collective_timeout_s
 from posttrain.protocol import WeightBucket
 
 _GROUP = "_sync_group"
@@ -62,7 +63,7 @@ def join_sync_group(
     port: int,
     group_rank: int,
     size: int,
-    timeout_s: float = 300.0,
+    timeout_s: float | None = None,
     group_name: str = "posttrain_weight_sync",
 ) -> bool:
     """Join a process group of trainer rank 0 (group rank 0) and every rollout rank.
@@ -72,6 +73,7 @@ def join_sync_group(
     receiver (an engine whose own processes join the group and receive the broadcasts)."""
     if group_rank < 0:
         return True
+    timeout_s = timeout_s or collective_timeout_s()
     ctx = runtime.ctx
     import torch.distributed as dist
 

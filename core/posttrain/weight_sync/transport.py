@@ -76,8 +76,9 @@ class BroadcastTransport(WeightTransport):
     broadcasts in its own processes (``posttrain_weight_receiver``)."""
 
     name = "broadcast"
-    # How long joining the group, and each collective in it, may wait for a peer.
-    timeout_s: float = 300.0
+    # How long joining the group, and each collective in it, may wait for a peer; None: the
+    # ranks' cluster.collective_timeout_s.
+    timeout_s: float | None = None
 
     def __init__(self, bucket_bytes: int):
         super().__init__(bucket_bytes)

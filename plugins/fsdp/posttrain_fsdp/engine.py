@@ -18,6 +18,7 @@ import logging
 import math
 import os
 from collections.abc import Iterator
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
 import attrs
@@ -34,6 +35,7 @@ from posttrain import (
     accumulate_gradients,
     adamw,
     bucketize,
+    collective_timeout_s,
     enable_gradient_checkpointing,
     end_process_group,
     export_dtype,
@@ -415,7 +417,9 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
         buffers = HostBuffers(f"{worker.role} rank {rank}", pin=is_cuda(worker))
         worker.state["checkpoint_buffers"] = buffers
     if dist.is_initialized() and "checkpoint_group" not in worker.state:
-        worker.state["checkpoint_group"] = dist.new_group(backend="gloo")
+        worker.state["checkpoint_group"] = dist.new_group(
+            backend="gloo", timeout=timedelta(seconds=collective_timeout_s())
+        )
     state = _dcp_state(worker)
     buffers.reserve(_tensor_leaves(state, ""))
     staged = _staged(state, "", buffers)

@@ -3,11 +3,18 @@
 from __future__ import annotations
 
 import logging
+import math
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain import init_default_process_group, is_cuda, resolve_model_path, torch_dtype
+from posttrain import (
+    collective_timeout_s,
+    init_default_process_group,
+    is_cuda,
+    resolve_model_path,
+    torch_dtype,
+)
 from posttrain_megatron import token_scores
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
@@ -52,7 +59,9 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
                 f"runs {_PROCESS_LAYOUT}; use cluster.colocation: separate"
             )
     else:
-        ps.initialize_model_parallel(**layout)
+        # Its groups time out as the default group does (cluster.collective_timeout_s).
+        minutes = max(1, math.ceil(collective_timeout_s() / 60))
+        ps.initialize_model_parallel(**layout, distributed_timeout_minutes=minutes)
         model_parallel_cuda_manual_seed(worker.seed)
         _PROCESS_LAYOUT.update(layout)
     return {
