@@ -57,10 +57,14 @@ def test_ray_matches_local_rewards_and_leaves_nothing_running(tmp_path, e2e_cach
     assert len(local) == len(ray_) == 6
     assert ray_ == pytest.approx(local, abs=1e-6)
     logs = sorted(p.name for p in (tmp_path / "ray" / "logs").iterdir())
-    # The quickstart's three roles share their 2 rank processes (one actor per rank).
+    # The quickstart's three roles share their 2 rank processes (one actor per rank); each
+    # process, the driver's too, has a file for its stacks (the hang watchdog's).
     assert logs == [
         "actor_train+actor_infer+reference.rank0.log",
+        "actor_train+actor_infer+reference.rank0.stacks",
         "actor_train+actor_infer+reference.rank1.log",
+        "actor_train+actor_infer+reference.rank1.stacks",
+        "driver.stacks",
     ]
     # The Ray instance posttrain started is gone with its processes.
     deadline = time.monotonic() + 20
@@ -153,3 +157,37 @@ def test_layouts(tmp_path, e2e_cache, train, infer, reference):
     run(tmp_path / "run", *RAY, *layout)
     assert len(read_metrics(tmp_path / "run")) == 3
     assert (tmp_path / "run" / "checkpoint-3" / "manifest.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_a_blocked_rank_is_reported_on_ray(tmp_path, e2e_cache):
+    """As on the local launcher (tests/e2e/test_resume.py): rank 0 blocks in step 5's update,
+    rank 1 waits in its collective; the report names both, and the run stops with the error of
+    the collective that timed out."""
+    run_dir = tmp_path / "hung"
+    hung = run(
+        run_dir,
+        *RAY,
+        "--set",
+        "plugins=[hang_plugin]",
+        "--set",
+        "cluster.runtime_env.env_vars.POSTTRAIN_TEST_HANG_AT_STEP=5",
+        "--set",
+        "cluster.hang_report_s=2",
+        "--set",
+        "cluster.collective_timeout_s=8",
+        "--set",
+        "cluster.call_timeout_s=12",
+        check=False,
+    )
+    assert hung.returncode == 1, hung.stdout[-3000:] + hung.stderr[-3000:]
+    assert "Traceback" not in hung.stderr
+    report = (run_dir / "hangs" / "step-5" / "summary.txt").read_text()
+    shared = "actor_train+actor_infer+reference"
+    lines = {line.split(":")[0].strip(): line for line in report.splitlines()}
+    assert "in block_here (hang_plugin.py:" in lines[f"{shared} rank 0"], report
+    assert "waiting in torch.distributed" in lines[f"{shared} rank 1"], report
+    err = " ".join(hung.stderr.split())
+    assert "actor_train rank 1" in err and "(node " in err and "(in torch.distributed" in err, err
+    assert "rerun the same command to continue from step 3" in err, err

@@ -107,6 +107,19 @@ def test_ctrl_c_says_which_checkpoint_a_rerun_resumes_from(tmp_path, e2e_cache):
         if any(run_dir.glob("checkpoint-*")) and len(_lines(metrics)) > 4:
             break
         time.sleep(0.05)
+    # From another terminal: every process's stack, the run undisturbed.
+    stacks = subprocess.run(
+        posttrain_cmd("stacks", str(run_dir)), capture_output=True, text=True, timeout=60
+    )
+    assert stacks.returncode == 0, stacks.stdout + stacks.stderr
+    heads = [line for line in stacks.stdout.splitlines() if line.startswith("== ")]
+    assert [h.split(" (pid")[0] for h in heads] == [
+        "== driver",
+        "== actor_train+actor_infer+reference rank 0",
+        "== actor_train+actor_infer+reference rank 1",
+    ], stacks.stdout
+    assert stacks.stdout.count('  File "') >= 3 * 3, stacks.stdout  # each a stack, not a line
+    assert "rank_main.py" in stacks.stdout  # the ranks' serving loop
     os.killpg(proc.pid, signal.SIGINT)
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err
@@ -123,6 +136,9 @@ def test_ctrl_c_says_which_checkpoint_a_rerun_resumes_from(tmp_path, e2e_cache):
         assert int(found[6]) == saved + 1 and int(found[8] or found[6]) == done
     assert max(m["step"] for m in read_metrics(run_dir)) == done
     assert saved == max(int(p.name.split("-")[1]) for p in run_dir.glob("checkpoint-*"))
+    assert not (run_dir / "logs" / "processes.json").exists()  # listed only while they live
+    gone = subprocess.run(posttrain_cmd("stacks", str(run_dir)), capture_output=True, text=True)
+    assert gone.returncode == 2 and "no live run in" in gone.stderr, gone.stderr
 
 
 def _lines(path) -> list[str]:
