@@ -179,46 +179,72 @@ class StaticDecode:
         return self.decoder.step(self.tokens)
 
 
+# On a GPU, steps between the host's looks at which rows finished: in between it queues the next
+# steps' kernels while the GPU runs the last ones (a look waits for the GPU to drain).
+SYNC_EVERY = 8
+
+
 def _sample(decode, batch: int, sampling, stop_ids, tokenizer, generator):
-    """Sample up to ``max_new_tokens`` for the ``batch`` prompts ``decode`` started."""
-    pad_id = tokenizer.pad_token_id
-    responses: list[list[int]] = [[] for _ in range(batch)]
-    logprobs: list[list[float]] = [[] for _ in range(batch)]
-    done = [False] * batch  # on the host: read every step
+    """Sample up to ``max_new_tokens`` for the ``batch`` prompts ``decode`` started. Tokens and
+    log-probs stay on the device until the end; a row's length counts its tokens up to and
+    including the one that stopped it."""
+    device = decode.first.device
+    steps, pad_id = sampling.max_new_tokens, tokenizer.pad_token_id
+    tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
+    logps = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    lengths = torch.zeros(batch, dtype=torch.long, device=device)
+    finished = torch.zeros(batch, dtype=torch.bool, device=device)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device) if stop_ids else None
+    # Every step where the text must be read (stop strings) or looking costs nothing (the CPU).
+    every = 1 if sampling.stop or device.type == "cpu" else SYNC_EVERY
     next_logits = decode.first
-    for _ in range(sampling.max_new_tokens):
-        logits = next_logits[:batch].float()
-        raw_logp = torch.log_softmax(logits, dim=-1)
-        filtered = _filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        if sampling.temperature <= 0:
-            token = filtered.argmax(-1)
-        else:
-            probs = torch.softmax(filtered, dim=-1)
-            token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-        token_logp = raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
-        # One transfer to the host per step, not one per sample (each would wait for the GPU).
-        tokens, token_logps = token.tolist(), token_logp.tolist()
-        running = [i for i in range(batch) if not done[i]]
-        for i in running:
-            responses[i].append(tokens[i])
-            logprobs[i].append(token_logps[i])
-            if tokens[i] in stop_ids:
-                done[i] = True
+    for t in range(steps):
+        token, token_logp = _draw(next_logits[:batch], sampling, generator)
+        tokens[:, t] = token
+        logps[:, t] = token_logp
+        lengths += ~finished
+        if stops is not None:
+            finished |= torch.isin(token, stops)
         if sampling.stop:
-            # As vLLM: the text without special tokens; the token completing a stop string is
-            # the sample's last one. (Whole responses are decoded each step: simple, and cheap
-            # next to the forward pass at the lengths hf_infer serves.)
-            rows = [responses[i] for i in running]
-            texts = tokenizer.batch_decode(rows, skip_special_tokens=True)
-            for i, text in zip(running, texts):
-                if stop_string_start(text, sampling.stop) is not None:
-                    done[i] = True
-        if all(done):
+            finished |= _stop_strings_reached(tokens, lengths, finished, sampling.stop, tokenizer)
+        if t + 1 == steps or ((t + 1) % every == 0 and bool(finished.all())):
             break
-        finished = torch.tensor(done, dtype=torch.bool, device=token.device)
-        token = torch.where(finished, torch.full_like(token, pad_id), token)
-        next_logits = decode.step(token, finished)
+        next_logits = decode.step(torch.where(finished, pad_id, token), finished)
+    counts = lengths.tolist()
+    responses = [row[:n] for row, n in zip(tokens.tolist(), counts)]
+    logprobs = [row[:n] for row, n in zip(logps.tolist(), counts)]
     return responses, logprobs
+
+
+def _draw(logits: torch.Tensor, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token per row from ``logits`` (temperature, top-k, top-p; greedy at temperature 0)
+    and its log-probability under the unfiltered distribution (what a forward pass scores)."""
+    logits = logits.float()
+    raw_logp = torch.log_softmax(logits, dim=-1)
+    filtered = _filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    if sampling.temperature <= 0:
+        token = filtered.argmax(-1)
+    else:
+        probs = torch.softmax(filtered, dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return token, raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+
+
+def _stop_strings_reached(tokens, lengths, finished, stop: tuple[str, ...], tokenizer):
+    """The rows still running whose text now contains a stop string. As vLLM: the text without
+    special tokens; the token completing a stop string is the sample's last one. (Whole
+    responses are decoded each step: simple, and cheap next to the forward pass at the lengths
+    hf_infer serves.)"""
+    running = [i for i, done in enumerate(finished.tolist()) if not done]
+    counts, rows = lengths.tolist(), tokens.tolist()
+    texts = tokenizer.batch_decode(
+        [rows[i][: counts[i]] for i in running], skip_special_tokens=True
+    )
+    reached = torch.zeros_like(finished)
+    for i, text in zip(running, texts):
+        if stop_string_start(text, stop) is not None:
+            reached[i] = True
+    return reached
 
 
 @torch.no_grad()
