@@ -156,3 +156,22 @@ def test_launcher_shutdown_stops_its_ray(ray_setup):
     launcher.shutdown()
     assert not ray.is_initialized()
     launcher.shutdown()  # idempotent
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_placement_that_never_fits_names_the_roles_and_the_cluster(ray_setup):
+    """GPU bundles on a cluster of CPUs: refused after start_timeout_s, not waited on forever."""
+    import attrs
+
+    from posttrain.errors import UserError
+    from posttrain.launch.ray import RayLauncher
+
+    workflow, _, _ = ray_setup
+    cluster = attrs.evolve(workflow.cluster, start_timeout_s=2)
+    plan = [("actor_train",), ("actor_infer", "reference")]
+    with pytest.raises(UserError) as raised:
+        RayLauncher(cluster, workflow.roles(), "cuda", plan)
+    text = str(raised.value)
+    assert "was not placed within 2s" in text, text
+    assert "of actor_train" in text and "'GPU': 1.0" in text and "the cluster has" in text
