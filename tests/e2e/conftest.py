@@ -90,6 +90,45 @@ def kill_after_checkpoint(
     assert not (run_dir / f"checkpoint-{last_step}").exists(), "killed too late to test anything"
 
 
+# hang_plugin blocks rank 0 at step 5's train step; the watchdog reports at 2 s, rank 1's
+# collective times out at 8 s, the driver would give up at 12 s.
+HANG_AT_STEP_5 = (
+    "--set",
+    "plugins=[hang_plugin]",
+    "--set",
+    "cluster.runtime_env.env_vars.POSTTRAIN_TEST_HANG_AT_STEP=5",
+    "--set",
+    "cluster.hang_report_s=2",
+    "--set",
+    "cluster.collective_timeout_s=8",
+    "--set",
+    "cluster.call_timeout_s=12",
+)
+
+
+def assert_hang_reported(run_dir: Path, hung: subprocess.CompletedProcess) -> str:
+    """The run of HANG_AT_STEP_5 reported the hang (the blocked rank in its frame, the other in
+    the collective, a file per process) and stopped with the collective's error and no
+    traceback. Returns its stderr, whitespace-joined."""
+    out, err = " ".join(hung.stdout.split()), " ".join(hung.stderr.split())
+    assert hung.returncode == 1, hung.stdout[-3000:] + hung.stderr[-3000:]
+    assert "Traceback" not in hung.stderr
+    assert "hang report (step 5): actor_train.train_step has run" in out, out[-3000:]
+    report = (run_dir / "hangs" / "step-5" / "summary.txt").read_text()
+    shared = "actor_train+actor_infer+reference"
+    lines = {line.split(":")[0].strip(): line for line in report.splitlines()}
+    assert "in block_here (hang_plugin.py:" in lines[f"{shared} rank 0"], report
+    assert "waiting in torch.distributed" in lines[f"{shared} rank 1"], report
+    assert "driver" in lines, report
+    files = sorted(p.name for p in (run_dir / "hangs" / "step-5").iterdir())
+    ranks = [f"{shared.replace('+', '_')}_rank_{r}.txt" for r in (0, 1)]
+    assert files == sorted(["driver.txt", "summary.txt", *ranks])
+    # Rank 1's collective timed out first (collective_timeout_s < call_timeout_s), named.
+    assert "actor_train rank 1" in err and "(in torch.distributed" in err, err[-3000:]
+    assert not (run_dir / "logs" / "processes.json").exists()
+    return err
+
+
 def read_metrics(run_dir: Path, name: str = "metrics.jsonl") -> list[dict]:
     """The records of a step log of the run (``history.jsonl``: the run's own history)."""
     with open(run_dir / name) as f:

@@ -13,7 +13,14 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import read_metrics, run_env, run_quickstart, small_run
+from conftest import (
+    HANG_AT_STEP_5,
+    assert_hang_reported,
+    read_metrics,
+    run_env,
+    run_quickstart,
+    small_run,
+)
 
 pytest.importorskip("ray")
 
@@ -166,28 +173,6 @@ def test_a_blocked_rank_is_reported_on_ray(tmp_path, e2e_cache):
     rank 1 waits in its collective; the report names both, and the run stops with the error of
     the collective that timed out."""
     run_dir = tmp_path / "hung"
-    hung = run(
-        run_dir,
-        *RAY,
-        "--set",
-        "plugins=[hang_plugin]",
-        "--set",
-        "cluster.runtime_env.env_vars.POSTTRAIN_TEST_HANG_AT_STEP=5",
-        "--set",
-        "cluster.hang_report_s=2",
-        "--set",
-        "cluster.collective_timeout_s=8",
-        "--set",
-        "cluster.call_timeout_s=12",
-        check=False,
-    )
-    assert hung.returncode == 1, hung.stdout[-3000:] + hung.stderr[-3000:]
-    assert "Traceback" not in hung.stderr
-    report = (run_dir / "hangs" / "step-5" / "summary.txt").read_text()
-    shared = "actor_train+actor_infer+reference"
-    lines = {line.split(":")[0].strip(): line for line in report.splitlines()}
-    assert "in block_here (hang_plugin.py:" in lines[f"{shared} rank 0"], report
-    assert "waiting in torch.distributed" in lines[f"{shared} rank 1"], report
-    err = " ".join(hung.stderr.split())
-    assert "actor_train rank 1" in err and "(node " in err and "(in torch.distributed" in err, err
-    assert "rerun the same command to continue from step 3" in err, err
+    hung = run(run_dir, *RAY, *HANG_AT_STEP_5, check=False)
+    err = assert_hang_reported(run_dir, hung)
+    assert "(node " in err and "rerun the same command to continue from step 3" in err, err

@@ -12,7 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import (
+    HANG_AT_STEP_5,
     QUICKSTART,
+    assert_hang_reported,
     kill_after_checkpoint,
     posttrain_cmd,
     read_metrics,
@@ -168,42 +170,12 @@ def test_a_blocked_rank_is_reported_then_the_run_stops_and_resumes_bitwise(tmp_p
     update's collectives. The watchdog reports at hang_report_s; rank 1's collective times out at
     collective_timeout_s, and the run stops, before call_timeout_s, saying how to resume."""
     run_dir = tmp_path / "hung"
-    hung = run(
-        run_dir,
-        "--set",
-        "plugins=[hang_plugin]",
-        "--set",
-        "cluster.runtime_env.env_vars.POSTTRAIN_TEST_HANG_AT_STEP=5",
-        "--set",
-        "cluster.hang_report_s=2",
-        "--set",
-        "cluster.collective_timeout_s=8",
-        "--set",
-        "cluster.call_timeout_s=12",
-        check=False,
-    )
-    out, err = " ".join(hung.stdout.split()), " ".join(hung.stderr.split())
-    assert hung.returncode == 1, hung.stdout[-3000:] + hung.stderr[-3000:]
-    assert "Traceback" not in hung.stderr
-    # The report: every process, the blocked rank in its frame, the other in the collective.
-    assert "hang report (step 5): actor_train.train_step has run" in out, out[-3000:]
-    report = (run_dir / "hangs" / "step-5" / "summary.txt").read_text()
-    shared = "actor_train+actor_infer+reference"
-    lines = {line.split(":")[0].strip(): line for line in report.splitlines()}
-    assert "in block_here (hang_plugin.py:" in lines[f"{shared} rank 0"], report
-    assert "waiting in torch.distributed" in lines[f"{shared} rank 1"], report
-    assert "driver" in lines, report
-    files = sorted(p.name for p in (run_dir / "hangs" / "step-5").iterdir())
-    assert files == sorted(
-        ["driver.txt", "summary.txt", *(f"{shared.replace('+', '_')}_rank_{r}.txt" for r in (0, 1))]
-    )
-    # Rank 1's collective timed out first (collective_timeout_s < call_timeout_s), named.
-    assert "actor_train rank 1" in err and "(in torch.distributed" in err, err[-3000:]
+    hung = run(run_dir, *HANG_AT_STEP_5, check=False)
+    err = assert_hang_reported(run_dir, hung)
     assert re.search(
         r"the run stopped after step 4; the last complete checkpoint is \S+checkpoint-3: "
         r"rerun the same command to continue from step 3, redoing step 4",
         err,
     ), err
-    assert not (run_dir / "logs" / "processes.json").exists()
     run(run_dir)
     assert_same_run(run_dir, uninterrupted)
