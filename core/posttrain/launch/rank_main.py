@@ -16,7 +16,7 @@ from typing import Any
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.host.references import import_beside
 from posttrain.launch.base import GroupSpec
-from posttrain.launch.stacks import install_stack_dump, stacks_path_for
+from posttrain.launch.stacks import install_stack_dump, is_public_call, stacks_path_for
 from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
 START_CALL = -1  # the call id of a rank's start-up answer
@@ -144,7 +144,7 @@ def _collective(tb) -> str | None:
         if marker in tb.tb_frame.f_code.co_filename:
             frames.append(tb.tb_frame)
         tb = tb.tb_next
-    public = [f for f in frames if f.f_code.co_name != "wrapper" and f.f_code.co_name[0] != "_"]
+    public = [f for f in frames if is_public_call(f.f_code.co_name)]
     if not frames:
         return None
     frame = (public or frames)[0]

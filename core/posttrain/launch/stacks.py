@@ -230,9 +230,15 @@ def _outermost_distributed(frames: list[Frame], first: Frame) -> Frame:
     for f in frames[start:]:
         if not _is_torch_distributed(f):
             break
-        if f.func != "wrapper" and not f.func.startswith("_"):
+        if is_public_call(f.func):
             outer = f
     return outer
+
+
+def is_public_call(name: str) -> bool:
+    """A torch.distributed function a caller asks for by name (all_reduce, barrier), not a
+    decorator's wrapper or a private helper inside it."""
+    return name != "wrapper" and not name.startswith("_")
 
 
 def _short(path: str) -> str:
@@ -240,13 +246,15 @@ def _short(path: str) -> str:
     return path[path.index(marker) :] if marker in path else os.path.basename(path)
 
 
+def where(dump: str, head: str) -> tuple[list[Frame], str]:
+    """A process's main-thread frames in ``dump`` and the line that says where it is (or, when
+    there was no dump, why)."""
+    frames = main_thread_frames(dump, head)
+    return frames, describe(frames) if frames else dump.strip()
+
+
 def summary_lines(dumps: dict[str, str], heads: dict[str, str]) -> list[str]:
-    return [
-        f"{label}: {describe(main_thread_frames(dump, heads.get(label, '')))}"
-        if "Thread" in dump or "thread" in dump
-        else f"{label}: {dump.strip()}"
-        for label, dump in dumps.items()
-    ]
+    return [f"{label}: {where(dump, heads.get(label, ''))[1]}" for label, dump in dumps.items()]
 
 
 def file_head(path: str) -> str:
@@ -279,9 +287,8 @@ def live_run_stacks(run_dir: str, all_threads: bool = False) -> str:
     out = []
     for t in targets:
         dump = dumps[t.label]
-        frames = main_thread_frames(dump, file_head(t.stacks_path))
-        where = describe(frames) if frames else dump.strip()
-        out.append(f"== {t.label} (pid {t.pid}, node {t.node}): {where}")
+        frames, line = where(dump, file_head(t.stacks_path))
+        out.append(f"== {t.label} (pid {t.pid}, node {t.node}): {line}")
         if all_threads and frames:
             out.append(dump.rstrip())
         elif frames:
