@@ -1,5 +1,7 @@
-"""Weight-sync throughput, trainer -> rollout on the same devices: the hybrid engine's in-process
-hand-over against separate processes per role (shared memory through the driver).
+"""Weight-sync throughput, trainer -> rollout: the hybrid engine's in-process hand-over and
+separate processes per role on the same devices (shared memory through the driver), and the
+disaggregated layout, where the rollout role has devices of its own (a broadcast from trainer
+rank 0, NCCL on GPUs).
 
 Effective GB/s = bytes of the model's weights in its dtype / wall time of the whole sync phase
 (the transport's run, as the loop times it). Median of the timed syncs after one warm-up.
@@ -8,6 +10,8 @@ Effective GB/s = bytes of the model's weights in its dtype / wall time of the wh
     python benchmarks/weight_sync.py --device cuda --shape qwen2-1.5b --dtype bf16
     python benchmarks/weight_sync.py --device cuda --ranks 2 --shape qwen2-1.5b --dtype bf16 \
         --trainers megatron_train --megatron-tp 2                      # TP2 -> 2 replicas
+    python benchmarks/weight_sync.py --device cuda --shape qwen2-1.5b --dtype bf16 \
+        --layouts disaggregated                                        # GPU 0 -> GPU 1
     python benchmarks/weight_sync.py --trainers fsdp2_train --repeats 1   # smoke check
 """
 
@@ -23,7 +27,11 @@ from trainer_runs import role_spec
 
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.launch.local import LocalLauncher
-from posttrain.weight_sync.transport import InProcessTransport, SharedMemoryTransport
+from posttrain.weight_sync.transport import (
+    BroadcastTransport,
+    InProcessTransport,
+    SharedMemoryTransport,
+)
 
 
 def time_syncs(transport, source, target, repeats: int) -> tuple[float, dict, float]:
@@ -43,6 +51,13 @@ def time_syncs(transport, source, target, repeats: int) -> tuple[float, dict, fl
     return statistics.median(times), stats, (calls - launcher_calls) / repeats
 
 
+LAYOUTS = {
+    "hybrid": ("hybrid (one process per rank)", InProcessTransport),
+    "separate": ("separate processes per role", SharedMemoryTransport),
+    "disaggregated": ("rollout on devices of its own", BroadcastTransport),
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -53,6 +68,12 @@ def main() -> int:
     parser.add_argument("--megatron-tp", type=int, default=1)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--bucket-mb", type=int, default=512)
+    parser.add_argument(
+        "--layouts",
+        default="hybrid,separate",
+        help=f"comma-separated, of: {', '.join(LAYOUTS)} (disaggregated: rollout on the "
+        "devices after the trainer's)",
+    )
     args = parser.parse_args()
     installed = create_plugin_host().strategies()
     rows = []
@@ -71,29 +92,31 @@ def main() -> int:
                 print(f"skipping {trainer}: not installed")
                 continue
             raw = {"tensor_model_parallel_size": args.megatron_tp} if "megatron" in trainer else {}
-            specs = [
-                role_spec(
-                    "actor_train", trainer, f"{tmp}/model", f"{tmp}/run", raw=raw, **settings
-                ),
-                role_spec("actor_infer", "hf_infer", f"{tmp}/model", f"{tmp}/run", **settings),
-            ]
-            for layout, transport_cls in (
-                ("hybrid (one process per rank)", InProcessTransport),
-                ("separate processes per role", SharedMemoryTransport),
-            ):
+            for layout in args.layouts.split(","):
+                label, transport_cls = LAYOUTS[layout]
+                rollout = settings
+                if layout == "disaggregated":
+                    rollout = {**settings, "devices": tuple(range(args.ranks, 2 * args.ranks))}
+                specs = [
+                    role_spec(
+                        "actor_train", trainer, f"{tmp}/model", f"{tmp}/run", raw=raw, **settings
+                    ),
+                    role_spec("actor_infer", "hf_infer", f"{tmp}/model", f"{tmp}/run", **rollout),
+                ]
                 launcher = LocalLauncher(call_timeout_s=1200, start_timeout_s=1200)
+                transport = transport_cls(bucket_bytes=args.bucket_mb << 20)
                 try:
                     if transport_cls is InProcessTransport:
                         groups = launcher.start_processes(specs)
                     else:
                         groups = {s.role: launcher.start_group(s) for s in specs}
-                    transport = transport_cls(bucket_bytes=args.bucket_mb << 20)
                     seconds, stats, calls = time_syncs(
                         transport, groups["actor_train"], groups["actor_infer"], args.repeats
                     )
+                    transport.close(groups["actor_train"], groups["actor_infer"])
                 finally:
                     launcher.shutdown()
-                rows.append((trainer, layout, transport_cls.name, stats, seconds, calls))
+                rows.append((trainer, label, transport_cls.name, stats, seconds, calls))
     separate = {r[0]: r[4] for r in rows if r[2] == SharedMemoryTransport.name}
     print_table(
         [
@@ -110,7 +133,7 @@ def main() -> int:
             for trainer, layout, name, stats, seconds, calls in rows
         ],
         f"\nweight sync, {args.shape} ({model_bytes / 1e9:.3f} GB in {args.dtype}), "
-        f"{args.ranks} rank(s) on {args.device}, -> hf_infer on the same devices",
+        f"{args.ranks} rank(s) on {args.device} -> hf_infer",
         float_format=".2f",
         formats={"s/sync": ".4f"},
         text_columns=3,

@@ -283,20 +283,21 @@ def posttrain_train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn: A
 
 @hookspec(firstresult=True)
 def posttrain_export_weights(
-    worker: WorkerContext, bucket_bytes: int, in_process: bool
+    worker: WorkerContext, bucket_bytes: int, on_device: bool
 ) -> Iterator[WeightBucket] | None:
     """Yield the trainer's weights as buckets of HF-named full tensors.
 
     Called on every rank of the trainer group at the same time (the gather is collective).
     A bucket never splits a fused group (q/k/v, gate/up of one layer). firstresult.
 
-    * ``in_process=False``: the buckets leave the process (shared memory, a broadcast). The
-      rank that holds the gathered result (rank 0) yields host (CPU) tensors in the export
-      dtype; the other ranks yield empty buckets, in the same number.
-    * ``in_process=True``: the rollout role lives in this same process (hybrid engine) and
-      loads each bucket before the next one is asked for. *Every* rank yields the full tensors,
-      gathered over the trainer's own process groups and left on its device in the export
-      dtype, with no host copy (a tensor may be a view of a live parameter).
+    * ``on_device=False``: the buckets leave the process through host memory (shared memory,
+      an HF export). The rank that holds the gathered result (rank 0) yields host (CPU) tensors
+      in the export dtype; the other ranks yield empty buckets, in the same number.
+    * ``on_device=True``: the buckets stay on the device: the rollout role lives in this same
+      process (hybrid engine), or a collective sends them from the device (the ``broadcast``
+      transport). *Every* rank yields the full tensors, gathered over the trainer's own process
+      groups and left on its device in the export dtype, with no host copy (a tensor may be a
+      view of a live parameter); each bucket is consumed before the next one is asked for.
     """
 
 

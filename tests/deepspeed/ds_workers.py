@@ -125,7 +125,7 @@ def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras:
     from posttrain_deepspeed.engine import export_weights
 
     got = {}
-    for bucket in export_weights(rt.ctx, 64 * 1024, in_process=True):
+    for bucket in export_weights(rt.ctx, 64 * 1024, on_device=True):
         for name, tensor in bucket.tensors:
             got[name] = (str(tensor.device), tensor.dtype, tensor.clone())
     torch.save(got, os.path.join(out_dir, f"export_in_process_rank{rank}.pt"))

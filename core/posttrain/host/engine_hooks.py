@@ -75,8 +75,8 @@ class EngineHooks:
         return self._call("train_step", worker, batch, loss_fn)
 
     @hookimpl(trylast=True)
-    def posttrain_export_weights(self, worker, bucket_bytes, in_process):
-        return self._call("export_weights", worker, bucket_bytes, in_process)
+    def posttrain_export_weights(self, worker, bucket_bytes, on_device):
+        return self._call("export_weights", worker, bucket_bytes, on_device)
 
     @hookimpl(trylast=True)
     def posttrain_import_weights(self, worker, buckets):

@@ -139,14 +139,14 @@ class WorkerRuntime:
             loss_fn = PolicyLoss(self.ctx.algorithm, term)
         return self._call("posttrain_train_step", batch=batch, loss_fn=loss_fn)
 
-    def export_weights(self, bucket_bytes: int, in_process: bool):
+    def export_weights(self, bucket_bytes: int, on_device: bool):
         """The export hook's bucket iterator (see ``posttrain_export_weights``)."""
         return iter(
-            self._call("posttrain_export_weights", bucket_bytes=bucket_bytes, in_process=in_process)
+            self._call("posttrain_export_weights", bucket_bytes=bucket_bytes, on_device=on_device)
         )
 
     def export_begin(self, bucket_bytes: int) -> None:
-        self._export = self.export_weights(bucket_bytes, in_process=False)
+        self._export = self.export_weights(bucket_bytes, on_device=False)
 
     def export_next(self):
         """The next bucket (empty on ranks that do not hold the gathered weights) or None."""

@@ -179,7 +179,10 @@ def _next_round(runtime) -> int:
 
 def stream_send(runtime, bucket_bytes: int) -> dict[str, int]:
     """Trainer ranks: run the export (collective); the sending rank publishes each bucket's
-    metadata and broadcasts its bytes, exporting bucket k+1 while bucket k is on the wire."""
+    metadata and broadcasts its bytes, exporting bucket k+1 while bucket k is on the wire.
+
+    The export stays on the device: on GPUs NCCL sends each bucket from the trainer's memory
+    (a host copy and back cost 1.6 GB/s where NVLink gives over 50)."""
     import pickle
 
     sync_round = _next_round(runtime)
@@ -187,7 +190,7 @@ def stream_send(runtime, bucket_bytes: int) -> dict[str, int]:
     store = runtime.ctx.state.get(_STORE)
     total, count = 0, 0
     in_flight = None  # (work, tensor): the tensor must outlive its broadcast
-    for bucket in runtime.export_weights(bucket_bytes, in_process=False):
+    for bucket in runtime.export_weights(bucket_bytes, on_device=True):
         if not sending or not bucket:
             continue
         store.set(f"{sync_round}/{count}", pickle.dumps(bucket_meta(bucket)))
@@ -241,7 +244,7 @@ def hand_over(runtime, target_role: str, bucket_bytes: int) -> dict[str, int]:
     on its device) and load each bucket into ``target_role`` of the same process as it comes."""
     target = runtime.peers[target_role]
     counts = {"bytes": 0, "buckets": 0}
-    buckets = runtime.export_weights(bucket_bytes, in_process=True)
+    buckets = runtime.export_weights(bucket_bytes, on_device=True)
 
     def counted():
         for bucket in buckets:

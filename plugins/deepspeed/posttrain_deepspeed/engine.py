@@ -425,16 +425,17 @@ def _full_shape(tensor) -> torch.Size:
 
 
 def export_weights(
-    worker: WorkerContext, bucket_bytes: int, in_process: bool = False
+    worker: WorkerContext, bucket_bytes: int, on_device: bool = False
 ) -> Iterator[WeightBucket]:
     """Generator of buckets of HF-named full tensors in the export dtype.
 
-    ``in_process=False``: rank 0 yields the tensors on the host; the other ranks yield empty
-    buckets, as many. ``in_process=True`` (the rollout role lives in this process): every rank
-    yields the tensors, left on the trainer's device. At ZeRO-3 one bucket's parameters are
-    gathered at a time (one all-gather per bucket), so no rank ever holds the whole model.
+    ``on_device=False``: rank 0 yields the tensors on the host; the other ranks yield empty
+    buckets, as many. ``on_device=True`` (in-process hand-over, a broadcast from the device):
+    every rank yields the tensors, left on the trainer's device. At ZeRO-3 one bucket's
+    parameters are gathered at a time (one all-gather per bucket), so no rank ever holds the
+    whole model.
     """
-    return _export_buckets(worker, bucket_bytes, in_process)
+    return _export_buckets(worker, bucket_bytes, on_device)
 
 
 def _plan(worker: WorkerContext, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
@@ -453,11 +454,11 @@ def _plan(worker: WorkerContext, bucket_bytes: int) -> list[list[tuple[str, Any]
 
 
 def _export_buckets(
-    worker: WorkerContext, bucket_bytes: int, in_process: bool
+    worker: WorkerContext, bucket_bytes: int, on_device: bool
 ) -> Iterator[WeightBucket]:
     deepspeed = _deepspeed(worker)
     dtype = export_dtype(worker)
-    keep = in_process or is_rank0()
+    keep = on_device or is_rank0()
     cache: dict[int, torch.Tensor] = {}  # tied weights: one gather, several names
     for planned in _plan(worker, bucket_bytes):
         gather: dict[int, Any] = {}
@@ -474,7 +475,7 @@ def _export_buckets(
             for name, value in planned:
                 tensor = cache.get(id(value))
                 if tensor is None:
-                    tensor = _export_tensor(value, dtype, in_process, keep)
+                    tensor = _export_tensor(value, dtype, on_device, keep)
                     cache[id(value)] = tensor
                 bucket.tensors.append((name, tensor))
         # Drop cached tensors no later bucket names (only tied weights repeat).
@@ -494,11 +495,11 @@ def _tied_later(worker: WorkerContext, key: int) -> bool:
     return key in tied
 
 
-def _export_tensor(value, dtype: torch.dtype, in_process: bool, keep: bool) -> torch.Tensor:
+def _export_tensor(value, dtype: torch.dtype, on_device: bool, keep: bool) -> torch.Tensor:
     data = value.detach()
     if not keep:
         return torch.empty(0, dtype=dtype, device="meta")
-    if not in_process:
+    if not on_device:
         return data.to(device="cpu", dtype=dtype, copy=True)
     if data.dtype != dtype:
         return data.to(dtype)
@@ -510,7 +511,7 @@ def _export_tensor(value, dtype: torch.dtype, in_process: bool, keep: bool) -> t
 def full_state_dict(worker: WorkerContext) -> dict[str, torch.Tensor]:
     """The full HF-named state dict on rank 0 (CPU, export dtype); empty on other ranks."""
     state: dict[str, torch.Tensor] = {}
-    for bucket in _export_buckets(worker, 256 << 20, in_process=False):
+    for bucket in _export_buckets(worker, 256 << 20, on_device=False):
         state.update(bucket.tensors)
     return state
 

@@ -245,19 +245,20 @@ def hf_name(name: str) -> str:
 
 
 def export_weights(
-    worker: WorkerContext, bucket_bytes: int, in_process: bool = False
+    worker: WorkerContext, bucket_bytes: int, on_device: bool = False
 ) -> Iterator[WeightBucket]:
-    """Generator: gathers lazily (collectively). Leaving the process, rank 0 keeps host copies
-    and the others yield empty buckets of the same count (they bucket shape-only meta tensors
-    the same way); in process, every rank yields the gathered tensors on its device."""
-    return _export_buckets(worker, bucket_bytes, in_process)
+    """Generator: gathers lazily (collectively). Through the host (``on_device=False``), rank 0
+    keeps host copies and the others yield empty buckets of the same count (they bucket
+    shape-only meta tensors the same way); on the device, every rank yields the gathered
+    tensors where they are."""
+    return _export_buckets(worker, bucket_bytes, on_device)
 
 
 def _export_buckets(
-    worker: WorkerContext, bucket_bytes: int, in_process: bool
+    worker: WorkerContext, bucket_bytes: int, on_device: bool
 ) -> Iterator[WeightBucket]:
-    keep = in_process or is_rank0()
-    device = None if in_process else "cpu"
+    keep = on_device or is_rank0()
+    device = None if on_device else "cpu"
     for bucket in bucketize(_gathered(worker, keep=keep, device=device), bucket_bytes):
         yield bucket if keep else WeightBucket()
 

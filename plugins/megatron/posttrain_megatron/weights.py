@@ -51,15 +51,15 @@ def hf_tensors(
 
 
 def export_weights(
-    worker: WorkerContext, bucket_bytes: int, in_process: bool = False
+    worker: WorkerContext, bucket_bytes: int, on_device: bool = False
 ) -> Iterator[WeightBucket]:
-    return _buckets(worker, bucket_bytes, in_process)
+    return _buckets(worker, bucket_bytes, on_device)
 
 
-def _buckets(worker: WorkerContext, bucket_bytes: int, in_process: bool) -> Iterator[WeightBucket]:
+def _buckets(worker: WorkerContext, bucket_bytes: int, on_device: bool) -> Iterator[WeightBucket]:
     # mbridge's walk gives every rank each full tensor: in process, every rank keeps them.
-    keep = in_process or is_rank0()
-    device = None if in_process else "cpu"
+    keep = on_device or is_rank0()
+    device = None if on_device else "cpu"
     for bucket in bucketize(hf_tensors(worker, keep=keep, device=device), bucket_bytes):
         yield bucket if keep else WeightBucket()
 
