@@ -40,6 +40,14 @@ class RankServer:
         if problems:
             raise RuntimeError("; ".join(p[1] for p in problems))
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        if any(spec.device == "cuda" for spec in specs):
+            import torch
+
+            # The process's current device from the start, whether or not a strategy makes a
+            # process group: streams, CUDA graphs and libraries that use the current device
+            # must land on this rank's GPU (a graph captured on device 0 while the model ran on
+            # device 1 failed the capture of a rollout rank on GPU 1).
+            torch.cuda.set_device(local_rank)
         self.runtimes: dict[str, WorkerRuntime] = {}
         for spec in specs:
             role = spec.config
