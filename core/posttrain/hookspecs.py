@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
     from posttrain.rollout.environments.protocol import EnvironmentSpec
-    from posttrain.trainer.logger_registry import LoggerSpec
+    from posttrain.trainer.logger_spec import LoggerSpec
     from posttrain.weight_sync.transport import WeightTransport
 
 hookspec = pluggy.HookspecMarker("posttrain")

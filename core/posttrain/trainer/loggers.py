@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 
 from posttrain.hookspecs import hookimpl
-from posttrain.trainer.logger_registry import LoggerContext, LoggerSpec
+from posttrain.trainer.logger_spec import LoggerContext, LoggerSpec
 from posttrain.trainer.step_log import StepLog
 
 # The one-line summary shows these, in this order, when present: short enough for 80 columns.
