@@ -119,3 +119,19 @@ def test_a_plugin_logger_gets_its_typed_options_and_the_run(host, model_dir, tmp
     host.hook.posttrain_log_metrics(step=4, metrics={"reward/mean": 0.5}, run_dir=str(run_dir))
     assert loggers["memory"].seen == [(4, {"reward/mean": 0.5})]
     assert (run_dir / "metrics.jsonl").read_text() == '{"step": 4, "reward/mean": 0.5}\n'
+
+
+def test_a_logger_that_cannot_start_is_a_user_error_naming_it(host, model_dir, tmp_path):
+    def refuse(context):
+        raise ConnectionError("no tracking server at http://nowhere")
+
+    class Refusing:
+        @hookimpl
+        def posttrain_add_loggers(self):
+            return {"remote": LoggerSpec(factory=refuse)}
+
+    host.pm.register(Refusing(), name="refusing")
+    workflow, errors = build(host, model_dir, tmp_path, logger=["remote"])
+    assert errors == {}
+    with pytest.raises(UserError, match="logger 'remote' failed to start: ConnectionError: no"):
+        dict(make_loggers(workflow, host.hook, None, str(tmp_path), 0, set(), config={}))

@@ -140,4 +140,11 @@ def make_loggers(
             console=console,
             contributed=contributed,
         )
-        yield name, factory(context)
+        try:
+            logger = factory(context)
+        except Exception as exc:  # the tracker's own error (no login, a bad URI), shown whole
+            raise UserError(
+                f"logger '{name}' failed to start: {type(exc).__name__}: {exc} (check "
+                f"trainer.logger_args.{name}, or leave '{name}' out of trainer.logger)"
+            ) from exc
+        yield name, logger

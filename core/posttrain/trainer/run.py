@@ -143,8 +143,20 @@ class Trainer:
             )
 
     def _start(self, checkpoint: Resumable | None) -> None:
-        """The data, the rank processes, the phases' parts, the resumed state, the loggers."""
+        """The loggers, the data, the rank processes, the phases' parts, the resumed state."""
         wf, hook = self.wf, self.host.hook
+        # First: a tracker that cannot start (a wrong URI, no login) stops the run before any
+        # rank process does.
+        for name, logger in make_loggers(
+            wf,
+            hook,
+            self.console,
+            self.run_dir,
+            self.state.step,
+            self.contributed_metric_names,
+            config=plain(wf),
+        ):
+            self.host.pm.register(logger, name=f"logger-{name}")
         self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
         prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
@@ -176,16 +188,6 @@ class Trainer:
         rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
         if checkpoint:
             self._resume(checkpoint, sampler)
-        for name, logger in make_loggers(
-            wf,
-            hook,
-            self.console,
-            self.run_dir,
-            self.state.step,
-            self.contributed_metric_names,
-            config=plain(wf),
-        ):
-            self.host.pm.register(logger, name=f"logger-{name}")
         self.batches = self._batch_source(rollout, sampler)
 
     def _hang_watch(self) -> HangWatch:
