@@ -20,6 +20,9 @@ class RunState:
         # None: a new tracker run (the run starts at step 0, or nothing was recorded).
         self.run_id = run_id
         self.logged_through = logged_through
+        # What earlier runs sent: fixed when the run starts, so that this run may send one
+        # step in several calls (its training metrics, then an evaluation's).
+        self.sent_before = logged_through
 
     @classmethod
     def open(cls, run_dir: str, tracker: str, start_step: int) -> RunState:
@@ -33,15 +36,15 @@ class RunState:
         return cls(path, None, 0)
 
     def is_logged(self, step: int) -> bool:
-        """Whether the tracker run holds ``step`` already (from the run this one resumes)."""
-        return step <= self.logged_through
+        """Whether the tracker run holds ``step`` from the run this one resumes."""
+        return step <= self.sent_before
 
     def start(self, run_id: str) -> None:
         self.run_id = run_id
         self._write()
 
     def logged(self, step: int) -> None:
-        self.logged_through = step
+        self.logged_through = max(self.logged_through, step)
         self._write()
 
     def _write(self) -> None:
