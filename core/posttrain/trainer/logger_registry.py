@@ -130,6 +130,8 @@ def make_loggers(
         if isinstance(factory, str):
             factory = load_reference(factory, f"logger '{name}': factory")
         options = trainer.logger_args.get(name)
+        if options is None and spec.config_class is not None:  # a workflow built in code
+            options = spec.config_class()
         context = LoggerContext(
             run_dir=run_dir,
             run_name=os.path.basename(os.path.normpath(trainer.output_dir)),
