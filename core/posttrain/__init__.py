@@ -133,6 +133,9 @@ _PUBLIC = {
     "tool_environment_spec": "posttrain.rollout.environments.tools",
     # Weight transports
     "WeightTransport": "posttrain.weight_sync.transport",
+    # Metric loggers and experiment trackers
+    "LoggerSpec": "posttrain.trainer.logger_spec",
+    "LoggerContext": "posttrain.trainer.logger_spec",
 }
 
 __all__ = ["__version__", "hookimpl", *_PUBLIC]
@@ -245,6 +248,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         shifted_values,
     )
     from posttrain.tasks.presets import PRESETS, is_preset
+    from posttrain.trainer.logger_spec import LoggerContext, LoggerSpec
     from posttrain.training.lr_schedule import lr_lambda
     from posttrain.training.micro_batching import fixed_micro_batches, token_budget_micro_batches
     from posttrain.training.rank_batches import (

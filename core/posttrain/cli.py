@@ -110,6 +110,7 @@ CONTRIBUTION_HOOKS = {
     "policy_losses": "posttrain_add_policy_losses",
     "reward_functions": "posttrain_add_reward_functions",
     "environments": "posttrain_add_environments",
+    "loggers": "posttrain_add_loggers",
     "weight_transports": "posttrain_add_weight_transports",
 }
 

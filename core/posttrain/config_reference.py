@@ -249,6 +249,12 @@ def generate() -> str:
     )
     lines.append(f"### {CalculatorConfig.__name__} (`environment.name: calculator`)\n")
     lines += _class_table(CalculatorConfig)
+    lines.append("\n## Logger options\n")
+    lines.append(
+        "`trainer.logger_args.<name>` is checked against the config class of the logger "
+        "`<name>` in `trainer.logger`; each plugin documents its own (`wandb` and `mlflow`: "
+        "docs/trackers.md). The built-in loggers (`console`, `jsonl`, `tensorboard`) take none."
+    )
     return "\n".join(lines) + "\n"
 
 

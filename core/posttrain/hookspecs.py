@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
     from posttrain.rollout.environments.protocol import EnvironmentSpec
+    from posttrain.trainer.logger_spec import LoggerSpec
     from posttrain.weight_sync.transport import WeightTransport
 
 hookspec = pluggy.HookspecMarker("posttrain")
@@ -514,12 +515,30 @@ def posttrain_step_metrics(step: int, metrics: Mapping[str, float]) -> dict[str,
 
 
 @hookspec
+def posttrain_add_loggers() -> dict[str, LoggerSpec]:
+    """Declare metric loggers (experiment trackers): ``{name: LoggerSpec}``.
+
+    Called on the driver when a workflow is validated (every name in ``trainer.logger`` must
+    be declared; a logger's ``trainer.logger_args`` entry is structured into the spec's
+    ``config_class``) and once when a run starts, after its resumed state is loaded. For each
+    name in ``trainer.logger`` the driver then calls the spec's factory with a
+    :class:`posttrain.LoggerContext` and registers the returned object as a plugin for the
+    run: it receives ``posttrain_log_metrics`` every step and ``posttrain_run_finished`` at
+    the end. Must not import the tracker's library: ``posttrain validate`` calls it (give the
+    factory as ``"module:attr"``, imported when the run starts). The core's ``trylast``
+    implementation provides ``console``, ``jsonl`` and ``tensorboard``. Not firstresult: the
+    host merges every plugin's dict; a name declared by two plugins is an error naming both.
+    """
+
+
+@hookspec
 def posttrain_log_metrics(step: int, metrics: dict[str, float], run_dir: str) -> None:
     """Receive one step's scalar metrics.
 
     Called on the driver after every step, with the core's metrics and those plugins added
-    through ``posttrain_step_metrics``. The core's loggers (console, jsonl, tensorboard) are
-    plugins implementing this; the workflow's ``trainer.logger`` list says which are active.
+    through ``posttrain_step_metrics``. The loggers named in ``trainer.logger`` (built by
+    ``posttrain_add_loggers``' factories) are plugins implementing this; a plugin may also
+    implement it directly, to receive every run's metrics whatever the workflow names.
     Receive, do not change: to add metrics, implement ``posttrain_step_metrics``. Not
     firstresult.
     """

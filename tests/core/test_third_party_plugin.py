@@ -140,6 +140,7 @@ def test_example_plugin_through_entry_point(example_venv):
         "posttrain_add_advantage_estimators",
         "posttrain_add_cli_commands",
         "posttrain_add_environments",
+        "posttrain_add_loggers",
         "posttrain_add_reward_functions",
         "posttrain_checkpoint_files",
         "posttrain_restore_checkpoint_files",
@@ -169,7 +170,9 @@ def _run(python, work, run_dir, max_steps: int):
         "trainer.max_steps": max_steps,
         "trainer.save_steps": 1,
         "trainer.resume": "auto",
-        "trainer.logger": "[console,jsonl,tensorboard]",
+        "trainer.logger": "[console,jsonl,tensorboard,csv]",
+        # The plugin's logger: two columns of metrics.csv.
+        "trainer.logger_args.csv.keys": "[reward/mean,example/syncs]",
         "algorithm.rollout_batch_size": 4,
         "algorithm.group_size": 4,
         # The plugin's environment: each sample is an episode of up to 3 guesses.
@@ -220,6 +223,12 @@ def test_example_plugin_environment_metrics_and_checkpoint_files_in_a_run(exampl
     assert [m["example/syncs"] for m in lines] == [1.0, 2.0, 4.0]
     assert all(m["time/example_sync"] > 0 for m in lines)
     assert _tensorboard_scalars(run_dir, "example/syncs") == {1: 1.0, 2: 2.0, 3: 4.0}
+    # The plugin's logger: a row per step across the resume, with the options' columns.
+    rows = (run_dir / "metrics.csv").read_text().splitlines()
+    assert rows[0] == "step,reward/mean,example/syncs"
+    assert [row.split(",")[0] for row in rows[1:]] == ["1", "2", "3"]
+    assert [row.split(",")[2] for row in rows[1:]] == ["1.0", "2.0", "4.0"]
+    assert [float(row.split(",")[1]) for row in rows[1:]] == [m["reward/mean"] for m in lines]
     history = [json.loads(line) for line in (run_dir / "history.jsonl").read_text().splitlines()]
     assert [m["step"] for m in history] == [1, 2, 3]
 

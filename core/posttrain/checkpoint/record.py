@@ -32,6 +32,7 @@ _RUN_NEUTRAL_TRAINER = {
     "async_save",
     "output_dir",
     "logger",
+    "logger_args",
     "resume",
     "allow_resume_changes",
     "weight_sync_bucket_mb",

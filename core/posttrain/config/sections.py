@@ -264,9 +264,12 @@ class TrainerConfig:
     # (strategies that cannot, e.g. deepspeed_train, save synchronously either way).
     async_save: bool = True
     output_dir: str = "runs/default"
-    logger: list[Literal["console", "jsonl", "tensorboard"]] = attrs.field(
-        factory=lambda: ["console", "jsonl"]
-    )
+    # Loggers plugins declare (posttrain_add_loggers): console, jsonl and tensorboard are built
+    # in; wandb and mlflow come with posttrain-trackers.
+    logger: list[str] = attrs.field(factory=lambda: ["console", "jsonl"])
+    # Each logger's own options, by its name, e.g. {wandb: {project: my-project}}; checked
+    # against the logger's config class (docs/trackers.md).
+    logger_args: dict[str, Any] = attrs.field(factory=dict)
     resume: str = "never"  # "never", "auto", or a checkpoint directory
     # A resume whose workflow defines another run than the checkpoint's (algorithm, data, model,
     # roles and their devices, rewards, environment, seed) is refused unless this is set.

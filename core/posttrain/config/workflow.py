@@ -19,6 +19,7 @@ from posttrain.host.strategy import KNOWN_PROVIDERS
 from posttrain.paths import display_path
 from posttrain.rewards.functions import check_reward_function
 from posttrain.rollout.environments.validation import check_environment
+from posttrain.trainer.logger_registry import check_loggers
 
 if TYPE_CHECKING:
     from posttrain.host.plugin_host import PluginHost
@@ -103,6 +104,7 @@ def build_workflow(
     if "reward" not in report.failed_sections:
         check_reward_function(workflow.reward.function, host.hook, report)
     workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)
+    workflow = check_loggers(workflow, host.hook, report)
     return workflow, report
 
 

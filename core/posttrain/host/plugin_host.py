@@ -30,6 +30,7 @@ BUILTIN_PLUGINS = (
     "posttrain.rollout.environments.builtin",
     "posttrain.weight_sync.builtin",
     "posttrain.trainer.plotting",
+    "posttrain.trainer.loggers",
     "posttrain.config.checks",
     "posttrain.launch.plan",
 )

@@ -1,4 +1,5 @@
-"""Metric loggers named in ``trainer.logger``; each is a plugin object implementing
+"""The core's metric loggers (console, jsonl, tensorboard), declared through
+``posttrain_add_loggers`` like any plugin's; each is a plugin object implementing
 ``posttrain_log_metrics``, registered by the trainer for the run."""
 
 from __future__ import annotations
@@ -6,6 +7,7 @@ from __future__ import annotations
 import os
 
 from posttrain.hookspecs import hookimpl
+from posttrain.trainer.logger_spec import LoggerContext, LoggerSpec
 from posttrain.trainer.step_log import StepLog
 
 # The one-line summary shows these, in this order, when present: short enough for 80 columns.
@@ -86,14 +88,26 @@ class TensorboardLogger:
         self.writer.close()
 
 
-def make_loggers(trainer, console, run_dir: str, start_step: int, contributed: set[str]):
-    """``(name, logger)`` for each of ``trainer.logger``. ``start_step``: the step the run
-    starts after; the loggers that keep files drop what an earlier (killed) run logged beyond
-    it. ``contributed``: the names of the metrics plugins add, filled as they appear."""
-    for name in trainer.logger:
-        if name == "console":
-            yield name, ConsoleLogger(console, trainer.max_steps, contributed)
-        elif name == "jsonl":
-            yield name, JsonlLogger(run_dir, start_step=start_step)
-        else:
-            yield name, TensorboardLogger(run_dir, start_step=start_step)
+def console_logger(context: LoggerContext) -> ConsoleLogger:
+    return ConsoleLogger(context.console, context.max_steps, context.contributed)
+
+
+def jsonl_logger(context: LoggerContext) -> JsonlLogger:
+    return JsonlLogger(context.run_dir, start_step=context.start_step)
+
+
+def tensorboard_logger(context: LoggerContext) -> TensorboardLogger:
+    return TensorboardLogger(context.run_dir, start_step=context.start_step)
+
+
+@hookimpl(trylast=True)
+def posttrain_add_loggers():
+    """The core's loggers (``trylast``: a plugin declaring one of these names is reported as a
+    conflict rather than silently replacing it)."""
+    return {
+        "console": LoggerSpec(factory=console_logger, description="one line per step"),
+        "jsonl": LoggerSpec(factory=jsonl_logger, description="RUN_DIR/metrics.jsonl"),
+        "tensorboard": LoggerSpec(
+            factory=tensorboard_logger, description="RUN_DIR/tensorboard (torch's SummaryWriter)"
+        ),
+    }

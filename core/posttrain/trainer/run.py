@@ -19,7 +19,7 @@ from posttrain.backends.models import load_tokenizer
 from posttrain.checkpoint import manager as ckpt
 from posttrain.checkpoint import plugin_files
 from posttrain.checkpoint.manifest import package_versions
-from posttrain.checkpoint.record import RECORD, workflow_record
+from posttrain.checkpoint.record import RECORD, plain, workflow_record
 from posttrain.checkpoint.resume import Resumable, checkpoint_to_resume, rerun_hint, verified
 from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import Workflow
@@ -45,7 +45,7 @@ from posttrain.rollout.groups import collect_groups
 from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
 from posttrain.tasks.data import PromptSampler, load_prompts
 from posttrain.trainer.call_stats import add_call_stats, phase_call_stats, split_by_caller
-from posttrain.trainer.loggers import make_loggers
+from posttrain.trainer.logger_registry import make_loggers
 from posttrain.trainer.phase_timer import PHASES, PhaseTimer
 from posttrain.trainer.plugin_metrics import contributed_metrics
 from posttrain.trainer.step_log import StepLog
@@ -143,8 +143,20 @@ class Trainer:
             )
 
     def _start(self, checkpoint: Resumable | None) -> None:
-        """The data, the rank processes, the phases' parts, the resumed state, the loggers."""
+        """The loggers, the data, the rank processes, the phases' parts, the resumed state."""
         wf, hook = self.wf, self.host.hook
+        # First: a tracker that cannot start (a wrong URI, no login) stops the run before any
+        # rank process does.
+        for name, logger in make_loggers(
+            wf,
+            hook,
+            self.console,
+            self.run_dir,
+            self.state.step,
+            self.contributed_metric_names,
+            config=plain(wf),
+        ):
+            self.host.pm.register(logger, name=f"logger-{name}")
         self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
         prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
@@ -176,10 +188,6 @@ class Trainer:
         rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
         if checkpoint:
             self._resume(checkpoint, sampler)
-        for name, logger in make_loggers(
-            wf.trainer, self.console, self.run_dir, self.state.step, self.contributed_metric_names
-        ):
-            self.host.pm.register(logger, name=f"logger-{name}")
         self.batches = self._batch_source(rollout, sampler)
 
     def _hang_watch(self) -> HangWatch:

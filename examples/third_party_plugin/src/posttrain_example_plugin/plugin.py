@@ -12,7 +12,8 @@ It implements four hooks:
   it resumed) and ``time/example_sync`` (seconds of the step's syncs, shown with the phases);
 * ``posttrain_checkpoint_files`` / ``posttrain_restore_checkpoint_files``: the timings travel in
   every checkpoint as ``example/sync_times.json`` and come back on resume, so the count goes on;
-* ``posttrain_add_environments``: ``guess_digit``, a multi-turn environment (higher/lower hints).
+* ``posttrain_add_environments``: ``guess_digit``, a multi-turn environment (higher/lower hints);
+* ``posttrain_add_loggers``: the logger ``csv`` (chosen metrics, a row per step, in a CSV file).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import json
 import os
 import time
 
-from posttrain import AdvantageEstimator, EnvironmentSpec, hookimpl
+from posttrain import AdvantageEstimator, EnvironmentSpec, LoggerSpec, hookimpl
 from posttrain_example_plugin.advantages import sign_advantages
+from posttrain_example_plugin.csv_logger import CsvOptions
 
 TIMINGS_ENV = "POSTTRAIN_EXAMPLE_TIMINGS_DIR"
 TIMINGS_FILE = "weight_sync_times.jsonl"
@@ -48,6 +50,18 @@ def posttrain_add_environments():
         "guess_digit": EnvironmentSpec(
             factory="posttrain_example_plugin.guess:GuessDigit",
             description="guess a digit; wrong guesses get a + (higher) or - (lower) hint",
+        )
+    }
+
+
+@hookimpl
+def posttrain_add_loggers():
+    # "module:attr": the logger's module is imported when a run names it.
+    return {
+        "csv": LoggerSpec(
+            factory="posttrain_example_plugin.csv_logger:CsvLogger",
+            config_class=CsvOptions,
+            description="chosen metrics, one row per step, in RUN_DIR/metrics.csv",
         )
     }
 
