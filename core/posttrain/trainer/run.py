@@ -24,6 +24,7 @@ from posttrain.checkpoint.resume import Resumable, checkpoint_to_resume, rerun_h
 from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import Workflow
 from posttrain.errors import RunInterrupted, WorkerError
+from posttrain.evaluation.phase import Evaluation, load_held_out
 from posttrain.launch.base import Launcher, WorkerGroup
 from posttrain.launch.hang_watch import HangWatch
 from posttrain.launch.placement import TimeSharing
@@ -81,6 +82,7 @@ class Trainer:
         self.state = DriverState()
         self.record = workflow_record(workflow, source)
         self.rule_rewards: RuleRewards | None = None
+        self.evaluation: Evaluation | None = None  # the held-out evaluation phase
         self.batches: SynchronousBatches | AsyncBatches | None = None
         self._stats_groups: dict[str, WorkerGroup] = {}  # asked for rank figures by the loop
         # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
@@ -148,8 +150,25 @@ class Trainer:
         self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
         prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
-        self.rule_rewards = make_rule_rewards(wf.reward, hook)
         self.estimator = advantage_estimator(wf.algorithm, hook)
+        score = self._start_processes()
+        infer = self.groups["actor_infer"]
+        rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
+        if checkpoint:
+            self._resume(checkpoint, sampler)
+        for name, logger in make_loggers(
+            wf.trainer, self.console, self.run_dir, self.state.step, self.contributed_metric_names
+        ):
+            self.host.pm.register(logger, name=f"logger-{name}")
+        self.batches = self._batch_source(rollout, sampler)
+
+    def _start_processes(self) -> RewardScorer:
+        """The rank processes and what the phases need of them (all ``posttrain eval``
+        starts): the weight transport, the reward phase (returned), the evaluation phase."""
+        wf, hook = self.wf, self.host.hook
+        self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
+        held_out = load_held_out(wf, self.tokenizer)
+        self.rule_rewards = make_rule_rewards(wf.reward, hook)
         self.watch = self._hang_watch()
         self.launcher, self.groups = start_groups(
             wf, self.host, self.run_dir, self.device, self.console, self.watch
@@ -162,7 +181,19 @@ class Trainer:
             self.groups["actor_infer"],
             wf.trainer.weight_sync_bucket_mb << 20,
         )
-        score = RewardScorer(
+        model_tokenizer = reward_tokenizer(wf)
+        self.evaluation = Evaluation(
+            wf,
+            held_out,
+            self.groups,
+            self.sharing,
+            self.tokenizer,
+            self.rule_rewards,
+            model_tokenizer,
+            hook,
+            self.console,
+        )
+        return RewardScorer(
             wf.reward,
             wf.algorithm.group_size,
             wf.actor_infer.generating_args,
@@ -170,17 +201,8 @@ class Trainer:
             self.rule_rewards,
             self.groups.get("reward"),
             self.sharing,
-            reward_tokenizer(wf),
+            model_tokenizer,
         )
-        infer = self.groups["actor_infer"]
-        rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
-        if checkpoint:
-            self._resume(checkpoint, sampler)
-        for name, logger in make_loggers(
-            wf.trainer, self.console, self.run_dir, self.state.step, self.contributed_metric_names
-        ):
-            self.host.pm.register(logger, name=f"logger-{name}")
-        self.batches = self._batch_source(rollout, sampler)
 
     def _hang_watch(self) -> HangWatch:
         """The driver's watchdog over every call to the ranks (docs/hangs.md); the driver's
@@ -255,6 +277,9 @@ class Trainer:
         if self.rule_rewards is not None:
             self.rule_rewards.close()
             self.rule_rewards = None
+        if self.evaluation is not None:
+            self.evaluation.close()
+            self.evaluation = None
         if self._saver is not None:
             self._saver.close()
             self._saver = None
@@ -277,6 +302,8 @@ class Trainer:
             counted={"checkpoint": (saved, len(saves))},
         )
         try:
+            if self.evaluation.before_training(self.state.step):
+                self._log({"step": 0, **self._evaluate(timer), **timer.pop()})
             while self.state.step < t.max_steps:
                 self.state.step += 1
                 self.watch.step = self.state.step
@@ -287,6 +314,8 @@ class Trainer:
                 # The data position of the batch trained on: what a checkpoint must resume.
                 self.state.sampler = batch.sampler_state
                 metrics = self._step(batch, timer)
+                if self.evaluation.due(self.state.step):
+                    metrics.update(self._evaluate(timer))
                 tokens = metrics.pop("_tokens")
                 self._time_step(metrics, timer, step_start, calls_before, tokens)
                 metrics.update(self.batches.idle(metrics))
@@ -307,6 +336,31 @@ class Trainer:
                 )
         finally:
             timer.stop()
+
+    def _evaluate(self, timer: PhaseTimer) -> dict[str, float]:
+        """The held-out evaluation of the trainer's policy: after the step's weight sync the
+        rollout engine holds it (asynchronous rollout: the producer waits meanwhile)."""
+        with timer.phase("evaluate"), self.batches.engine():
+            return self.evaluation.run(self.state.step)
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        """A record outside the steps (the evaluation before training, as step 0)."""
+        self._history_log.append(metrics)
+        self.host.hook.posttrain_log_metrics(
+            step=metrics["step"], metrics=metrics, run_dir=self.run_dir
+        )
+
+    def score_checkpoint(self, checkpoint: Resumable) -> dict[str, float]:
+        """``posttrain eval``: the evaluation phase on ``checkpoint``'s policy (its actor_train
+        state, synced to the rollout role as a resume does), without training."""
+        try:
+            self._start_processes()
+            role = os.path.join(checkpoint.path, "actor_train")
+            self.groups["actor_train"].call("load_checkpoint", role)
+            self._sync_weights()
+            return self.evaluation.run(checkpoint.manifest.step)
+        finally:
+            self._close()
 
     def _step(self, produced: ProducedBatch, timer: PhaseTimer) -> dict[str, float]:
         algo, groups = self.wf.algorithm, self.groups
