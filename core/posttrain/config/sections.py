@@ -178,7 +178,7 @@ class EvaluationConfig:
     # null: actor_infer.generating_args.max_new_tokens (its stop tokens and strings apply too).
     max_new_tokens: int | None = attrs.field(default=None, validator=at_least(1))
     # A sample counts as solved (pass@k) when its reward is at least this.
-    pass_reward: float = 1.0
+    pass_reward: float = attrs.field(default=1.0, validator=greater_than(0))
     # Seed of sampled decoding: every evaluation draws with the same seeds.
     seed: int = 0
 

@@ -33,12 +33,12 @@ def check_evaluation(workflow: Workflow, hook, report: ErrorReport) -> None:
             "set evaluation.temperature above 0 (e.g. 1.0) to sample, or n: 1 for greedy",
         )
     if cfg.datasets and workflow.environment.name:
-        report.error(
+        report.note(
             "evaluation",
-            f"held-out evaluation samples single turns; environment "
-            f"'{workflow.environment.name}' episodes are not evaluated yet",
-            "remove the evaluation section for multi-turn workflows",
+            f"held-out prompts are sampled in single turns, without environment "
+            f"'{workflow.environment.name}' (multi-turn evaluation is not supported yet)",
         )
+    scored = workflow.reward.function or workflow.reward.strategy_args is not None
     seen: set[str] = set()
     for index, dataset in enumerate(cfg.datasets):
         where = join_path("evaluation.datasets", index)
@@ -54,3 +54,10 @@ def check_evaluation(workflow: Workflow, hook, report: ErrorReport) -> None:
         check_prompt_source(dataset, workflow.base_dir, where, report)
         if dataset.reward is not None:
             check_reward_function(dataset.reward.function, hook, report, f"{where}.reward.function")
+        elif not scored:
+            report.error(
+                f"{where}.reward",
+                "no reward: the train reward has no function and no reward model (the "
+                "environment's rewards do not score single turns)",
+                f"set {where}.reward: {{function: exact_match}}",
+            )
