@@ -302,7 +302,8 @@ class Trainer:
             counted={"checkpoint": (saved, len(saves))},
         )
         try:
-            if self.evaluation.before_training(self.state.step):
+            # (not again when a killed run's step 0 is in the history already)
+            if self.evaluation.before_training(self.state.step) and not self.history:
                 self._log({"step": 0, **self._evaluate(timer), **timer.pop()})
             while self.state.step < t.max_steps:
                 self.state.step += 1
