@@ -75,7 +75,7 @@ class Evaluation:
         self.infer = groups["actor_infer"]
         self.sharing = sharing
         self.console = console
-        gen = workflow.actor_infer.generating_args
+        gen = workflow.actor_infer.generating_args if workflow.actor_infer else None
         self.sampling = attrs.evolve(
             sampling_params(gen),
             n=self.cfg.n,
@@ -104,7 +104,7 @@ class Evaluation:
                     timeout_s=workflow.reward.timeout_s,
                 )
                 rules, group = make_rule_rewards(reward, hook), None
-                self._own_rules.append(rules)
+                self._own_rules += [rules] if rules else []
             self.scorers.append(
                 RewardScorer(
                     reward, self.cfg.n, gen, tokenizer, rules, group, sharing, reward_tokenizer
