@@ -17,7 +17,7 @@ import attrs
 from posttrain.config.sections import RewardConfig
 from posttrain.errors import UserError
 from posttrain.evaluation.pass_at_k import group_metrics
-from posttrain.rewards.scoring import RewardScorer, make_rule_rewards
+from posttrain.rewards.scoring import RewardScorer, make_rule_rewards, reward_tokenizer
 from posttrain.rollout.generation import generate, sampling_params
 from posttrain.tasks.data import PromptSampler, load_prompts
 
@@ -54,7 +54,8 @@ class Evaluation:
     """Runs the evaluation phase on the rollout role ``groups["actor_infer"]``.
 
     ``train_rules``: the train reward's rule function (the datasets without a reward of their
-    own share it, and the reward model, with the training run).
+    own share it, and the reward model, with the training run). Each evaluation prints a line
+    on ``console``.
     """
 
     def __init__(
@@ -65,7 +66,6 @@ class Evaluation:
         sharing: TimeSharing,
         tokenizer,
         train_rules: RuleRewards | None,
-        reward_tokenizer,
         hook,
         console,
     ):
@@ -75,6 +75,7 @@ class Evaluation:
         self.infer = groups["actor_infer"]
         self.sharing = sharing
         self.console = console
+        model_tokenizer = reward_tokenizer(workflow) if sets else None
         gen = workflow.actor_infer.generating_args if workflow.actor_infer else None
         self.sampling = attrs.evolve(
             sampling_params(gen),
@@ -107,7 +108,7 @@ class Evaluation:
                 self._own_rules += [rules] if rules else []
             self.scorers.append(
                 RewardScorer(
-                    reward, self.cfg.n, gen, tokenizer, rules, group, sharing, reward_tokenizer
+                    reward, self.cfg.n, gen, tokenizer, rules, group, sharing, model_tokenizer
                 )
             )
 

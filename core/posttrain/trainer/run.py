@@ -144,31 +144,16 @@ class Trainer:
                 f"{self.state.step} steps before the checkpoint; curves.png will miss them"
             )
 
-    def _start(self, checkpoint: Resumable | None) -> None:
-        """The data, the rank processes, the phases' parts, the resumed state, the loggers."""
+    def _start(self, checkpoint: Resumable | None, loop: bool = True) -> None:
+        """The data, the rank processes, the phases' parts, the resumed state, the loggers
+        (``loop``; without: what ``posttrain eval`` needs, up to the resumed state)."""
         wf, hook = self.wf, self.host.hook
         self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
         prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
-        self.estimator = advantage_estimator(wf.algorithm, hook)
-        score = self._start_processes()
-        infer = self.groups["actor_infer"]
-        rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
-        if checkpoint:
-            self._resume(checkpoint, sampler)
-        for name, logger in make_loggers(
-            wf.trainer, self.console, self.run_dir, self.state.step, self.contributed_metric_names
-        ):
-            self.host.pm.register(logger, name=f"logger-{name}")
-        self.batches = self._batch_source(rollout, sampler)
-
-    def _start_processes(self) -> RewardScorer:
-        """The rank processes and what the phases need of them (all ``posttrain eval``
-        starts): the weight transport, the reward phase (returned), the evaluation phase."""
-        wf, hook = self.wf, self.host.hook
-        self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
         held_out = load_held_out(wf, self.tokenizer)
         self.rule_rewards = make_rule_rewards(wf.reward, hook)
+        self.estimator = advantage_estimator(wf.algorithm, hook)
         self.watch = self._hang_watch()
         self.launcher, self.groups = start_groups(
             wf, self.host, self.run_dir, self.device, self.console, self.watch
@@ -181,19 +166,7 @@ class Trainer:
             self.groups["actor_infer"],
             wf.trainer.weight_sync_bucket_mb << 20,
         )
-        model_tokenizer = reward_tokenizer(wf)
-        self.evaluation = Evaluation(
-            wf,
-            held_out,
-            self.groups,
-            self.sharing,
-            self.tokenizer,
-            self.rule_rewards,
-            model_tokenizer,
-            hook,
-            self.console,
-        )
-        return RewardScorer(
+        score = RewardScorer(
             wf.reward,
             wf.algorithm.group_size,
             wf.actor_infer.generating_args,
@@ -201,8 +174,23 @@ class Trainer:
             self.rule_rewards,
             self.groups.get("reward"),
             self.sharing,
-            model_tokenizer,
+            reward_tokenizer(wf),
         )
+        rules, console = self.rule_rewards, self.console
+        self.evaluation = Evaluation(
+            wf, held_out, self.groups, self.sharing, self.tokenizer, rules, hook, console
+        )
+        infer = self.groups["actor_infer"]
+        rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
+        if checkpoint:
+            self._resume(checkpoint, sampler)
+        if not loop:
+            return
+        for name, logger in make_loggers(
+            wf.trainer, self.console, self.run_dir, self.state.step, self.contributed_metric_names
+        ):
+            self.host.pm.register(logger, name=f"logger-{name}")
+        self.batches = self._batch_source(rollout, sampler)
 
     def _hang_watch(self) -> HangWatch:
         """The driver's watchdog over every call to the ranks (docs/hangs.md); the driver's
@@ -352,14 +340,12 @@ class Trainer:
         )
 
     def score_checkpoint(self, checkpoint: Resumable) -> dict[str, float]:
-        """``posttrain eval``: the evaluation phase on ``checkpoint``'s policy (its actor_train
-        state, synced to the rollout role as a resume does), without training."""
+        """``posttrain eval``: the evaluation phase on ``checkpoint``'s policy, loaded and
+        synced to the rollout role as a resume does, without training."""
+        self.state = DriverState(checkpoint.state["step"], checkpoint.state["sampler"])
         try:
-            self._start_processes()
-            role = os.path.join(checkpoint.path, "actor_train")
-            self.groups["actor_train"].call("load_checkpoint", role)
-            self._sync_weights()
-            return self.evaluation.run(checkpoint.manifest.step)
+            self._start(checkpoint, loop=False)
+            return self.evaluation.run(self.state.step)
         finally:
             self._close()
 
