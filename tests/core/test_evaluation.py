@@ -18,6 +18,7 @@ from posttrain.config.report import ErrorReport
 from posttrain.config.sections import DataConfig, SyntheticData
 from posttrain.config.workflow import build_workflow
 from posttrain.evaluation.pass_at_k import group_metrics, k_values, pass_at_k
+from posttrain.evaluation.phase import evaluates_after
 from posttrain.rollout.batches import AsyncBatches
 from posttrain.tasks.data import read_records, synthetic_single_digit_addition
 from posttrain.trainer.phase_timer import PhaseTimer
@@ -75,6 +76,12 @@ def test_group_metrics_of_two_prompts():
     assert group_metrics(rewards, lengths, n=4, pass_reward=0.5)["pass@1"] == pytest.approx(0.75)
     with pytest.raises(ValueError, match="whole groups"):
         group_metrics(rewards[:7], lengths[:7], n=4, pass_reward=1.0)
+
+
+def test_evaluations_come_every_n_steps_and_after_the_last():
+    assert [s for s in range(1, 11) if evaluates_after(s, 3, 10)] == [3, 6, 9, 10]
+    assert [s for s in range(1, 5) if evaluates_after(s, 2, 4)] == [2, 4]
+    assert not any(evaluates_after(s, 0, 10) for s in range(1, 11))
 
 
 # -- the held-out split --------------------------------------------------------------------------

@@ -36,6 +36,11 @@ class HeldOutSet:
     dataset: EvalDataset
 
 
+def evaluates_after(step: int, every_steps: int, max_steps: int) -> bool:
+    """After every ``every_steps``-th step and after the last one; never with 0."""
+    return bool(every_steps) and (step % every_steps == 0 or step == max_steps)
+
+
 def load_held_out(workflow: Workflow, tokenizer) -> list[HeldOutSet]:
     """The evaluation datasets' prompts (``max_prompts`` of each), read before any process
     starts so that a bad file fails fast."""
@@ -113,9 +118,8 @@ class Evaluation:
             )
 
     def due(self, step: int) -> bool:
-        """Whether the phase runs after ``step`` (``every_steps``, and the last step)."""
-        every = self.cfg.every_steps
-        return bool(self.sets and every) and (step % every == 0 or step == self.max_steps)
+        """Whether the phase runs after ``step``."""
+        return bool(self.sets) and evaluates_after(step, self.cfg.every_steps, self.max_steps)
 
     def before_training(self, step: int) -> bool:
         """Whether the phase runs before the first step of a fresh run."""
