@@ -224,6 +224,15 @@ def cmd_run(args, host) -> int:
     return EXIT_OK
 
 
+def cmd_eval(args, host) -> int:
+    from posttrain.evaluation.command import evaluate_checkpoint
+
+    workflow, report = _load(args, host)
+    report.raise_if_errors(display_path(args.workflow))
+    evaluate_checkpoint(workflow, host, args.checkpoint, args.out, _console(), source=args.workflow)
+    return EXIT_OK
+
+
 def cmd_export_hf(args, host) -> int:
     from posttrain.checkpoint.export_hf import export_checkpoint_to_hf
 
@@ -263,9 +272,22 @@ def build_parser(host) -> argparse.ArgumentParser:
             help=SET_HELP,
         )
         p.set_defaults(handler=handler)
+        return p
 
     workflow_command("validate", cmd_validate, "check a workflow; every error at once")
     workflow_command("run", cmd_run, "run a workflow")
+    p = workflow_command(
+        "eval", cmd_eval, "score a checkpoint on the workflow's held-out datasets, no training"
+    )
+    p.add_argument(
+        "--checkpoint",
+        required=True,
+        metavar="PATH|latest",
+        help="RUN_DIR/checkpoint-N, or 'latest': the newest of trainer.output_dir",
+    )
+    p.add_argument(
+        "--out", metavar="FILE", help="the JSON report (default: RUN_DIR/eval/checkpoint-N.json)"
+    )
     p = sub.add_parser("plugins", help="installed plugins, their strategies and hooks")
     p.add_argument("--json", action="store_true", help="print JSON, for scripts")
     p.set_defaults(handler=cmd_plugins)

@@ -38,6 +38,9 @@ def test_a_record_round_trips_and_neutral_changes_are_not_changes():
             "trainer.output_dir": "/elsewhere",
             "cluster.launcher": "ray",
             "cluster.call_timeout_s": 60.0,
+            # evaluation only reads the policy: a resume (or posttrain eval) may change it
+            "evaluation.every_steps": 10,
+            "evaluation.max_prompts": 5,
         },
     )
     assert run_changes(saved["workflow"], neutral) == []

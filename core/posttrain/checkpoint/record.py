@@ -23,7 +23,8 @@ RECORD = "workflow.yaml"
 # What a resumed run may change: where and how it runs, how long, how it logs and saves. Every
 # other key (algorithm, data, model, roles and their devices, rewards, environment, seed)
 # defines the run, and a change there is refused unless trainer.allow_resume_changes is set.
-_RUN_NEUTRAL = {"cluster", "plugins", "base_dir"}
+# Evaluation only reads the policy, with seeds of its own: it changes nothing of the run.
+_RUN_NEUTRAL = {"cluster", "plugins", "base_dir", "evaluation"}
 _RUN_NEUTRAL_TRAINER = {
     "max_steps",
     "save_steps",

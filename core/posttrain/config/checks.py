@@ -147,22 +147,27 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
 
 
 def _check_data(wf: Workflow, report: ErrorReport) -> None:
-    data = wf.data
+    check_prompt_source(wf.data, wf.base_dir, "data", report)
+
+
+def check_prompt_source(data, base_dir: str, where: str, report: ErrorReport) -> None:
+    """A data section (``data``, or a held-out dataset at YAML path ``where``) names one
+    source of prompts: a file that exists, or a synthetic task."""
     if data.path and data.synthetic:
-        report.error("data", "give either data.path or data.synthetic, not both")
+        report.error(where, f"give either {where}.path or {where}.synthetic, not both")
     elif not data.path and not data.synthetic:
         report.error(
-            "data",
+            where,
             "no prompts",
-            "set data.path to a JSONL/Parquet file or "
-            "data.synthetic: {task: single_digit_addition}",
+            f"set {where}.path to a JSONL/Parquet file or "
+            f"{where}.synthetic: {{task: single_digit_addition}}",
         )
     elif data.path:
-        local = data.path if os.path.isabs(data.path) else os.path.join(wf.base_dir, data.path)
+        local = data.path if os.path.isabs(data.path) else os.path.join(base_dir, data.path)
         if not os.path.exists(local):
-            report.error("data.path", f"file not found: {display_path(local)}")
+            report.error(f"{where}.path", f"file not found: {display_path(local)}")
         elif not local.endswith((".jsonl", ".json", ".parquet")):
-            report.error("data.path", "unsupported file type", "use .jsonl or .parquet")
+            report.error(f"{where}.path", "unsupported file type", "use .jsonl or .parquet")
 
 
 def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:

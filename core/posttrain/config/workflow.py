@@ -14,6 +14,7 @@ from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
+from posttrain.evaluation.checks import check_evaluation
 from posttrain.host.references import import_beside
 from posttrain.host.strategy import KNOWN_PROVIDERS
 from posttrain.paths import display_path
@@ -103,6 +104,8 @@ def build_workflow(
         check_algorithm(workflow, host.hook, report)
     if "reward" not in report.failed_sections:
         check_reward_function(workflow.reward.function, host.hook, report)
+    if "evaluation" not in report.failed_sections:
+        check_evaluation(workflow, host.hook, report)
     workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)
     workflow = check_loggers(workflow, host.hook, report)
     return workflow, report

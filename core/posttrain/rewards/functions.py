@@ -60,9 +60,12 @@ def resolve_reward_function(spec: str, hook) -> RewardFn:
     return fn
 
 
-def check_reward_function(function: str | None, hook, report) -> None:
-    """Report a ``reward.function`` that names no registered reward, or a module that cannot
-    be found (before anything starts, without importing it)."""
+def check_reward_function(
+    function: str | None, hook, report, where: str = "reward.function"
+) -> None:
+    """Report a ``reward.function`` (or the function at YAML path ``where``) that names no
+    registered reward, or a module that cannot be found (before anything starts, without
+    importing it)."""
     if not function:
         return
     try:
@@ -75,7 +78,7 @@ def check_reward_function(function: str | None, hook, report) -> None:
         close = did_you_mean(function, names)
         hint = f"{close} " if close.startswith("did you mean") else ""
         report.error(
-            "reward.function",
+            where,
             f"'{function}' is neither a registered reward nor of the form 'module:function'",
             f"{hint}registered: {', '.join(sorted(names))}",
         )
@@ -83,4 +86,4 @@ def check_reward_function(function: str | None, hook, report) -> None:
     problem = missing_module(reference[0])
     if problem:
         owner = f" (registered as '{function}')" if function in names else ""
-        report.error("reward.function", problem + owner, WHERE_MODULES_ARE)
+        report.error(where, problem + owner, WHERE_MODULES_ARE)

@@ -16,6 +16,7 @@ batches produced ahead are dropped and drawn again by the resumed run.
 
 from __future__ import annotations
 
+import contextlib
 import queue
 import threading
 import time
@@ -61,6 +62,12 @@ class SynchronousBatches:
         result = sync()
         self.version = version
         return result
+
+    @staticmethod
+    def engine() -> contextlib.AbstractContextManager:
+        """The rollout engine for the loop's own use (the evaluation phase): nothing else uses
+        it between the loop's calls."""
+        return contextlib.nullcontext()
 
     @staticmethod
     def idle(metrics: dict[str, float]) -> dict[str, float]:
@@ -142,6 +149,12 @@ class AsyncBatches:
         with self._version_changed:
             self._idle_last, self._idle_s = self._idle_s, 0.0
         return item
+
+    def engine(self) -> contextlib.AbstractContextManager:
+        """The rollout engine for the loop's own use (the evaluation phase), between two of the
+        producer's generations; the producer waits meanwhile. Only the loop syncs weights, so
+        after a step's sync the engine holds the trainer's policy until the next step's."""
+        return self._engine
 
     def idle(self, metrics: dict[str, float]) -> dict[str, float]:
         """Seconds of the step each side waited: the trainer for the batch, the producer for

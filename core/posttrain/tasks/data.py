@@ -60,9 +60,27 @@ SYNTHETIC_TASKS = {
 }
 
 
+# The seed of the held-out draw of synthetic tasks: one for every run, so that a held-out split
+# never changes with the run's seed.
+HELD_OUT_SEED = 20_211_107
+
+
+def split_records(records: list[dict], split: str, fraction: float) -> list[dict]:
+    """``records`` (``split`` "all"), or the held-out share of them or the rest, in order."""
+    if split == "all":
+        return records
+    count = min(max(1, round(fraction * len(records))), len(records) - 1)
+    order = list(range(len(records)))
+    random.Random(HELD_OUT_SEED).shuffle(order)
+    held_out = set(order[:count])
+    return [r for i, r in enumerate(records) if (i in held_out) == (split == "held_out")]
+
+
 def read_records(cfg: DataConfig, base_dir: str) -> list[dict]:
     if cfg.synthetic is not None:
-        records = SYNTHETIC_TASKS[cfg.synthetic.task](cfg.synthetic)
+        synthetic = cfg.synthetic
+        records = SYNTHETIC_TASKS[synthetic.task](synthetic)
+        records = split_records(records, synthetic.split, synthetic.held_out_fraction)
         return (
             records
             if cfg.synthetic.num_prompts is None

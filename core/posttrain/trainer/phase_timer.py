@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 from contextlib import contextmanager
 
-# wait_rollout: the trainer waiting for the rollout producer (asynchronous rollout only).
+# wait_rollout: the trainer waiting for the rollout producer (asynchronous rollout only);
+# evaluate: the held-out evaluation (posttrain.evaluation), on the steps it runs.
 PHASES = (
     "rollout",
     "reward",
@@ -15,6 +16,7 @@ PHASES = (
     "train",
     "weight_sync",
     "checkpoint",
+    "evaluate",
 )
 
 

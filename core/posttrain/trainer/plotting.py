@@ -1,5 +1,6 @@
 """At the end of a run, plot reward, KL and entropy over steps into ``RUN_DIR/curves.png``; with
-an environment, also the share of episodes that called a tool."""
+an environment, also the share of episodes that called a tool. The held-out datasets' rewards
+(``val/<dataset>/reward_mean``) are drawn beside the train reward."""
 
 from __future__ import annotations
 
@@ -26,12 +27,25 @@ def posttrain_run_finished(run_dir, history):
     for ax, (key, title) in zip(axes, curves):
         points = [(h["step"], h[key]) for h in history if key in h]
         if points:
-            ax.plot(*zip(*points), linewidth=1.5)
+            ax.plot(*zip(*points), linewidth=1.5, label="train")
         else:
             ax.text(0.5, 0.5, "not measured", ha="center", va="center", transform=ax.transAxes)
+        if key == "reward/mean":
+            _plot_held_out(ax, history)
         ax.set_title(title)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.tight_layout()
     fig.savefig(os.path.join(run_dir, "curves.png"), dpi=100)
     plt.close(fig)
+
+
+def _plot_held_out(ax, history) -> None:
+    """Each held-out dataset's reward at the steps it was evaluated, and a legend."""
+    keys = sorted({k for h in history for k in h if k.startswith("val/")})
+    for key in (k for k in keys if k.endswith("/reward_mean")):
+        points = [(h["step"], h[key]) for h in history if key in h]
+        name = key.removeprefix("val/").removesuffix("/reward_mean")
+        ax.plot(*zip(*points), marker="o", markersize=3, linewidth=1, label=f"{name} (held out)")
+    if keys:
+        ax.legend(fontsize=7)

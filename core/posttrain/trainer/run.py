@@ -24,6 +24,7 @@ from posttrain.checkpoint.resume import Resumable, checkpoint_to_resume, rerun_h
 from posttrain.checkpoint.saver import CheckpointSaver
 from posttrain.config.sections import Workflow
 from posttrain.errors import RunInterrupted, WorkerError
+from posttrain.evaluation.phase import Evaluation, load_held_out
 from posttrain.launch.base import Launcher, WorkerGroup
 from posttrain.launch.hang_watch import HangWatch
 from posttrain.launch.placement import TimeSharing
@@ -81,6 +82,7 @@ class Trainer:
         self.state = DriverState()
         self.record = workflow_record(workflow, source)
         self.rule_rewards: RuleRewards | None = None
+        self.evaluation: Evaluation | None = None  # the held-out evaluation phase
         self.batches: SynchronousBatches | AsyncBatches | None = None
         self._stats_groups: dict[str, WorkerGroup] = {}  # asked for rank figures by the loop
         # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
@@ -142,24 +144,19 @@ class Trainer:
                 f"{self.state.step} steps before the checkpoint; curves.png will miss them"
             )
 
-    def _start(self, checkpoint: Resumable | None) -> None:
-        """The loggers, the data, the rank processes, the phases' parts, the resumed state."""
+    def _start(self, checkpoint: Resumable | None, loop: bool = True) -> None:
+        """The loggers, the data, the rank processes, the phases' parts, the resumed state
+        (``loop``; without: what ``posttrain eval`` needs, up to the resumed state, and no
+        logger)."""
         wf, hook = self.wf, self.host.hook
-        # First: a tracker that cannot start (a wrong URI, no login) stops the run before any
-        # rank process does.
-        for name, logger in make_loggers(
-            wf,
-            hook,
-            self.console,
-            self.run_dir,
-            self.state.step,
-            self.contributed_metric_names,
-            config=plain(wf),
-        ):
-            self.host.pm.register(logger, name=f"logger-{name}")
+        if loop:
+            # First: a tracker that cannot start (a wrong URI, no login) stops the run before
+            # any rank process does.
+            self._start_loggers()
         self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
         prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
+        held_out = load_held_out(wf, self.tokenizer)
         self.rule_rewards = make_rule_rewards(wf.reward, hook)
         self.estimator = advantage_estimator(wf.algorithm, hook)
         self.watch = self._hang_watch()
@@ -184,11 +181,29 @@ class Trainer:
             self.sharing,
             reward_tokenizer(wf),
         )
+        rules, console = self.rule_rewards, self.console
+        self.evaluation = Evaluation(
+            wf, held_out, self.groups, self.sharing, self.tokenizer, rules, hook, console
+        )
         infer = self.groups["actor_infer"]
         rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
         if checkpoint:
             self._resume(checkpoint, sampler)
+        if not loop:
+            return
         self.batches = self._batch_source(rollout, sampler)
+
+    def _start_loggers(self) -> None:
+        for name, logger in make_loggers(
+            self.wf,
+            self.host.hook,
+            self.console,
+            self.run_dir,
+            self.state.step,
+            self.contributed_metric_names,
+            config=plain(self.wf),
+        ):
+            self.host.pm.register(logger, name=f"logger-{name}")
 
     def _hang_watch(self) -> HangWatch:
         """The driver's watchdog over every call to the ranks (docs/hangs.md); the driver's
@@ -263,6 +278,9 @@ class Trainer:
         if self.rule_rewards is not None:
             self.rule_rewards.close()
             self.rule_rewards = None
+        if self.evaluation is not None:
+            self.evaluation.close()
+            self.evaluation = None
         if self._saver is not None:
             self._saver.close()
             self._saver = None
@@ -285,6 +303,9 @@ class Trainer:
             counted={"checkpoint": (saved, len(saves))},
         )
         try:
+            # (not again when a killed run's step 0 is in the history already)
+            if self.evaluation.before_training(self.state.step) and not self.history:
+                self._log({"step": 0, **self._evaluate(timer), **timer.pop()})
             while self.state.step < t.max_steps:
                 self.state.step += 1
                 self.watch.step = self.state.step
@@ -295,6 +316,8 @@ class Trainer:
                 # The data position of the batch trained on: what a checkpoint must resume.
                 self.state.sampler = batch.sampler_state
                 metrics = self._step(batch, timer)
+                if self.evaluation.due(self.state.step):
+                    metrics.update(self._evaluate(timer))
                 tokens = metrics.pop("_tokens")
                 self._time_step(metrics, timer, step_start, calls_before, tokens)
                 metrics.update(self.batches.idle(metrics))
@@ -315,6 +338,29 @@ class Trainer:
                 )
         finally:
             timer.stop()
+
+    def _evaluate(self, timer: PhaseTimer) -> dict[str, float]:
+        """The held-out evaluation of the trainer's policy: after the step's weight sync the
+        rollout engine holds it (asynchronous rollout: the producer waits meanwhile)."""
+        with timer.phase("evaluate"), self.batches.engine():
+            return self.evaluation.run(self.state.step)
+
+    def _log(self, metrics: dict[str, float]) -> None:
+        """A record outside the steps (the evaluation before training, as step 0)."""
+        self._history_log.append(metrics)
+        self.host.hook.posttrain_log_metrics(
+            step=metrics["step"], metrics=metrics, run_dir=self.run_dir
+        )
+
+    def score_checkpoint(self, checkpoint: Resumable) -> dict[str, float]:
+        """``posttrain eval``: the evaluation phase on ``checkpoint``'s policy, loaded and
+        synced to the rollout role as a resume does, without training."""
+        self.state = DriverState(checkpoint.state["step"], checkpoint.state["sampler"])
+        try:
+            self._start(checkpoint, loop=False)
+            return self.evaluation.run(self.state.step)
+        finally:
+            self._close()
 
     def _step(self, produced: ProducedBatch, timer: PhaseTimer) -> dict[str, float]:
         algo, groups = self.wf.algorithm, self.groups
