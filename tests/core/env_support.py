@@ -7,7 +7,12 @@ healthy and broken ones side by side.
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
+import sys
 import threading
+import time
 
 from posttrain import hookimpl
 from posttrain.rollout.environments.protocol import EnvironmentSpec, EnvStep, ModelTurn
@@ -16,6 +21,14 @@ from posttrain.rollout.environments.protocol import EnvironmentSpec, EnvStep, Mo
 RAISES, HANGS, GARBAGE = "1", "2", "3"
 # Hung calls wait on this instead of sleeping, so a test can let their threads go.
 RELEASE_HUNG = threading.Event()
+# What Hostile does in its second step, in a worker process (isolation: process), by answer.
+SLEEPS, EXITS, SIGKILLED, SPAWNS_AND_HANGS = "4", "5", "6", "7"
+
+
+def note_pid(config: dict, pid: int) -> None:
+    """Leave ``pid`` in ``config["pid_dir"]`` (when set), for a test to check it is gone."""
+    if config.get("pid_dir"):
+        open(os.path.join(config["pid_dir"], str(pid)), "w").close()
 
 
 class Countdown:
@@ -24,6 +37,8 @@ class Countdown:
     never done."""
 
     def __init__(self, config: dict):
+        note_pid(config, os.getpid())
+        self.config = config
         self.turns = config.get("turns", 3)
         self.observation = config.get("observation", "=5")
         self.reward = config.get("reward", 0.25)
@@ -52,9 +67,38 @@ class Broken(Countdown):
         return super().step(turn)
 
 
+class Hostile(Countdown):
+    """A Countdown whose second step, in a worker process, hangs for good, exits the process,
+    SIGKILLs it, or starts a child and hangs, by the prompt's answer (else raises as Broken)."""
+
+    def step(self, turn: ModelTurn) -> EnvStep:
+        if turn.index == 1 and self.answer == SLEEPS:
+            time.sleep(3600)
+        if turn.index == 1 and self.answer == EXITS:
+            os._exit(3)
+        if turn.index == 1 and self.answer == SIGKILLED:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if turn.index == 1 and self.answer == SPAWNS_AND_HANGS:
+            child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"])
+            note_pid(self.config, child.pid)
+            time.sleep(3600)
+        if turn.index == 1 and self.answer == RAISES:
+            raise RuntimeError("the environment crashed")
+        return super().step(turn)
+
+
+class Unbuildable(Countdown):
+    """Its constructor raises."""
+
+    def __init__(self, config: dict):
+        raise ValueError("no such board size")
+
+
 SPECS = {
     "countdown": EnvironmentSpec(factory=Countdown, description="scripted turns (tests)"),
     "broken": EnvironmentSpec(factory=Broken, description="breaks by answer (tests)"),
+    "hostile": EnvironmentSpec(factory=Hostile, description="hangs or dies by answer (tests)"),
+    "unbuildable": EnvironmentSpec(factory=Unbuildable, description="cannot be built (tests)"),
 }
 
 

@@ -307,6 +307,16 @@ class EnvironmentConfig:
     # Longest an environment call may take; an episode whose call overruns, raises or answers
     # garbage scores 0 (env/timeouts, env/errors) and the run goes on.
     step_timeout_s: float = attrs.field(default=10.0, validator=greater_than(0))
+    # Where environment instances run. thread: in the driver's threads (a call that overruns is
+    # abandoned, not stopped; right for environments that bound their own work, as both
+    # built-ins do). process: in worker processes the driver kills and replaces when a call
+    # overruns or the process dies (plugin environments that may hang, crash or leak).
+    isolation: Literal["thread", "process"] = "thread"
+    # Worker processes of isolation: process; each serves its episodes' calls one at a time.
+    processes: int = attrs.field(default=4, validator=at_least(1))
+    # Steps in a row whose every episode failed before the run stops with an error (each such
+    # step is warned about); the run never trains on nothing for long.
+    max_failed_steps: int = attrs.field(default=3, validator=at_least(1))
     # episode: one reward per episode, the sum of its turns'; turn: token-level advantage
     # estimators (reinforce_plus_plus, gae) also see each turn's reward on the turn's last token.
     reward: Literal["episode", "turn"] = "episode"

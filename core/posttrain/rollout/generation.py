@@ -70,7 +70,8 @@ class Rollout:
     """Rolls out and scores the prompts of one step (or one of its dynamic-sampling rounds).
 
     ``prompts`` and ``sampler``: the task's prompts and the draw over them; ``score``: the
-    reward phase; ``sharing``: activates the rollout role on shared devices.
+    reward phase; ``sharing``: activates the rollout role on shared devices; ``log_dir``:
+    RUN_DIR/logs, where environment failures are logged.
     """
 
     def __init__(
@@ -83,7 +84,9 @@ class Rollout:
         score: RewardScorer,
         tokenizer,
         hook,
+        log_dir: str | None = None,
     ):
+        self.log_dir = log_dir
         self.algorithm = workflow.algorithm
         self.environment = workflow.environment
         self.generating_args = workflow.actor_infer.generating_args
@@ -155,4 +158,12 @@ class Rollout:
         """The environment's episode runner, made for the first step (reward.function scores
         the answers environments hand over)."""
         spec = environment_specs(self.hook)[self.environment.name]
-        return EpisodeRunner(spec, self.environment, self.tokenizer, self.score.rule_rewards)
+        return EpisodeRunner(
+            spec, self.environment, self.tokenizer, self.score.rule_rewards, self.log_dir
+        )
+
+    def close(self) -> None:
+        """Stop what the environment's episodes started (worker processes)."""
+        runner = self.__dict__.pop("_episode_runner", None)  # made at the first step, if ever
+        if runner is not None:
+            runner.close()

@@ -84,6 +84,7 @@ class Trainer:
         self.rule_rewards: RuleRewards | None = None
         self.evaluation: Evaluation | None = None  # the held-out evaluation phase
         self.batches: SynchronousBatches | AsyncBatches | None = None
+        self.rollout: Rollout | None = None
         self._stats_groups: dict[str, WorkerGroup] = {}  # asked for rank figures by the loop
         # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
         self._saver: CheckpointSaver | None = None
@@ -186,7 +187,11 @@ class Trainer:
             wf, held_out, self.groups, self.sharing, self.tokenizer, rules, hook, console
         )
         infer = self.groups["actor_infer"]
-        rollout = Rollout(wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook)
+        logs = os.path.join(self.run_dir, "logs")
+        rollout = Rollout(
+            wf, infer, self.sharing, prompts, sampler, score, self.tokenizer, hook, logs
+        )
+        self.rollout = rollout
         if checkpoint:
             self._resume(checkpoint, sampler)
         if not loop:
@@ -270,11 +275,15 @@ class Trainer:
         )
 
     def _close(self) -> None:
-        """Stop everything the run started, once: the producer, the reward pool, the saver (a
-        save still in flight is left incomplete), the rank processes."""
+        """Stop everything the run started, once: the producer, the environments' processes,
+        the reward pool, the saver (a save still in flight is left incomplete), the rank
+        processes."""
         if self.batches is not None:
             self.batches.close()
             self.batches = None
+        if self.rollout is not None:  # after the producer that calls it
+            self.rollout.close()
+            self.rollout = None
         if self.rule_rewards is not None:
             self.rule_rewards.close()
             self.rule_rewards = None

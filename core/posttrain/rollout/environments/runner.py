@@ -6,13 +6,13 @@ environments' steps side by side under ``environment.step_timeout_s``. A model t
 their log-probs and loss mask 1; an observation's tokens get log-prob 0 and loss mask 0. An
 episode ends when its environment says done, at the turn limit (its last turn still answered),
 or at the token budget of its response (model and environment tokens). An environment that
-raises, hangs or answers garbage ends its episode with reward 0; the episode's id is logged and
-counted, and the other episodes go on.
+raises, hangs or answers garbage ends its episode with reward 0; the failure is counted and
+logged with the episode's id (:mod:`.failures`), and the other episodes go on. Environment
+instances live where ``environment.isolation`` says (:mod:`.instances`).
 """
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Callable
 from typing import Any
@@ -23,12 +23,12 @@ from posttrain.config.sections import EnvironmentConfig
 from posttrain.protocol import RolloutSamples, SamplingParams
 from posttrain.rewards.pool import RewardInput, RewardResults
 from posttrain.rollout.environments.answers import observation_problem, step_problem
-from posttrain.rollout.environments.calls import Outcome, call_all
+from posttrain.rollout.environments.calls import Outcome
+from posttrain.rollout.environments.failures import Failure, FailureLog
+from posttrain.rollout.environments.instances import make_instances
 from posttrain.rollout.environments.observations import ObservationEncoder
 from posttrain.rollout.environments.protocol import EnvironmentSpec, EpisodePrompt, ModelTurn
 from posttrain.rollout.environments.registry import environment_factory
-
-log = logging.getLogger(__name__)
 
 # generate(contexts, sampling, turn) -> one sample per context, in order.
 Generate = Callable[[list[list[int]], SamplingParams, int], RolloutSamples]
@@ -53,7 +53,6 @@ class _Episode:
     prompt: Any  # posttrain.tasks.data.Prompt
     context: list[int]
     prompt_length: int
-    env: Any = None
     response: list[int] = attrs.field(factory=list)
     logprobs: list[float] = attrs.field(factory=list)
     mask: list[int] = attrs.field(factory=list)
@@ -79,8 +78,17 @@ class _Episode:
             self.token_rewards[position] += reward
 
 
+@attrs.define
+class _Tally:
+    """A step's episode counts (env/<kind>) and failures."""
+
+    counts: Counter[str] = attrs.field(factory=Counter)
+    failures: list[Failure] = attrs.field(factory=list)
+
+
 class EpisodeRunner:
-    """Runs episodes of the workflow's environment; ``config.kwargs`` is already structured."""
+    """Runs episodes of the workflow's environment; ``config.kwargs`` is already structured.
+    ``log_dir``: RUN_DIR/logs, where every failure's traceback goes (None: nowhere)."""
 
     def __init__(
         self,
@@ -88,9 +96,16 @@ class EpisodeRunner:
         config: EnvironmentConfig,
         tokenizer,
         score: ScoreAnswers | None = None,
+        log_dir: str | None = None,
     ):
         self.name = config.name
-        self.factory = environment_factory(config.name, spec)
+        factory = environment_factory(config.name, spec)
+        self.instances = make_instances(config.name, spec.factory, factory, config.kwargs, config)
+        # Names the factory in a constructor's failure.
+        self.constructor = (
+            spec.factory if isinstance(spec.factory, str) else getattr(factory, "__qualname__", "")
+        )
+        self.failure_log = FailureLog(config.name, log_dir, config.max_failed_steps)
         self.config = config
         self.stops = spec.stops(config.kwargs)
         self.tokenizer = tokenizer
@@ -117,44 +132,55 @@ class EpisodeRunner:
             for i, prompt in enumerate(prompts)
             for k in range(group_size)
         ]
-        counts: Counter[str] = Counter()
-        self._start(episodes, counts)
+        tally = _Tally()
         stops = tuple(dict.fromkeys((*sampling.stop, *self.stops)))
         sampling = attrs.evolve(sampling, n=1, stop=stops)
-        for turn in range(self.config.max_turns):
-            active = [e for e in episodes if not e.done]
-            if not active:
-                break
-            self._round(active, turn, generate, sampling, counts)
+        try:
+            self._start(episodes, tally)
+            for turn in range(self.config.max_turns):
+                active = [e for e in episodes if not e.done]
+                if not active:
+                    break
+                self._round(active, turn, generate, sampling, tally)
+        finally:
+            self.instances.forget_all()
+        self.failure_log.step_done(where, tally.failures, len(episodes))
         answer_metrics = self._score_answers(episodes)
-        return self._results(episodes, counts, answer_metrics)
+        return self._results(episodes, tally.counts, answer_metrics)
+
+    def close(self) -> None:
+        """Stop the environments' worker processes (``isolation: process``)."""
+        self.instances.close()
 
     # -- the phases of a step's episodes --------------------------------------------------------
 
-    def _start(self, episodes: list[_Episode], counts: Counter[str]) -> None:
+    def _start(self, episodes: list[_Episode], tally: _Tally) -> None:
         """Build every episode's environment and reset it; an initial observation joins the
         prompt."""
-
-        def start(episode: _Episode):
-            env = self.factory(self.config.kwargs)
-            prompt = episode.prompt
-            first = env.reset(
-                EpisodePrompt(
-                    episode_id=episode.id, text=prompt.text, answer=prompt.answer, ids=prompt.ids
-                )
+        timeout = self.config.step_timeout_s
+        outcomes = self.instances.create([e.id for e in episodes], timeout)
+        constructor = f"the constructor ({self.constructor})"
+        built = [
+            e for e, o in zip(episodes, outcomes) if not self._failed(e, constructor, o, tally)
+        ]
+        prompts = [
+            EpisodePrompt(
+                episode_id=e.id, text=e.prompt.text, answer=e.prompt.answer, ids=e.prompt.ids
             )
-            return env, first
-
-        outcomes = call_all([lambda e=e: start(e) for e in episodes], self.config.step_timeout_s)
-        for episode, outcome in zip(episodes, outcomes):
-            if self._failed(episode, "reset()", outcome, counts):
+            for e in built
+        ]
+        outcomes = self.instances.call(
+            "reset", [(e.id, p) for e, p in zip(built, prompts)], timeout
+        )
+        for episode, outcome in zip(built, outcomes):
+            if self._failed(episode, "reset()", outcome, tally):
                 continue
-            episode.env, first = outcome.value
+            first = outcome.value
             if first is None:
                 continue
             problem = observation_problem(first, self.vocab_size)
             if problem is not None:
-                self._fail(episode, f"reset() answered garbage ({problem})", "errors", counts)
+                self._fail(episode, f"reset() answered garbage ({problem})", "errors", tally)
                 continue
             ids = self.encoder.text_ids(first) if isinstance(first, str) else list(first)
             episode.context += ids
@@ -166,7 +192,7 @@ class EpisodeRunner:
         index: int,
         generate: Generate,
         sampling: SamplingParams,
-        counts: Counter[str],
+        tally: _Tally,
     ) -> None:
         """One model turn of every running episode, then one step of their environments."""
         budget = self.config.max_total_tokens
@@ -182,24 +208,22 @@ class EpisodeRunner:
             last = len(episode.response) >= budget or index + 1 == self.config.max_turns
             text = self.tokenizer.decode(ids[:room], skip_special_tokens=True)
             turns.append(ModelTurn(text=text, ids=tuple(ids[:room]), index=index, last=last))
-        outcomes = call_all(
-            [lambda e=e, t=t: e.env.step(t) for e, t in zip(active, turns)],
-            self.config.step_timeout_s,
+        outcomes = self.instances.call(
+            "step", [(e.id, t) for e, t in zip(active, turns)], self.config.step_timeout_s
         )
         for episode, turn, outcome in zip(active, turns, outcomes):
-            self._answer(episode, turn, outcome, counts)
+            self._answer(episode, turn, outcome, tally)
 
-    def _answer(
-        self, episode: _Episode, turn: ModelTurn, outcome: Outcome, counts: Counter[str]
-    ) -> None:
+    def _answer(self, episode: _Episode, turn: ModelTurn, outcome: Outcome, tally: _Tally) -> None:
         """Take one environment step's answer into its episode."""
-        if self._failed(episode, f"turn {turn.index}: step()", outcome, counts):
+        counts = tally.counts
+        if self._failed(episode, f"turn {turn.index}: step()", outcome, tally):
             return
         step = outcome.value
         problem = step_problem(step, self.vocab_size)
         if problem is not None:
             message = f"turn {turn.index}: step() answered garbage ({problem})"
-            self._fail(episode, message, "errors", counts)
+            self._fail(episode, message, "errors", tally)
             return
         position = len(episode.response) - 1
         episode.earn(float(step.reward), position)
@@ -222,21 +246,30 @@ class EpisodeRunner:
             return
         episode.append(ids, [0.0] * len(ids), trained=False)
 
-    def _failed(self, episode: _Episode, call: str, outcome: Outcome, counts: Counter[str]) -> bool:
+    def _failed(self, episode: _Episode, call: str, outcome: Outcome, tally: _Tally) -> bool:
         if outcome.timed_out:
             message = f"{call} did not answer within {self.config.step_timeout_s:g}s"
-            self._fail(episode, message, "timeouts", counts)
+            self._fail(episode, message, "timeouts", tally)
+        elif outcome.died:
+            self._fail(episode, f"{call} could not answer: {outcome.error}", "errors", tally)
         elif outcome.error is not None:
-            self._fail(episode, f"{call} raised {outcome.error}", "errors", counts)
+            self._fail(
+                episode, f"{call} raised {outcome.error}", "errors", tally, outcome.traceback
+            )
         return episode.failed
 
-    def _fail(self, episode: _Episode, message: str, kind: str, counts: Counter[str]) -> None:
+    def _fail(
+        self,
+        episode: _Episode,
+        message: str,
+        kind: str,
+        tally: _Tally,
+        traceback: str | None = None,
+    ) -> None:
+        """End ``episode`` with reward 0 (it never calls its environment again)."""
         episode.failed = episode.done = True
-        episode.env = None  # an abandoned call may still hold it; the episode never calls again
-        counts[kind] += 1
-        log.warning(
-            "environment '%s': %s: %s; the episode scores 0", self.name, episode.id, message
-        )
+        tally.counts[kind] += 1
+        tally.failures.append(Failure(episode.id, message, kind, traceback))
 
     def _score_answers(self, episodes: list[_Episode]) -> dict[str, float]:
         """reward.function's score of every answer, added where the answer was given."""
