@@ -173,5 +173,5 @@ def test_a_step_with_a_healthy_episode_ends_the_streak(tmp_path):
 def test_process_isolation_refuses_a_factory_it_cannot_send(tokenizer):
     spec = EnvironmentSpec(factory=lambda config: Countdown(config))
     config = EnvironmentConfig(name="local", isolation="process")
-    with pytest.raises(UserError, match="cannot be pickled.*isolation: thread"):
+    with pytest.raises(UserError, match=r"cannot be pickled.*isolation: thread"):
         EpisodeRunner(spec, config, tokenizer)

@@ -57,9 +57,9 @@ def prompts(tokenizer, answers: list[int]) -> list[Prompt]:
     ]
 
 
-def runner(engine, name: str, score=None, **settings) -> EpisodeRunner:
+def runner(engine, name: str, score=None, log_dir=None, **settings) -> EpisodeRunner:
     config = EnvironmentConfig(name=name, **settings)
-    return EpisodeRunner(SPECS[name], config, engine.state["tokenizer"], score)
+    return EpisodeRunner(SPECS[name], config, engine.state["tokenizer"], score, log_dir)
 
 
 def test_model_tokens_are_trained_and_observations_are_not(engine):
@@ -108,9 +108,9 @@ def test_model_tokens_are_trained_and_observations_are_not(engine):
     assert float(mask.sum()) == sum(sum(m) for m in samples.loss_mask)
 
 
-def test_broken_environments_score_zero_and_the_others_go_on(engine, caplog):
+def test_broken_environments_score_zero_and_the_others_go_on(engine, caplog, tmp_path):
     tokenizer = engine.state["tokenizer"]
-    run = runner(engine, "broken", kwargs={"turns": 3}, step_timeout_s=0.5)
+    run = runner(engine, "broken", log_dir=tmp_path, kwargs={"turns": 3}, step_timeout_s=0.5)
     answers = [0, int(RAISES), int(HANGS), 3]  # 3: garbage (a NaN reward)
     RELEASE_HUNG.clear()
     try:
@@ -121,7 +121,10 @@ def test_broken_environments_score_zero_and_the_others_go_on(engine, caplog):
     assert out.rewards == [0.75, 0.75] + [0.0] * 6
     assert sum(map(sum, out.turn_rewards[2:])) == 0
     assert out.metrics["env/errors"] == 4 and out.metrics["env/timeouts"] == 2
-    log = caplog.text
+    # One console line for the step; each failure, with its episode's id, in the log file.
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "step 7: 6 of 8 episodes failed and score 0 (4 errors, 2 timeouts)" in line
+    log = (tmp_path / "environments.log").read_text()
     for sample in (0, 1):
         assert f"step 7 prompt 1 sample {sample}: turn 1: step() raised RuntimeError" in log
         assert f"step 7 prompt 2 sample {sample}: turn 1: step() did not answer within 0.5s" in log

@@ -207,6 +207,15 @@ def test_curves_draw_each_held_out_reward_beside_the_train_reward():
     plt.close(fig)
 
 
+def test_curves_show_the_turns_of_every_environment():
+    from posttrain.trainer.plotting import curves_of
+
+    plain = [{"step": 1, "reward/mean": 0.5}]
+    game = [{"step": 1, "reward/mean": 0.5, "env/turns_mean": 2.5, "env/tool_call_rate": 0.0}]
+    assert [k for k, _ in curves_of(plain)] == ["reward/mean", "actor/kl", "actor/entropy"]
+    assert [k for k, _ in curves_of(game)][3:] == ["env/turns_mean", "env/tool_call_rate"]
+
+
 # -- asynchronous rollout: the phase holds the engine ---------------------------------------------
 
 

@@ -1,11 +1,13 @@
 """A short run with an environment: multi-turn episodes with per-turn rewards train through
 ``posttrain run``, and environments that raise, hang or answer garbage score 0 without stopping
-it."""
+it. They run in worker processes (``isolation: process``): the hung ones are killed, every
+worker is gone when the run ends, and the console has one line per step about them."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import textwrap
 from pathlib import Path
@@ -23,11 +25,13 @@ plugins: [env_support]                 # tests/core/env_support.py: the broken e
 algorithm: {name: reinforce_plus_plus, group_size: 2, rollout_batch_size: 4}
 environment:
   name: broken                         # answer 1 raises, 2 hangs, 3 answers garbage
-  kwargs: {turns: 2}
+  kwargs: {turns: 2, pid_dir: pids}    # each environment's process id, left there
   reward: turn                         # each turn's reward on its last token
   max_turns: 3
   max_total_tokens: 16
   step_timeout_s: 1
+  isolation: process
+  processes: 4
 actor_train:
   strategy_args: {strategy_name: fsdp2_train, strategy_config: {}}
   device_mapping: [0]
@@ -45,6 +49,7 @@ trainer: {max_steps: 2, save_final: false, output_dir: run, logger: [jsonl], pro
 @pytest.mark.timeout(120)
 def test_a_run_with_a_broken_environment_goes_on(tmp_path, e2e_cache):
     (tmp_path / "workflow.yaml").write_text(textwrap.dedent(WORKFLOW))
+    (tmp_path / "pids").mkdir()
     records = [{"prompt": f"0+{a}=", "answer": str(a)} for a in range(4)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     env = run_env()
@@ -54,6 +59,7 @@ def test_a_run_with_a_broken_environment_goes_on(tmp_path, e2e_cache):
         capture_output=True,
         text=True,
         env=env,
+        cwd=tmp_path,
         timeout=110,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -65,4 +71,13 @@ def test_a_run_with_a_broken_environment_goes_on(tmp_path, e2e_cache):
         assert (m["env/errors"], m["env/timeouts"]) == (4, 2)
         assert m["env/turns_mean"] == pytest.approx((2 * 2 + 6 * 2) / 8)
         assert m["actor/grad_norm"] > 0  # the model's tokens of the episodes trained
-    assert "step 1 prompt" in proc.stderr and "the episode scores 0" in proc.stderr
+    lines = [line for line in proc.stderr.splitlines() if "episodes failed and score 0" in line]
+    assert [line.split(": ")[1] for line in lines] == ["step 1", "step 2"], proc.stderr[-3000:]
+    assert "logs/environments.log" in lines[0]
+    log = (tmp_path / "run" / "logs" / "environments.log").read_text()
+    assert re.search(r"step 2 prompt \d sample 1: turn 1: step\(\) did not answer within 1s", log)
+    assert 'raise RuntimeError("the environment crashed")' in log  # a worker's traceback
+    # Every worker process (the killed ones, their replacements, the last ones) is gone.
+    pids = [int(p) for p in os.listdir(tmp_path / "pids")]
+    assert len(set(pids)) >= 4
+    assert not [p for p in pids if os.path.exists(f"/proc/{p}")]

@@ -1,5 +1,6 @@
 """At the end of a run, plot reward, KL and entropy over steps into ``RUN_DIR/curves.png``; with
-an environment, also the share of episodes that called a tool. The held-out datasets' rewards
+an environment, also the turns an episode took and the share of episodes that called a tool
+(every environment logs both; a game's tool-call rate is flat at 0). The held-out datasets' rewards
 (``val/<dataset>/reward_mean``) are drawn beside the train reward."""
 
 from __future__ import annotations
@@ -10,7 +11,15 @@ from posttrain.hookspecs import hookimpl
 
 CURVES = (("reward/mean", "reward"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"))
 # Shown only when the run measured them.
-OPTIONAL_CURVES = (("env/tool_call_rate", "tool-call rate"),)
+OPTIONAL_CURVES = (
+    ("env/turns_mean", "turns per episode"),
+    ("env/tool_call_rate", "tool-call rate"),
+)
+
+
+def curves_of(history: list[dict[str, float]]) -> list[tuple[str, str]]:
+    """(metric, title) of each panel: the fixed ones, and the optional ones the run measured."""
+    return [*CURVES, *((k, t) for k, t in OPTIONAL_CURVES if any(k in h for h in history))]
 
 
 @hookimpl(trylast=True)
@@ -22,7 +31,7 @@ def posttrain_run_finished(run_dir, history):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    curves = [*CURVES, *((k, t) for k, t in OPTIONAL_CURVES if any(k in h for h in history))]
+    curves = curves_of(history)
     fig, axes = plt.subplots(1, len(curves), figsize=(4 * len(curves), 3.2))
     for ax, (key, title) in zip(axes, curves):
         points = [(h["step"], h[key]) for h in history if key in h]
