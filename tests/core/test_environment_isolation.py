@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
 import time
 
 import pytest
@@ -175,3 +177,30 @@ def test_process_isolation_refuses_a_factory_it_cannot_send(tokenizer):
     config = EnvironmentConfig(name="local", isolation="process")
     with pytest.raises(UserError, match=r"cannot be pickled.*isolation: thread"):
         EpisodeRunner(spec, config, tokenizer)
+
+
+DRIVER = """
+import os, threading, time
+from env_support import SLEEPS, Hostile
+from posttrain.rollout.environments.process_pool import ProcessInstances
+from posttrain.rollout.environments.protocol import EpisodePrompt, ModelTurn
+
+pool = ProcessInstances("hostile", Hostile, {}, 1)
+assert pool.create(["e"], 60.0)[0].error is None
+pool.call("reset", [("e", EpisodePrompt(episode_id="e", text="", answer=SLEEPS, ids=()))], 60.0)
+turn = ModelTurn(text="7", ids=(7,), index=1)
+threading.Thread(target=pool.call, args=("step", [("e", turn)], 60.0), daemon=True).start()
+time.sleep(0.5)  # the worker sleeps in step() now
+print(pool.pids()[0], flush=True)
+os._exit(0)  # the driver dies without closing its pool
+"""
+
+
+@pytest.mark.timeout(60)
+def test_workers_do_not_outlive_their_driver():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), *sys.path])}
+    proc = subprocess.run(
+        [sys.executable, "-c", DRIVER], capture_output=True, text=True, env=env, timeout=50
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert wait_gone([int(proc.stdout)]) == []

@@ -66,7 +66,15 @@ def test_the_environment_section_is_checked_all_at_once(host, model_dir, tmp_pat
         host,
         model_dir,
         tmp_path,
-        {"name": "calculater", "max_turns": 0, "step_timeout_s": 0, "reward": "step"},
+        {
+            "name": "calculater",
+            "max_turns": 0,
+            "step_timeout_s": 0,
+            "reward": "step",
+            "isolation": "fork",
+            "processes": 0,
+            "max_failed_steps": 0,
+        },
     )
     by_path = {e.path: e for e in errors}
     assert set(by_path) == {
@@ -74,6 +82,9 @@ def test_the_environment_section_is_checked_all_at_once(host, model_dir, tmp_pat
         "environment.max_turns",
         "environment.step_timeout_s",
         "environment.reward",
+        "environment.isolation",
+        "environment.processes",
+        "environment.max_failed_steps",
     }
     assert "did you mean 'calculator'" in by_path["environment.name"].hint
     _, errors = build(host, model_dir, tmp_path, {"name": "calculator", "kwargs": {"syntx": "x"}})

@@ -214,14 +214,19 @@ class ProcessInstances:
         for slot in started:
             conn = self.workers[slot].conn
             try:
-                ready = conn.recv() if conn.poll(START_TIMEOUT_S) else ("failed", "no answer")
+                ready = (
+                    conn.recv()
+                    if conn.poll(START_TIMEOUT_S)
+                    else ("failed", f"no answer within {START_TIMEOUT_S:g}s")
+                )
             except (EOFError, OSError):
                 ready = ("failed", self._death(self.workers[slot]))
             if ready[0] != "ready":
                 self._kill(slot)
                 raise UserError(
                     f"environment '{self.name}': a worker process (isolation: process) did not "
-                    f"start within {START_TIMEOUT_S:g}s: {ready[1]}"
+                    f"start: {ready[1]} (its error, if any, is printed above); a script that "
+                    "starts posttrain itself needs the `if __name__ == '__main__':` guard"
                 )
 
     def _kill(self, slot: int) -> None:

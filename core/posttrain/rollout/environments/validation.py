@@ -3,6 +3,7 @@ starts), and what they settle: the environment's typed config and its stop strin
 
 from __future__ import annotations
 
+import pickle
 from typing import Any
 
 import attrs
@@ -60,6 +61,8 @@ def check_environment(wf: Workflow, raw: Any, hook, strategies, report: ErrorRep
         config = None
     if config is None or not structured:
         return wf
+    if wf.environment.isolation == "process":
+        _check_sendable(name, spec, config, report)
     wf = attrs.evolve(wf, environment=attrs.evolve(wf.environment, kwargs=config))
     return _with_stop_strings(wf, spec.stops(config), strategies, report)
 
@@ -83,6 +86,19 @@ def _check_factory(name: str, spec, report: ErrorReport) -> None:
             "environment.name",
             f"environment '{name}' has factory '{spec.factory}', whose {problem}",
             WHERE_MODULES_ARE,
+        )
+
+
+def _check_sendable(name: str, spec, config, report: ErrorReport) -> None:
+    """``isolation: process`` pickles the factory and the kwargs to each worker process."""
+    try:
+        pickle.dumps((spec.factory, config))
+    except Exception as exc:
+        report.error(
+            "environment.isolation",
+            f"process: environment '{name}' cannot be sent to a worker process ({exc})",
+            "its plugin must declare the factory as a module-level class or function (or "
+            "'module:attr'); or use isolation: thread",
         )
 
 
