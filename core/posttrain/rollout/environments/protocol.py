@@ -5,10 +5,11 @@ prompt (``reset``), then each model turn (``step``), and answers with an observa
 model reads before its next turn, a reward and whether the episode is over. Observations are
 never trained on: their tokens carry loss mask 0.
 
-Environments are plain Python objects built once per episode on the driver, by the factory of
-the :class:`EnvironmentSpec` a plugin declares through ``posttrain_add_environments``. Their
-calls run in threads under ``environment.step_timeout_s``; one that raises, hangs or answers
-something that is not an :class:`EnvStep` ends its episode with reward 0 (the run goes on).
+Environments are plain Python objects built once per episode by the factory of
+the :class:`EnvironmentSpec` a plugin declares through ``posttrain_add_environments``, in the
+driver's threads or in worker processes (``environment.isolation``). Each call runs under
+``environment.step_timeout_s``; one that raises, hangs or answers something that is not an
+:class:`EnvStep` ends its episode with reward 0 (the run goes on).
 """
 
 from __future__ import annotations
