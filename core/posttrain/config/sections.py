@@ -315,7 +315,7 @@ class EnvironmentConfig:
     # Worker processes of isolation: process; each serves its episodes' calls one at a time.
     processes: int = attrs.field(default=4, validator=at_least(1))
     # Steps in a row whose every episode failed before the run stops with an error (each such
-    # step is warned about); the run never trains on nothing for long.
+    # step is warned about; with dynamic sampling each round counts as a step).
     max_failed_steps: int = attrs.field(default=3, validator=at_least(1))
     # episode: one reward per episode, the sum of its turns'; turn: token-level advantage
     # estimators (reinforce_plus_plus, gae) also see each turn's reward on the turn's last token.

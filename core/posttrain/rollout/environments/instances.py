@@ -58,11 +58,14 @@ def _without_value(outcome: Outcome) -> Outcome:
     return attrs.evolve(outcome, value=None)
 
 
-def make_instances(name: str, spec_factory, factory, config, environment) -> Instances:
-    """The instances ``environment.isolation`` asks for (``spec_factory``: the spec's factory as
-    declared, a callable or ``"module:attr"``; ``factory``: it loaded)."""
+def make_instances(spec_factory, factory, environment) -> Instances:
+    """The instances ``environment.isolation`` asks for, of ``environment.kwargs``
+    (``spec_factory``: the factory as the spec declares it, a callable or ``"module:attr"``;
+    ``factory``: it loaded)."""
     if environment.isolation == "process":
         from posttrain.rollout.environments.process_pool import ProcessInstances
 
-        return ProcessInstances(name, spec_factory, config, environment.processes)
-    return ThreadInstances(factory, config)
+        return ProcessInstances(
+            environment.name, spec_factory, environment.kwargs, environment.processes
+        )
+    return ThreadInstances(factory, environment.kwargs)

@@ -101,12 +101,16 @@ class ProcessInstances:
         return [w.process.pid for w in self.workers if w is not None]
 
     def close(self) -> None:
-        """Stop every worker and what its environments started."""
-        for slot, worker in enumerate(self.workers):
+        """Stop every worker (a busy one is killed after ``STOP_GRACE_S``) and what its
+        environments started."""
+        for worker in self.workers:
             if worker is not None:
                 with contextlib.suppress(OSError):  # dead already: killed below all the same
                     worker.conn.send(STOP)
-                worker.process.join(STOP_GRACE_S)
+        deadline = time.monotonic() + STOP_GRACE_S
+        for slot, worker in enumerate(self.workers):
+            if worker is not None:
+                worker.process.join(max(0.0, deadline - time.monotonic()))
                 self._kill(slot)
 
     # -- the calls of one phase ----------------------------------------------------------------
@@ -131,13 +135,12 @@ class ProcessInstances:
                     continue
                 if self.workers[slot] is None:
                     self._start([slot])
-                worker = self.workers[slot]
                 try:
-                    worker.conn.send((index, call.episode_id, call.method, call.argument))
+                    self._worker(slot).conn.send(
+                        (index, call.episode_id, call.method, call.argument)
+                    )
                 except OSError:  # it died between calls
-                    death = self._death(worker)
-                    self._lose(slot, call, death)
-                    results[index] = Outcome(error=f"the worker process died ({death})", died=True)
+                    results[index] = self._died(slot, call)
                     continue
                 flight[slot] = (index, time.monotonic() + timeout_s)
                 return
@@ -146,17 +149,15 @@ class ProcessInstances:
             send_next(slot)
         while flight:
             soonest = min(deadline for _, deadline in flight.values())
-            conns = {self.workers[slot].conn: slot for slot in flight}
-            for conn in wait(list(conns), timeout=max(0.0, soonest - time.monotonic())):
-                slot = conns[conn]
+            conns = {self._worker(slot).conn: slot for slot in flight}
+            ready = wait(list(conns), timeout=max(0.0, soonest - time.monotonic()))
+            for slot in [conns[conn] for conn in ready]:
                 index, _ = flight.pop(slot)
                 call = calls[index]
                 try:
-                    _, outcome = conn.recv()
+                    outcome: Outcome = self._worker(slot).conn.recv()[1]
                 except (EOFError, OSError):  # the worker died in the call
-                    death = self._death(self.workers[slot])
-                    self._lose(slot, call, death)
-                    outcome = Outcome(error=f"the worker process died ({death})", died=True)
+                    outcome = self._died(slot, call)
                 else:
                     if call.method == "create" and outcome.error is None:
                         self.held.setdefault(slot, set()).add(call.episode_id)
@@ -165,7 +166,7 @@ class ProcessInstances:
             now = time.monotonic()
             for slot, (index, deadline) in list(flight.items()):
                 # An answer that came in meanwhile (a replacement worker starting) still counts.
-                if deadline <= now and not self.workers[slot].conn.poll(0):
+                if deadline <= now and not self._worker(slot).conn.poll(0):
                     del flight[slot]
                     results[index] = Outcome(timed_out=True)
                     self._lose(slot, calls[index], None)
@@ -184,8 +185,21 @@ class ProcessInstances:
         for episode_id in self.held.pop(slot, set()) | {call.episode_id}:
             self.lost[episode_id] = f"its environment was lost: its worker process {cause}"
 
+    def _died(self, slot: int, call: _Call) -> Outcome:
+        """``call``'s outcome when its worker died in it (or before it was sent)."""
+        death = self._death(self._worker(slot))
+        self._lose(slot, call, death)
+        return Outcome(error=f"the worker process died ({death})", died=True)
+
+    def _worker(self, slot: int) -> _Worker:
+        worker = self.workers[slot]
+        if worker is None:
+            raise RuntimeError(f"environment worker {slot} is not running")  # a bug of this pool
+        return worker
+
     @staticmethod
     def _death(worker: _Worker) -> str:
+        """How ``worker`` ended: its exit code or signal."""
         worker.process.join(1.0)
         code = worker.process.exitcode
         if code is None:
@@ -212,7 +226,7 @@ class ProcessInstances:
             self.workers[slot] = _Worker(process, parent)
             started.append(slot)
         for slot in started:
-            conn = self.workers[slot].conn
+            conn = self._worker(slot).conn
             try:
                 ready = (
                     conn.recv()
@@ -220,7 +234,7 @@ class ProcessInstances:
                     else ("failed", f"no answer within {START_TIMEOUT_S:g}s")
                 )
             except (EOFError, OSError):
-                ready = ("failed", self._death(self.workers[slot]))
+                ready = ("failed", self._death(self._worker(slot)))
             if ready[0] != "ready":
                 self._kill(slot)
                 raise UserError(

@@ -100,7 +100,7 @@ class EpisodeRunner:
     ):
         self.name = config.name
         factory = environment_factory(config.name, spec)
-        self.instances = make_instances(config.name, spec.factory, factory, config.kwargs, config)
+        self.instances = make_instances(spec.factory, factory, config)
         # Names the factory in a constructor's failure.
         self.constructor = (
             spec.factory if isinstance(spec.factory, str) else getattr(factory, "__qualname__", "")
