@@ -147,13 +147,13 @@ def test_a_raising_constructor_is_named_and_failed_steps_stop_the_run(tokenizer,
     with caplog.at_level(logging.WARNING, logger=RUNNER_LOG):
         out = run.run(prompts(tokenizer, ["0", "1"]), 2, Turns(tokenizer), SAMPLING, "step 1")
     assert out.rewards == [0.0] * 4 and out.metrics["env/errors"] == 4
-    summary, warning = [r.getMessage() for r in caplog.records if r.name == RUNNER_LOG]
+    (summary,) = [r.getMessage() for r in caplog.records if r.name == RUNNER_LOG]
     assert (
         "first: step 1 prompt 0 sample 0: the constructor (Unbuildable) raised ValueError: "
         "no such board size" in summary
     )
     assert "reset()" not in summary
-    assert "every episode of step 1 failed (1 step(s) in a row" in warning
+    assert "EVERY episode failed (1 step(s) in a row" in summary
     assert "raise ValueError" in (tmp_path / "logs" / "environments.log").read_text()
     with pytest.raises(UserError) as error:
         run.run(prompts(tokenizer, ["0"]), 1, Turns(tokenizer), SAMPLING, "step 2")

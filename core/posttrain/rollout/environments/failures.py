@@ -37,16 +37,31 @@ class FailureLog:
         self.failed_steps = 0  # steps in a row whose every episode failed
 
     def step_done(self, where: str, failures: list[Failure], episodes: int) -> None:
-        """Log ``where``'s failures (out of ``episodes``); raise when too many whole steps
-        failed in a row."""
+        """Log ``where``'s failures (out of ``episodes``) in one console line; raise when too
+        many whole steps failed in a row."""
+        whole = bool(failures) and len(failures) == episodes
+        self.failed_steps = self.failed_steps + 1 if whole else 0
         if not failures:
-            self.failed_steps = 0
             return
         self._write(where, failures, episodes)
         first = failures[0]
+        if self.failed_steps >= self.max_failed_steps:
+            raise UserError(
+                f"environment '{self.name}': every episode failed in {self.failed_steps} "
+                f"step(s) in a row (environment.max_failed_steps: {self.max_failed_steps}); "
+                f"the run stops rather than train on nothing. The first failure of {where}: "
+                f"{first.episode_id}: {first.message}; {self._where_logged()}. Fix the "
+                "environment, or raise environment.max_failed_steps"
+            )
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(_kinds(failures).items()))
+        streak = (
+            f"; EVERY episode failed ({self.failed_steps} step(s) in a row; the run stops at "
+            f"environment.max_failed_steps: {self.max_failed_steps})"
+            if whole
+            else ""
+        )
         log.warning(
-            "environment '%s': %s: %d of %d episodes failed and score 0 (%s); first: %s: %s; %s",
+            "environment '%s': %s: %d of %d episodes failed and score 0 (%s); first: %s: %s; %s%s",
             self.name,
             where,
             len(failures),
@@ -55,26 +70,7 @@ class FailureLog:
             first.episode_id,
             first.message,
             self._where_logged(),
-        )
-        if len(failures) < episodes:
-            self.failed_steps = 0
-            return
-        self.failed_steps += 1
-        if self.failed_steps >= self.max_failed_steps:
-            raise UserError(
-                f"environment '{self.name}': every episode failed in {self.failed_steps} "
-                f"step(s) in a row (environment.max_failed_steps: {self.max_failed_steps}); "
-                f"the run stops rather than train on nothing. Last first failure: "
-                f"{first.episode_id}: {first.message}; {self._where_logged()}. Fix the "
-                "environment, or raise environment.max_failed_steps"
-            )
-        log.warning(
-            "environment '%s': every episode of %s failed (%d step(s) in a row; the run stops "
-            "at environment.max_failed_steps: %d)",
-            self.name,
-            where,
-            self.failed_steps,
-            self.max_failed_steps,
+            streak,
         )
 
     def _where_logged(self) -> str:
