@@ -216,7 +216,7 @@ def cmd_doctor(args, host) -> int:
 
 
 def cmd_run(args, host) -> int:
-    from posttrain.trainer.run import run_workflow
+    from posttrain.trainer.command import run_workflow
 
     workflow, report = _load(args, host)
     report.raise_if_errors(display_path(args.workflow))
