@@ -1,0 +1,234 @@
+"""Run one Python program in the local sandbox (see :mod:`posttrain.sandbox.isolation`).
+
+Each run gets a fresh temporary directory holding the program, a fresh process (a session of its
+own, an empty environment apart from PATH, HOME and LANG, stdin from /dev/null, no other
+descriptors), rlimits set by ``prlimit``, and under bubblewrap its namespaces. The caller reads
+at most ``max_output_bytes`` of each stream and drops the rest, so a program that prints without
+end costs no memory; at the wall-clock limit, or as soon as the program ends, every process left
+in its group is killed (under bubblewrap the PID namespace has ended them all already).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import selectors
+import shutil
+import signal
+import subprocess
+import tempfile
+import time
+
+from posttrain.errors import UserError
+from posttrain.sandbox import isolation as iso
+from posttrain.sandbox.result import KilledReason, SandboxLimits, SandboxResult
+
+_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+_WORKDIR = "/sandbox"  # the working directory inside bubblewrap
+_CODE = "/code/main.py"  # the program inside bubblewrap (read-only)
+# After the program ends, how long output still in the pipes is read before they are closed.
+_DRAIN_S = 0.5
+
+
+class SandboxUnavailable(UserError):
+    """The isolation a run asks for cannot be had on this machine."""
+
+
+def resolve_level(requested: str) -> str:
+    """``auto`` -> the best level here; an explicit level that is missing is an error."""
+    found = iso.detect()
+    if found.prlimit is None:
+        raise SandboxUnavailable(
+            "the sandbox needs util-linux's prlimit, which is not installed "
+            "(Debian/Ubuntu: apt-get install util-linux)"
+        )
+    if requested == "auto":
+        return found.best
+    if requested == "bubblewrap" and not found.bubblewrap:
+        raise SandboxUnavailable(
+            f"isolation 'bubblewrap' cannot run here: {found.bubblewrap_problem}; install "
+            "bubblewrap, or accept weaker isolation with isolation: rlimits (docs/sandbox.md)"
+        )
+    return requested
+
+
+def _rlimit_args(limits: SandboxLimits, nproc: bool) -> list[str]:
+    cpu = limits.cpu_seconds
+    args = [
+        f"--as={limits.memory_mb * 2**20}",
+        # The soft limit sends SIGXCPU, the hard one a second later SIGKILL.
+        f"--cpu={cpu}:{cpu + 1}",
+        f"--fsize={limits.max_file_mb * 2**20}",
+        "--core=0",
+        "--nofile=256",
+    ]
+    return args + ([f"--nproc={limits.max_processes}"] if nproc else [])
+
+
+def _command(level: str, limits: SandboxLimits, python: str, workdir: str, extra_ro) -> list:
+    prlimit = iso.detect().prlimit
+    program = [python, "-E", "-s"]
+    if level == "rlimits":
+        return [prlimit, *_rlimit_args(limits, nproc=True), "--", *program, "main.py"]
+    binds = []
+    real = os.path.realpath(python)
+    if not real.startswith("/usr/"):  # an interpreter of its own prefix (pyenv, conda)
+        prefix = os.path.dirname(os.path.dirname(real))
+        binds += ["--ro-bind", prefix, prefix]
+    for path in extra_ro:
+        binds += ["--ro-bind", path, path]
+    env = [a for key, value in {**_ENV, "HOME": _WORKDIR}.items() for a in ("--setenv", key, value)]
+    # The user namespace is made by bwrap under the outer (high) process-count limit; the run's
+    # own limit is set inside it, where the kernel counts the run's processes only.
+    return [
+        prlimit, *_rlimit_args(limits, nproc=False), "--",
+        shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin"),
+        "--die-with-parent", "--unshare-all", "--new-session", "--clearenv", *env,
+        *iso.system_dirs(), *binds,
+        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+        "--size", str(limits.workdir_mb * 2**20), "--tmpfs", _WORKDIR,
+        "--ro-bind", os.path.join(workdir, "main.py"), _CODE,
+        "--chdir", _WORKDIR,
+        "--", prlimit, f"--nproc={limits.max_processes}", "--", *program, _CODE,
+    ]  # fmt: skip
+
+
+def run_python(
+    code: str,
+    limits: SandboxLimits | None = None,
+    *,
+    isolation: str = "auto",
+    python: str = "/usr/bin/python3",
+    read_only_paths: tuple[str, ...] = (),
+) -> SandboxResult:
+    """Run ``code`` as a Python program in the sandbox; the result whatever the program did.
+    :class:`SandboxUnavailable` when the isolation asked for cannot be had here."""
+    limits = limits if limits is not None else SandboxLimits()
+    level = resolve_level(isolation)
+    if not os.path.isfile(python):
+        raise SandboxUnavailable(f"the sandbox's interpreter {python} does not exist")
+    uid = iso.sandbox_user()
+    workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
+    try:
+        with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as file:
+            file.write(code)
+        if uid is not None:  # the run's user reads the program and, without bubblewrap, writes here
+            os.chown(workdir, uid, uid)
+            os.chown(os.path.join(workdir, "main.py"), uid, uid)
+        command = _command(level, limits, python, workdir, read_only_paths)
+        return _run(command, level, limits, workdir, uid)
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _run(command, level, limits, workdir, uid) -> SandboxResult:
+    process = subprocess.Popen(
+        command,
+        cwd=workdir,
+        env={**_ENV, "HOME": workdir},
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        close_fds=True,
+        start_new_session=True,
+        user=uid,
+        group=uid,
+        extra_groups=[] if uid is not None else None,
+    )
+    kept = {"stdout": bytearray(), "stderr": bytearray()}
+    dropped = {"stdout": False, "stderr": False}
+    selector = selectors.DefaultSelector()
+    selector.register(process.stdout, selectors.EVENT_READ, "stdout")
+    selector.register(process.stderr, selectors.EVENT_READ, "stderr")
+    deadline = time.monotonic() + limits.timeout_s
+    timed_out, drain_until = False, math.inf
+    try:
+        while selector.get_map():
+            now = time.monotonic()
+            if process.poll() is not None and drain_until == math.inf:
+                _kill_group(process)  # what the program left behind, if anything
+                drain_until = now + _DRAIN_S
+            if now >= min(deadline, drain_until):
+                timed_out = now >= deadline and process.poll() is None
+                break
+            for key, _ in selector.select(timeout=min(deadline, drain_until, now + 0.1) - now):
+                chunk = os.read(key.fd, 65536)
+                if not chunk:
+                    selector.unregister(key.fileobj)
+                    continue
+                room = limits.max_output_bytes - len(kept[key.data])
+                kept[key.data] += chunk[: max(0, room)]
+                dropped[key.data] |= len(chunk) > room
+    finally:
+        returncode = _end(process, level)
+        selector.close()
+        process.stdout.close()
+        process.stderr.close()
+    stdout = kept["stdout"].decode("utf-8", errors="replace")
+    stderr = kept["stderr"].decode("utf-8", errors="replace")
+    # bwrap reports a program ended by signal N as exit status 128 + N.
+    if level == "bubblewrap" and returncode > 128:
+        returncode = -(returncode - 128)
+    return SandboxResult(
+        stdout=stdout,
+        stderr=stderr,
+        exit_code=returncode,
+        timed_out=timed_out,
+        killed_reason="timeout" if timed_out else _reason(returncode, stderr),
+        stdout_truncated=dropped["stdout"],
+        stderr_truncated=dropped["stderr"],
+        isolation=level,
+    )
+
+
+def _end(process: subprocess.Popen, level: str) -> int:
+    """Kill what is left of the run and wait until it is gone; the exit status.
+
+    Under bubblewrap the PID namespace's first process is killed, not bwrap: the kernel then
+    kills every process of the namespace before that one is gone, and bwrap, which waits for
+    it, exits after them. Killing bwrap instead would leave the namespace to die on its own
+    time, after the call had returned."""
+    if level == "bubblewrap" and process.poll() is None:
+        for pid in _children(process.pid):
+            with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
+                os.kill(pid, signal.SIGKILL)
+        # bwrap itself stuck past 5 s: the group kill below ends it.
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            process.wait(timeout=5)
+    _kill_group(process)
+    return process.wait()
+
+
+def _children(pid: int) -> list[int]:
+    try:
+        with open(f"/proc/{pid}/task/{pid}/children") as file:
+            return [int(child) for child in file.read().split()]
+    except OSError:  # bwrap ended meanwhile
+        return []
+
+
+def _kill_group(process: subprocess.Popen) -> None:
+    # ProcessLookupError: the group is empty (and its leader reaped).
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(process.pid, signal.SIGKILL)
+
+
+def _reason(returncode: int, stderr: str) -> KilledReason:
+    """What limit ended the program, read from how it ended. Python raises MemoryError when the
+    address-space limit refuses an allocation and OSError EFBIG past the file-size limit (it
+    ignores SIGXFSZ); either, uncaught, is the last line of its traceback."""
+    if returncode == 0:
+        return None
+    if returncode == -signal.SIGXCPU:
+        return "cpu"
+    if returncode == -signal.SIGXFSZ:
+        return "file_size"
+    if returncode < 0:
+        return "signal"
+    last = stderr.rstrip().rsplit("\n", 1)[-1]
+    if last.startswith("MemoryError"):
+        return "memory"
+    if "[Errno 27]" in last:  # EFBIG: File too large
+        return "file_size"
+    return None
