@@ -27,9 +27,10 @@ class SandboxLimits:
     memory_mb: int = attrs.field(default=1024, validator=at_least(64))
     # Processes (and threads) the run may have at once (RLIMIT_NPROC, per run under bubblewrap).
     max_processes: int = attrs.field(default=32, validator=at_least(2))
-    # Largest file the run may write, in MiB (RLIMIT_FSIZE); under bubblewrap the working
-    # directory is a tmpfs of workdir_mb in all.
+    # Largest file the run may write, in MiB (RLIMIT_FSIZE).
     max_file_mb: int = attrs.field(default=16, validator=at_least(1))
+    # Size of the working directory, a tmpfs under bubblewrap (in MiB, all files together);
+    # without bubblewrap it is a directory on the host's disk, bounded by max_file_mb per file.
     workdir_mb: int = attrs.field(default=64, validator=at_least(1))
     # Bytes of stdout and of stderr kept; the rest is read and dropped (reported as truncated).
     max_output_bytes: int = attrs.field(default=65536, validator=at_least(1))

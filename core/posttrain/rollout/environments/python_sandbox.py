@@ -39,6 +39,7 @@ class PythonSandboxConfig:
     read_only_paths: list[str] = attrs.field(factory=list)
     # remote only: the service, e.g. http://sandbox:8080 (POST /run_code).
     url: str | None = None
+    # Time, memory, processes, files and output of each call (the table below).
     limits: SandboxLimits = attrs.field(factory=SandboxLimits)
     # Longest observation, in characters; the rest is cut and marked "...[truncated]".
     max_observation_chars: int = attrs.field(default=1024, validator=at_least(16))
