@@ -3,6 +3,8 @@ local sandbox, and ``posttrain sandbox run``'s user errors."""
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from posttrain.cli import main
@@ -20,7 +22,10 @@ from posttrain.sandbox.result import SandboxLimits, SandboxResult
 # The environment's default isolation is bubblewrap; where it cannot run, the tests that run
 # code use rlimits (asserting only what holds at both levels: the output).
 LEVEL = iso.detect().best
-needs_prlimit = pytest.mark.skipif(iso.detect().prlimit is None, reason="prlimit is missing")
+needs_prlimit = pytest.mark.skipif(
+    iso.detect().prlimit is None or not os.path.isfile("/usr/bin/python3"),
+    reason="the local sandbox needs util-linux's prlimit and /usr/bin/python3",
+)
 
 
 def turn(text: str) -> ModelTurn:
@@ -101,3 +106,21 @@ def test_sandbox_run_reports_every_bad_flag_and_a_missing_file(tmp_path, capsys)
     assert "--timeout-s 0.0: out of range" in err and "--memory-mb 1: out of range" in err
     assert main(["sandbox", "run", str(tmp_path / "missing.py")]) == 2
     assert "cannot read" in capsys.readouterr().err
+
+
+def test_doctor_reports_the_sandbox_guarantees_of_this_machine(capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "200")
+    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    main(["doctor"])
+    out = capsys.readouterr().out
+    found = iso.detect()
+    rows = {
+        cells[0]: cells[1]
+        for line in out.splitlines()
+        if line.startswith("│") and len(cells := [c.strip() for c in line.split("│")[1:-1]]) == 3
+    }
+    assert rows["isolation"] == found.best
+    for guarantee in found.guarantees(found.best):
+        assert rows[guarantee.name] == ("yes" if guarantee.holds else "no"), guarantee
+    if found.bubblewrap:
+        assert rows["no network"] == rows["every process gone on return"] == "yes"

@@ -66,7 +66,7 @@ class Stub(BaseHTTPRequestHandler):
 @pytest.fixture(scope="module")
 def service():
     server = ThreadingHTTPServer(("127.0.0.1", 0), Stub)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread = threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True)
     thread.start()
     yield f"http://127.0.0.1:{server.server_address[1]}"
     server.shutdown()

@@ -136,23 +136,34 @@ def _run(command, level, limits, workdir, uid) -> SandboxResult:
         group=uid,
         extra_groups=[] if uid is not None else None,
     )
+    # Popen made both pipes (stdout=PIPE, stderr=PIPE): the narrowing is for the type checker.
+    assert process.stdout is not None and process.stderr is not None
     kept = {"stdout": bytearray(), "stderr": bytearray()}
     dropped = {"stdout": False, "stderr": False}
     selector = selectors.DefaultSelector()
     selector.register(process.stdout, selectors.EVENT_READ, "stdout")
     selector.register(process.stderr, selectors.EVENT_READ, "stderr")
     deadline = time.monotonic() + limits.timeout_s
-    timed_out, drain_until = False, math.inf
+    # Once the program has ended: how long what is still in the pipes is read.
+    drain_until = math.inf
+    timed_out = False
     try:
-        while selector.get_map():
+        while True:
             now = time.monotonic()
-            if process.poll() is not None and drain_until == math.inf:
+            if drain_until == math.inf and process.poll() is not None:
                 _kill_group(process)  # what the program left behind, if anything
                 drain_until = now + _DRAIN_S
-            if now >= min(deadline, drain_until):
-                timed_out = now >= deadline and process.poll() is None
+            if drain_until != math.inf and (not selector.get_map() or now >= drain_until):
                 break
-            for key, _ in selector.select(timeout=min(deadline, drain_until, now + 0.1) - now):
+            if drain_until == math.inf and now >= deadline:
+                timed_out = True
+                break
+            wait = min(deadline, drain_until, now + 0.05) - now
+            if not selector.get_map():  # the program closed its output and runs on
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    process.wait(timeout=wait)
+                continue
+            for key, _ in selector.select(timeout=wait):
                 chunk = os.read(key.fd, 65536)
                 if not chunk:
                     selector.unregister(key.fileobj)
@@ -190,12 +201,13 @@ def _end(process: subprocess.Popen, level: str) -> int:
     it, exits after them. Killing bwrap instead would leave the namespace to die on its own
     time, after the call had returned."""
     if level == "bubblewrap" and process.poll() is None:
-        for pid in _children(process.pid):
+        namespace_init = _children(process.pid)
+        for pid in namespace_init:
             with contextlib.suppress(ProcessLookupError):  # it ended meanwhile
                 os.kill(pid, signal.SIGKILL)
-        # bwrap itself stuck past 5 s: the group kill below ends it.
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            process.wait(timeout=5)
+        if namespace_init:  # bwrap itself stuck past 5 s: the group kill below ends it
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.wait(timeout=5)
     _kill_group(process)
     return process.wait()
 
