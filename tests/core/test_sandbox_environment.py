@@ -63,6 +63,21 @@ def test_bubblewrap_isolation_is_refused_where_it_cannot_run():
 
 
 @needs_prlimit
+def test_an_interpreter_the_sandbox_user_cannot_reach_is_refused_at_validation(tmp_path):
+    if iso.sandbox_user() is None:
+        pytest.skip("the sandbox runs as the caller, who reaches its own files")
+    hidden = tmp_path / "python3"  # pytest's folders let only their owner in
+    hidden.symlink_to("/usr/bin/python3")
+    report = ErrorReport()
+    raw = {"python": str(hidden), "isolation": LEVEL, "read_only_paths": ["/nonexistent"]}
+    structure_into(raw, PythonSandboxConfig, "environment.kwargs", report)
+    [error] = report.errors
+    assert error.path == "environment.kwargs"
+    assert "runs as nobody, which cannot enter" in error.message
+    assert "/nonexistent does not exist" in error.message
+
+
+@needs_prlimit
 def test_a_compact_call_runs_the_code_and_answers_its_output():
     env = python_sandbox_environment(PythonSandboxConfig(isolation=LEVEL))
     step = env.step(turn("<call>print(sum(range(1, 101)))</call>"))

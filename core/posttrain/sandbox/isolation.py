@@ -22,6 +22,7 @@ from __future__ import annotations
 import functools
 import os
 import shutil
+import stat
 import subprocess
 
 import attrs
@@ -67,7 +68,8 @@ class Isolation:
                 if caged
                 else "RLIMIT_NPROC of user nobody, shared by runs side by side"
                 if root
-                else "no: RLIMIT_NPROC would count every process of the caller's user",
+                else "no: RLIMIT_NPROC counts every process of the caller's user (a fork bomb "
+                "stops, but a busy user may see the run refused forks)",
             ),
             Guarantee(
                 name="no inherited environment or descriptors",
@@ -107,6 +109,39 @@ class Isolation:
 def sandbox_user() -> int | None:
     """The uid (and gid) the run's processes take; None: the caller's own."""
     return NOBODY if os.geteuid() == 0 else None
+
+
+def interpreter_prefix(python: str) -> str | None:
+    """The folder an interpreter outside /usr lives in (pyenv, conda): shown to the run
+    read-only, since the interpreter needs its standard library. None for /usr's own."""
+    real = os.path.realpath(python)
+    return None if real.startswith("/usr/") else os.path.dirname(os.path.dirname(real))
+
+
+def hidden_from_sandbox_user(paths) -> list[str]:
+    """Problems with paths the run's processes must read, when they run as nobody: each path
+    and every folder above it must let others through (bwrap, run as nobody, opens them)."""
+    if sandbox_user() is None:  # the caller's own user runs the sandbox
+        return []
+    problems = []
+    for path in paths:
+        if not os.path.exists(path):
+            problems.append(f"{path} does not exist")
+            continue
+        here = os.path.abspath(path)
+        while True:
+            mode = os.stat(here).st_mode
+            need = stat.S_IXOTH if stat.S_ISDIR(mode) else stat.S_IROTH
+            if not mode & need:
+                problems.append(
+                    f"{path}: the sandbox runs as nobody, which cannot "
+                    f"{'enter' if need == stat.S_IXOTH else 'read'} {here}"
+                )
+                break
+            if here == "/":
+                break
+            here = os.path.dirname(here)
+    return problems
 
 
 def system_dirs() -> list[str]:

@@ -24,7 +24,16 @@ from posttrain.errors import UserError
 from posttrain.sandbox import isolation as iso
 from posttrain.sandbox.result import KilledReason, SandboxLimits, SandboxResult
 
-_ENV = {"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "PYTHONDONTWRITEBYTECODE": "1"}
+# The whole environment of a run. One thread per math library: their pools start a thread per
+# core, and threads count against the process-count limit.
+_ENV = {
+    "PATH": "/usr/bin:/bin",
+    "LANG": "C.UTF-8",
+    "PYTHONDONTWRITEBYTECODE": "1",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+}
 _WORKDIR = "/sandbox"  # the working directory inside bubblewrap
 _CODE = "/code/main.py"  # the program inside bubblewrap (read-only)
 # After the program ends, how long output still in the pipes is read before they are closed.
@@ -53,6 +62,17 @@ def resolve_level(requested: str) -> str:
     return requested
 
 
+def check_paths(python: str, read_only_paths, level: str) -> list[str]:
+    """What keeps the interpreter or the read-only paths from the run, one line each."""
+    if not os.path.isfile(python):
+        return [f"the sandbox's interpreter {python} does not exist"]
+    shown = [python, os.path.realpath(python), *read_only_paths]
+    if level == "bubblewrap":
+        prefix = iso.interpreter_prefix(python)
+        shown += [prefix] if prefix else []
+    return iso.hidden_from_sandbox_user(shown)
+
+
 def _rlimit_args(limits: SandboxLimits, nproc: bool) -> list[str]:
     cpu = limits.cpu_seconds
     args = [
@@ -72,9 +92,8 @@ def _command(level: str, limits: SandboxLimits, python: str, workdir: str, extra
     if level == "rlimits":
         return [prlimit, *_rlimit_args(limits, nproc=True), "--", *program, "main.py"]
     binds = []
-    real = os.path.realpath(python)
-    if not real.startswith("/usr/"):  # an interpreter of its own prefix (pyenv, conda)
-        prefix = os.path.dirname(os.path.dirname(real))
+    prefix = iso.interpreter_prefix(python)
+    if prefix is not None:
         binds += ["--ro-bind", prefix, prefix]
     for path in extra_ro:
         binds += ["--ro-bind", path, path]
@@ -106,8 +125,9 @@ def run_python(
     :class:`SandboxUnavailable` when the isolation asked for cannot be had here."""
     limits = limits if limits is not None else SandboxLimits()
     level = resolve_level(isolation)
-    if not os.path.isfile(python):
-        raise SandboxUnavailable(f"the sandbox's interpreter {python} does not exist")
+    problems = check_paths(python, read_only_paths, level)
+    if problems:
+        raise SandboxUnavailable("; ".join(problems))
     uid = iso.sandbox_user()
     workdir = tempfile.mkdtemp(prefix="posttrain-sandbox-")
     try:

@@ -53,16 +53,23 @@ class PythonSandboxConfig:
             raise ValueError("backend 'remote' needs url: the SandboxFusion service's address")
         if self.backend == "local" and self.url:
             raise ValueError("url is set but backend is 'local'; set backend: remote to use it")
-        if self.backend == "local" and self.isolation == "bubblewrap":
-            from posttrain.sandbox.isolation import detect
+        if self.backend == "local":
+            self._check_local()
 
-            found = detect()
-            if not found.bubblewrap:
-                raise ValueError(
-                    f"isolation 'bubblewrap' cannot run here: {found.bubblewrap_problem}; "
-                    "install bubblewrap, or accept weaker isolation with isolation: rlimits "
-                    "(docs/sandbox.md)"
-                )
+    def _check_local(self) -> None:
+        """The local sandbox must be able to run as configured, here (where episodes run)."""
+        from posttrain.sandbox.local import SandboxUnavailable, check_paths, resolve_level
+
+        try:
+            level = resolve_level(self.isolation)
+        except SandboxUnavailable as exc:
+            raise ValueError(str(exc)) from None
+        problems = check_paths(self.python, self.read_only_paths, level)
+        if problems:
+            raise ValueError(
+                "; ".join(problems) + " (python and read_only_paths must be readable by the "
+                "sandbox's user: docs/sandbox.md)"
+            )
 
 
 def observation(result: SandboxResult, limit: int) -> str:
