@@ -187,6 +187,32 @@ def test_writes_outside_the_working_directory_never_reach_the_host(level, tmp_pa
             os.remove(shared)
 
 
+def test_filling_the_disk_stops_at_the_working_directory_size():
+    """Under bubblewrap every writable place is a tmpfs of workdir_mb, held in the host's
+    memory: filling them stops there (without bubblewrap the working directory is on the host's
+    disk, bounded per file only, as docs/sandbox.md says)."""
+    if not FOUND.bubblewrap:
+        pytest.skip(f"needs bubblewrap: {FOUND.bubblewrap_problem}")
+    code = (
+        "written = {}\n"
+        "for place in ('/tmp', '.', '/', '/dev/shm'):\n"
+        "    written[place] = 0\n"
+        "    try:\n"
+        "        for i in range(100):\n"
+        "            with open(f'{place}/fill{i}', 'wb') as f:\n"
+        "                f.write(b'x' * 2**22)\n"
+        "            written[place] += 4\n"
+        "    except OSError as exc:\n"
+        "        print(place, written[place], exc.strerror)\n"
+    )
+    result = run_python(code, SandboxLimits(workdir_mb=16, timeout_s=10), isolation="bubblewrap")
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("/tmp ") and lines[1].startswith(". "), result
+    assert all(int(line.split()[1]) <= 16 for line in lines[:2])
+    assert "No space left on device" in lines[0]
+    assert lines[2:] == ["/ 0 Read-only file system", "/dev/shm 0 Read-only file system"]
+
+
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_file_of_the_caller_cannot_be_read(level, tmp_path):
     secret = tmp_path / "secret.txt"

@@ -4,9 +4,10 @@ process), and the guarantees each level gives.
 Two levels, both built from well-kept tools rather than a jail of our own:
 
 * ``bubblewrap``: ``bwrap`` puts the run in new user, PID, network, IPC, UTS and mount
-  namespaces whose file system holds only ``/usr`` (read-only), a fresh ``/proc``, ``/dev`` and
-  two tmpfs (``/tmp`` and the working directory). ``--die-with-parent`` and the PID namespace
-  end every process of the run when it returns or is killed. util-linux's ``prlimit`` sets the
+  namespaces whose file system is read-only but for two bounded tmpfs (``/tmp`` and the
+  working directory), and holds only ``/usr``, a fresh ``/proc`` and a minimal ``/dev``.
+  ``--die-with-parent`` and the PID namespace end every process of the run when it returns or
+  is killed. util-linux's ``prlimit`` sets the
   rlimits; the process-count limit is set inside the run's own user namespace, so it counts the
   run's processes only.
 * ``rlimits``: the same rlimits, a clean environment, no inherited descriptors, a temporary

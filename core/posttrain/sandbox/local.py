@@ -1,10 +1,9 @@
 """Run one Python program in the local sandbox (see :mod:`posttrain.sandbox.isolation`).
 
 Each run gets a fresh temporary directory holding the program, a fresh process (a session of its
-own, an empty environment apart from PATH, HOME and LANG, stdin from /dev/null, no other
-descriptors), rlimits set by ``prlimit``, and under bubblewrap its namespaces. The caller reads
-at most ``max_output_bytes`` of each stream and drops the rest, so a program that prints without
-end costs no memory; at the wall-clock limit, or as soon as the program ends, every process left
+own, a fixed small environment, stdin from /dev/null, no other descriptors), rlimits set by
+``prlimit``, and under bubblewrap its namespaces. The caller reads at most ``max_output_bytes``
+of each stream and drops the rest, so a program that prints without end costs no memory; at the wall-clock limit, or as soon as the program ends, every process left
 in its group is killed (under bubblewrap the PID namespace has ended them all already).
 """
 
@@ -105,9 +104,14 @@ def _command(level: str, limits: SandboxLimits, python: str, workdir: str, extra
         shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin"),
         "--die-with-parent", "--unshare-all", "--new-session", "--clearenv", *env,
         *iso.system_dirs(), *binds,
-        "--proc", "/proc", "--dev", "/dev", "--tmpfs", "/tmp",
+        "--proc", "/proc", "--dev", "/dev",
+        "--size", str(limits.workdir_mb * 2**20), "--tmpfs", "/tmp",
         "--size", str(limits.workdir_mb * 2**20), "--tmpfs", _WORKDIR,
         "--ro-bind", os.path.join(workdir, "main.py"), _CODE,
+        # A tmpfs holds its files in the host's memory: the two above are bounded, and the
+        # file system's root and /dev (where bwrap made the mount points and device nodes) are
+        # made read-only, so no other tmpfs can be filled.
+        "--remount-ro", "/dev", "--remount-ro", "/",
         "--chdir", _WORKDIR,
         "--", prlimit, f"--nproc={limits.max_processes}", "--", *program, _CODE,
     ]  # fmt: skip

@@ -29,8 +29,9 @@ class SandboxLimits:
     max_processes: int = attrs.field(default=32, validator=at_least(2))
     # Largest file the run may write, in MiB (RLIMIT_FSIZE).
     max_file_mb: int = attrs.field(default=16, validator=at_least(1))
-    # Size of the working directory, a tmpfs under bubblewrap (in MiB, all files together);
-    # without bubblewrap it is a directory on the host's disk, bounded by max_file_mb per file.
+    # Size of the working directory and of /tmp, each a tmpfs under bubblewrap (in MiB, all
+    # files together; held in memory); without bubblewrap the working directory is a folder on
+    # the host's disk, bounded by max_file_mb per file only.
     workdir_mb: int = attrs.field(default=64, validator=at_least(1))
     # Bytes of stdout and of stderr kept; the rest is read and dropped (reported as truncated).
     max_output_bytes: int = attrs.field(default=65536, validator=at_least(1))
