@@ -3,8 +3,9 @@
 Each run gets a fresh temporary directory holding the program, a fresh process (a session of its
 own, a fixed small environment, stdin from /dev/null, no other descriptors), rlimits set by
 ``prlimit``, and under bubblewrap its namespaces. The caller reads at most ``max_output_bytes``
-of each stream and drops the rest, so a program that prints without end costs no memory; at the wall-clock limit, or as soon as the program ends, every process left
-in its group is killed (under bubblewrap the PID namespace has ended them all already).
+of each stream and drops the rest, so a program that prints without end costs no memory. At the
+wall-clock limit, or as soon as the program ends, every process left in its group is killed
+(under bubblewrap the PID namespace has ended them all already).
 """
 
 from __future__ import annotations
