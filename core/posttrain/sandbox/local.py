@@ -148,19 +148,22 @@ def run_python(
 
 
 def _run(command, level, limits, workdir, uid) -> SandboxResult:
-    process = subprocess.Popen(
-        command,
-        cwd=workdir,
-        env={**_ENV, "HOME": workdir},
-        stdin=subprocess.DEVNULL,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        close_fds=True,
-        start_new_session=True,
-        user=uid,
-        group=uid,
-        extra_groups=[] if uid is not None else None,
-    )
+    try:
+        process = subprocess.Popen(
+            command,
+            cwd=workdir,
+            env={**_ENV, "HOME": workdir},
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            close_fds=True,
+            start_new_session=True,
+            user=uid,
+            group=uid,
+            extra_groups=[] if uid is not None else None,
+        )
+    except OSError as exc:  # e.g. EAGAIN: nobody's process-count limit, shared without bwrap
+        raise SandboxUnavailable(f"the sandbox could not start its process: {exc}") from None
     # Popen made both pipes (stdout=PIPE, stderr=PIPE): the narrowing is for the type checker.
     assert process.stdout is not None and process.stderr is not None
     kept = {"stdout": bytearray(), "stderr": bytearray()}
