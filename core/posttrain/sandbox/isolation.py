@@ -75,7 +75,7 @@ class Isolation:
             Guarantee(
                 name="no inherited environment or descriptors",
                 holds=True,
-                how="empty environment, descriptors closed",
+                how="a fixed small environment, descriptors closed",
             ),
             Guarantee(
                 name="no network",
