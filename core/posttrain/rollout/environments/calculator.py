@@ -79,5 +79,12 @@ def calculator_environment(config: CalculatorConfig) -> ToolEnvironment:
         name="calculator",
         function=calculator,
         doc="expression: integers with + - * (no division)",
+        parameters={
+            "type": "object",
+            "properties": {
+                "expression": {"type": "string", "description": "e.g. 12*3+4"},
+            },
+            "required": ["expression"],
+        },
     )
     return ToolEnvironment([tool], syntax=config.syntax, announce=config.announce)

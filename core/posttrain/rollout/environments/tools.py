@@ -11,7 +11,9 @@ Two call syntaxes:
 
 * ``hermes``, what Qwen2.5 and Hermes chat models emit:
   ``<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>``,
-  answered with a tool message holding the result (through the tokenizer's chat template);
+  answered with a tool message holding the result (through the tokenizer's chat template). The
+  tools' JSON schemas go to the chat template (``tools=``) when prompts are rendered, so a
+  template that announces tools (Qwen2.5's) tells the model about them in its own words;
 * ``compact``, for tiny local models: ``<call>3+4</call>`` answered with ``<result>7</result>``
   in the model's own turn. With one tool its name is implicit; with several the call starts
   with it (``<call>calculator 3+4</call>``). The text of the call is the tool's one argument.
@@ -45,6 +47,22 @@ class Tool:
     function: Callable[..., Any]
     # One line on the arguments, for the tools' documentation: "expression: digits with + - *".
     doc: str
+    # JSON schema of the keyword arguments (hermes), for the chat template's tool list; None:
+    # every parameter of ``function`` as a string, required unless it has a default.
+    parameters: dict[str, Any] | None = None
+
+    def schema(self) -> dict[str, Any]:
+        """The tool as chat templates take it (``apply_chat_template(tools=[...])``)."""
+        parameters = self.parameters
+        if parameters is None:
+            signature = inspect.signature(self.function).parameters.values()
+            parameters = {
+                "type": "object",
+                "properties": {p.name: {"type": "string"} for p in signature},
+                "required": [p.name for p in signature if p.default is inspect.Parameter.empty],
+            }
+        function = {"name": self.name, "description": self.doc, "parameters": parameters}
+        return {"type": "function", "function": function}
 
 
 @attrs.frozen(kw_only=True)
@@ -66,6 +84,8 @@ class CallSyntax:
     error_format: str  # with {message}
     parse: Callable[[str, dict[str, Tool]], ToolCall]  # the call's text -> a call, or ToolError
     usage: str
+    # The chat template's own call format: its tool list is given the tools' schemas.
+    templated: bool = False
 
     def find(self, text: str, tools: dict[str, Tool]) -> ToolCall | None:
         """The turn's first call; None when it makes none (a final answer)."""
@@ -115,6 +135,7 @@ SYNTAXES = {
         result_format="{value}",
         error_format="error: {message}",
         parse=_parse_hermes,
+        templated=True,
         usage='Call a tool with <tool_call>{"name": NAME, "arguments": {...}}</tool_call>; '
         "its result comes back as a tool message. Answer without a call when done.",
     ),
@@ -152,6 +173,11 @@ class ToolEnvironment:
         lines = [self.syntax.usage] + [f"{t.name}({t.doc})" for t in self.tools.values()]
         return "\n".join(lines) + "\n"
 
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools for the chat template's tool list; none when the syntax is not the
+        template's (compact calls would contradict what the template tells the model)."""
+        return [tool.schema() for tool in self.tools.values()] if self.syntax.templated else []
+
     def reset(self, prompt) -> str | None:
         return self.instructions() if self.announce else None
 
@@ -185,5 +211,6 @@ def tool_environment_spec(
         factory=factory,
         config_class=config_class,
         stop_strings=lambda config: syntax_stop_strings(config.syntax),
+        tools=lambda config: factory(config).schemas(),
         description=description,
     )
