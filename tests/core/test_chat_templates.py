@@ -1,8 +1,9 @@
 """Real chat templates (Qwen2.5-Instruct, Llama-3.1 with JSON tools; fixtures in
 tests/fixtures/chat_templates, sources in their headers) on a locally built byte-level tokenizer:
-multi-turn episodes of the calculator's hermes tool calls, built turn by turn by the episode
-runner, are token for token what the template renders for the whole conversation, and the ids
-the model sampled are kept as they were, never encoded again from text."""
+multi-turn episodes of the calculator's tool calls (hermes on both, and Llama-3.1's own JSON
+calls), built turn by turn by the episode runner, are token for token what the template renders
+for the whole conversation, and the ids the model sampled are kept as they were, never encoded
+again from text."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ class Family:
     added: tuple[str, ...]  # added tokens that stay in the text (Qwen2.5's <tool_call>)
     eos: str
     bos: str | None
-    # The model's call turn as it samples it; it ends at the stop string </tool_call>.
+    syntax: str  # the calculator's call syntax
+    # The model's call turn as it samples it: up to the stop string </tool_call> (hermes), or
+    # the whole turn, closed by the model's end-of-turn token (llama3_json).
     call_text: str
     # The call turn as a message of the whole conversation.
     call_message: dict
@@ -47,13 +50,14 @@ QWEN = Family(
     added=("<tool_call>", "</tool_call>"),
     eos="<|im_end|>",
     bos=None,
+    syntax="hermes",
     call_text='<tool_call>\n{"name": "calculator", "arguments": {"expression": "12*3+4"}}\n'
     "</tool_call>",
     # Qwen2.5 renders a structured call exactly as the model writes it.
     call_message={"role": "assistant", "content": "", "tool_calls": [{"function": CALL}]},
     trailing="\n",
 )
-LLAMA = Family(
+LLAMA_TOKENS = dict(
     template="llama3.1_json.jinja",
     special=(
         "<|begin_of_text|>",
@@ -66,6 +70,11 @@ LLAMA = Family(
     added=(),
     eos="<|eot_id|>",
     bos="<|begin_of_text|>",
+    trailing="",
+)
+LLAMA_HERMES = Family(
+    **LLAMA_TOKENS,
+    syntax="hermes",
     call_text='<tool_call>{"name": "calculator", "arguments": {"expression": "12*3+4"}}'
     "</tool_call>",
     # Llama-3.1 renders structured calls in its own JSON format: a hermes call is the turn's text.
@@ -74,7 +83,13 @@ LLAMA = Family(
         "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "12*3+4"}}'
         "</tool_call>",
     },
-    trailing="",
+)
+# Llama-3.1's own format: the template renders a structured call as the model writes it.
+LLAMA_JSON = Family(
+    **LLAMA_TOKENS,
+    syntax="llama3_json",
+    call_text='{"name": "calculator", "parameters": {"expression": "12*3+4"}}',
+    call_message={"role": "assistant", "tool_calls": [{"function": CALL}]},
 )
 
 
@@ -108,7 +123,11 @@ def build_tokenizer(family: Family):
     return tokenizer
 
 
-@pytest.fixture(scope="module", params=[QWEN, LLAMA], ids=["qwen2.5", "llama3.1"])
+@pytest.fixture(
+    scope="module",
+    params=[QWEN, LLAMA_HERMES, LLAMA_JSON],
+    ids=["qwen2.5-hermes", "llama3.1-hermes", "llama3.1-json"],
+)
 def family(request):
     return request.param, build_tokenizer(request.param)
 
@@ -153,12 +172,12 @@ class ScriptedModel:
         )
 
 
-def run_episode(tokenizer, tmp_path, turns: list[list[int]]):
-    """One calculator episode (hermes calls) on the question, its prompt rendered by
-    load_prompts with the environment's tools, as a run renders it."""
+def run_episode(family: Family, tokenizer, tmp_path, turns: list[list[int]]):
+    """One calculator episode on the question, its prompt rendered by load_prompts with the
+    environment's tools, as a run renders it."""
     spec = posttrain_add_environments()["calculator"]
     config = EnvironmentConfig(
-        name="calculator", kwargs=CalculatorConfig(syntax="hermes"), max_total_tokens=4096
+        name="calculator", kwargs=CalculatorConfig(syntax=family.syntax), max_total_tokens=4096
     )
     tools = spec.tool_schemas(config.kwargs)
     data = DataConfig(path="data.jsonl", max_prompt_length=4096)  # a byte per token
@@ -171,9 +190,12 @@ def run_episode(tokenizer, tmp_path, turns: list[list[int]]):
 
 
 def model_turns(family: Family, tokenizer) -> list[list[int]]:
-    """The call turn (closed by the stop string) and the answer (closed by end-of-turn)."""
+    """The call turn and the answer (closed by end-of-turn)."""
     eos = tokenizer.convert_tokens_to_ids(family.eos)
-    return [text_ids(tokenizer, family.call_text), [*text_ids(tokenizer, "40"), eos]]
+    call = text_ids(tokenizer, family.call_text)
+    if family.syntax == "llama3_json":  # no stop string: the model ends the turn itself
+        call.append(eos)
+    return [call, [*text_ids(tokenizer, "40"), eos]]
 
 
 def conversation(family: Family) -> list[dict]:
@@ -188,10 +210,10 @@ def conversation(family: Family) -> list[dict]:
 def test_each_turn_is_what_the_template_renders_for_the_conversation(family, tmp_path):
     spec, tokenizer = family
     turns = model_turns(spec, tokenizer)
-    out, model, tools = run_episode(tokenizer, tmp_path, turns)
+    out, model, tools = run_episode(spec, tokenizer, tmp_path, turns)
     messages = conversation(spec)
     assert tools and tools[0]["function"]["name"] == "calculator"
-    assert "</tool_call>" in model.stops
+    assert ("</tool_call>" in model.stops) == (spec.syntax == "hermes")
     assert out.metrics["env/tool_calls_mean"] == 1 and out.metrics["env/errors"] == 0
     # Before each model turn, the context is the template's rendering of the conversation so
     # far with its generation prompt: the prompt with the tool list, then the call and its
@@ -214,11 +236,12 @@ def test_each_turn_is_what_the_template_renders_for_the_conversation(family, tmp
 def test_sampled_ids_are_never_encoded_again(family, tmp_path):
     spec, tokenizer = family
     canonical = model_turns(spec, tokenizer)
-    # "arguments" sampled as a, r rather than the merged "ar": the same text, other ids.
+    # "arguments" / "parameters" sampled with a, r rather than the merged "ar": the same
+    # text, other ids.
     turns = [split_merges(tokenizer, canonical[0]), canonical[1]]
     assert turns[0] != canonical[0]
     assert tokenizer.decode(turns[0]) == tokenizer.decode(canonical[0])
-    out, model, tools = run_episode(tokenizer, tmp_path, turns)
+    out, model, tools = run_episode(spec, tokenizer, tmp_path, turns)
     samples = out.samples
     response, mask = samples.response_ids[0], samples.loss_mask[0]
     assert response[: len(turns[0])] == turns[0]
@@ -252,12 +275,23 @@ def test_only_template_call_syntaxes_give_the_template_a_tool_list(monkeypatch):
     assert prompt_tools(compact, hook) is None and prompt_tools(EnvironmentConfig(), hook) is None
 
 
-def test_llama_json_calls_are_not_read_by_any_syntax():
-    """Llama-3.1 calls tools as a bare JSON turn ({"name": ..., "parameters": ...}) ended by
-    <|eot_id|>, or <|python_tag|> code for its built-in tools. Neither call syntax reads them:
-    such a turn is taken as the final answer. A `llama3_json` syntax would close this gap."""
-    turn = '{"name": "calculator", "parameters": {"expression": "12*3+4"}}'
-    for syntax in ("hermes", "compact"):
-        env = calculator_environment(CalculatorConfig(syntax=syntax))
-        step = env.step(ModelTurn(text=turn, ids=(), index=0))
-        assert step.done and step.tool_calls == 0 and step.answer == turn
+def test_llama_json_calls_and_their_mistakes():
+    env = calculator_environment(CalculatorConfig(syntax="llama3_json"))
+
+    def step(text):
+        return env.step(ModelTurn(text=text, ids=(), index=0))
+
+    call = step(' {"name": "calculator", "parameters": {"expression": "6*7"}} ')
+    assert (call.observation, call.tool_calls, call.role, call.done) == ("42", 1, "tool", False)
+    for bad, why in [
+        ('{"name": "calculator", "parameters": {"expression": "6*7"}', "not JSON"),
+        ('{"name": "abacus", "parameters": {}}', "unknown tool"),
+        ('{"name": "calculator", "arguments": {"expression": "6*7"}}', "bad arguments"),
+    ]:
+        answer = step(bad)
+        assert answer.tool_calls == 0 and why in answer.observation and not answer.done
+    assert step("42").done and step("42").answer == "42"
+    # Llama-3.1's built-in tools are called with <|python_tag|> code (a special token, skipped
+    # when the turn is decoded): no syntax reads those calls, the turn is the final answer.
+    builtin = step('calculator.call(expression="6*7")')
+    assert builtin.done and builtin.tool_calls == 0

@@ -12,6 +12,6 @@ def posttrain_add_environments():
         "calculator": tool_environment_spec(
             calculator_environment,
             CalculatorConfig,
-            "integer arithmetic (+ - *) as a tool, in compact or hermes call syntax",
+            "integer arithmetic (+ - *) as a tool, in compact, hermes or llama3_json call syntax",
         ),
     }

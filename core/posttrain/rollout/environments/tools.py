@@ -7,13 +7,18 @@ model (a malformed call, an unknown tool, arguments the tool rejects with :class
 are answered with an error result and the episode goes on: the model may learn from them. A tool
 that raises anything else is a broken environment: its episode ends with reward 0.
 
-Two call syntaxes:
+Three call syntaxes:
 
 * ``hermes``, what Qwen2.5 and Hermes chat models emit:
   ``<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>``,
   answered with a tool message holding the result (through the tokenizer's chat template). The
   tools' JSON schemas go to the chat template (``tools=``) when prompts are rendered, so a
   template that announces tools (Qwen2.5's) tells the model about them in its own words;
+* ``llama3_json``, Llama-3.1's JSON tool calls: a turn that is only
+  ``{"name": "calculator", "parameters": {"expression": "3+4"}}``, ended by the model's
+  end-of-turn token (no stop string), answered with a tool message (Llama-3.1's ``ipython``
+  message); the tools' schemas go to the chat template as with ``hermes``. Calls of Llama's
+  built-in tools (``<|python_tag|>`` code) are not read;
 * ``compact``, for tiny local models: ``<call>3+4</call>`` answered with ``<result>7</result>``
   in the model's own turn. With one tool its name is implicit; with several the call starts
   with it (``<call>calculator 3+4</call>``). The text of the call is the tool's one argument.
@@ -21,6 +26,7 @@ Two call syntaxes:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -68,7 +74,8 @@ class Tool:
 @attrs.frozen(kw_only=True)
 class ToolCall:
     tool: Tool
-    # hermes: keyword arguments; compact: the call's text, the one positional argument.
+    # hermes, llama3_json: keyword arguments; compact: the call's text, the one positional
+    # argument.
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = attrs.field(factory=dict)
 
@@ -78,7 +85,7 @@ class CallSyntax:
     """How calls are written and how results come back."""
 
     open: str
-    close: str  # ends a call turn: the environment's stop string
+    close: str  # ends a call turn: the environment's stop string ("": none)
     role: ObservationRole
     result_format: str  # with {value}
     error_format: str  # with {message}
@@ -86,9 +93,15 @@ class CallSyntax:
     usage: str
     # The chat template's own call format: its tool list is given the tools' schemas.
     templated: bool = False
+    # The call is the turn's whole text, which starts with ``open`` (Llama-3.1's JSON turn);
+    # the model's end-of-turn token ends it.
+    whole_turn: bool = False
 
     def find(self, text: str, tools: dict[str, Tool]) -> ToolCall | None:
         """The turn's first call; None when it makes none (a final answer)."""
+        if self.whole_turn:
+            body = text.strip()
+            return self.parse(body, tools) if body.startswith(self.open) else None
         start = text.find(self.open)
         if start < 0:
             return None
@@ -107,16 +120,18 @@ def _parse_compact(body: str, tools: dict[str, Tool]) -> ToolCall:
     return ToolCall(tool=tools[name], args=(rest.strip(),))
 
 
-def _parse_hermes(body: str, tools: dict[str, Tool]) -> ToolCall:
+def _parse_json_call(body: str, tools: dict[str, Tool], key: str) -> ToolCall:
+    """``{"name": ..., key: {...}}``: hermes names the arguments "arguments", Llama-3.1
+    "parameters"."""
     try:
         call = json.loads(body)
     except json.JSONDecodeError as exc:
         raise ToolError(f"the call is not JSON ({exc.msg})") from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise ToolError('a call is {"name": ..., "arguments": {...}}')
+        raise ToolError(f'a call is {{"name": ..., "{key}": {{...}}}}')
     if call["name"] not in tools:
         raise ToolError(f"unknown tool {call['name']!r}")
-    arguments = call.get("arguments", {})
+    arguments = call.get(key, {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -134,10 +149,22 @@ SYNTAXES = {
         role="tool",
         result_format="{value}",
         error_format="error: {message}",
-        parse=_parse_hermes,
+        parse=functools.partial(_parse_json_call, key="arguments"),
         templated=True,
         usage='Call a tool with <tool_call>{"name": NAME, "arguments": {...}}</tool_call>; '
         "its result comes back as a tool message. Answer without a call when done.",
+    ),
+    "llama3_json": CallSyntax(
+        open="{",
+        close="",
+        role="tool",
+        result_format="{value}",
+        error_format="error: {message}",
+        parse=functools.partial(_parse_json_call, key="parameters"),
+        templated=True,
+        whole_turn=True,
+        usage='Call a tool with a turn that is only {"name": NAME, "parameters": {...}}; its '
+        "result comes back as a tool message. Answer without a call when done.",
     ),
     "compact": CallSyntax(
         open="<call>",
@@ -154,8 +181,9 @@ SYNTAXES = {
 
 
 def syntax_stop_strings(syntax: str) -> tuple[str, ...]:
-    """A call turn ends where its call is closed."""
-    return (SYNTAXES[syntax].close,)
+    """A call turn ends where its call is closed (a whole-turn call: at the end of the turn)."""
+    close = SYNTAXES[syntax].close
+    return (close,) if close else ()
 
 
 class ToolEnvironment:
