@@ -37,6 +37,7 @@ from posttrain.protocol import build_sequence_batch
 from posttrain.rewards.pool import RuleRewards
 from posttrain.rewards.scoring import RewardScorer, make_rule_rewards, reward_tokenizer
 from posttrain.rollout.batches import AsyncBatches, ProducedBatch, SynchronousBatches
+from posttrain.rollout.environments.registry import prompt_tools
 from posttrain.rollout.generation import Rollout
 from posttrain.rollout.groups import collect_groups
 from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
@@ -148,7 +149,8 @@ class Trainer:
             # any rank process does.
             self._start_loggers()
         self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
-        prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer)
+        tools = prompt_tools(wf.environment, hook)
+        prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer, tools)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
         held_out = load_held_out(wf, self.tokenizer)
         self.rule_rewards = make_rule_rewards(wf.reward, hook)

@@ -16,7 +16,7 @@ def posttrain_add_environments():
         "calculator": tool_environment_spec(
             calculator_environment,
             CalculatorConfig,
-            "integer arithmetic (+ - *) as a tool, in compact or hermes call syntax",
+            "integer arithmetic (+ - *) as a tool, in compact, hermes or llama3_json call syntax",
         ),
         "python_sandbox": tool_environment_spec(
             python_sandbox_environment,
