@@ -212,11 +212,27 @@ def cmd_doctor(args, host) -> int:
         table.add_row(info.name, "-", "-", "-", f"[red]plugin failed: {info.error}[/red]")
         worst = EXIT_USER
     console.print(table)
+    console.print(_sandbox_table())
     return worst
 
 
+def _sandbox_table():
+    """Which guarantees the local sandbox (posttrain sandbox run, python_sandbox) has here."""
+    from rich.table import Table
+
+    from posttrain.sandbox.command import guarantee_rows
+
+    table = Table(title="sandbox guarantees on this machine (docs/sandbox.md)")
+    for column in ("guarantee", "holds", "how"):
+        table.add_column(column)
+    colors = {"no": "red", "yes": "green"}
+    for name, holds, how in guarantee_rows():
+        table.add_row(name, f"[{colors.get(holds, 'bold')}]{holds}[/]", how)
+    return table
+
+
 def cmd_run(args, host) -> int:
-    from posttrain.trainer.run import run_workflow
+    from posttrain.trainer.command import run_workflow
 
     workflow, report = _load(args, host)
     report.raise_if_errors(display_path(args.workflow))
@@ -248,6 +264,7 @@ def cmd_stacks(args, host) -> int:
 
 
 def build_parser(host) -> argparse.ArgumentParser:
+    from posttrain.sandbox.command import add_sandbox_parser
     from posttrain.version import __version__
 
     parser = argparse.ArgumentParser(
@@ -308,6 +325,7 @@ def build_parser(host) -> argparse.ArgumentParser:
     p.add_argument("run_dir", help="the run's directory (trainer.output_dir)")
     p.add_argument("--all-threads", action="store_true", help="every thread, not just the main")
     p.set_defaults(handler=cmd_stacks)
+    add_sandbox_parser(sub)
     host.hook.posttrain_add_cli_commands(subparsers=sub)
     return parser
 

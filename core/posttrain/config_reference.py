@@ -23,6 +23,8 @@ from posttrain.config import sections
 from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
 from posttrain.rollout.environments.calculator import CalculatorConfig
+from posttrain.rollout.environments.python_sandbox import PythonSandboxConfig
+from posttrain.sandbox.result import SandboxLimits
 
 HEADER = """\
 # Workflow configuration reference
@@ -245,10 +247,15 @@ def generate() -> str:
     lines.append("\n## Environment configs\n")
     lines.append(
         "`environment.kwargs` is checked against the config class of the environment named in "
-        "`environment.name`; each plugin documents its own. The built-in one:\n"
+        "`environment.name`; each plugin documents its own. The built-in ones:\n"
     )
     lines.append(f"### {CalculatorConfig.__name__} (`environment.name: calculator`)\n")
     lines += _class_table(CalculatorConfig)
+    lines.append(f"\n### {PythonSandboxConfig.__name__} (`environment.name: python_sandbox`)\n")
+    lines.append("The sandbox and its guarantees: docs/sandbox.md.\n")
+    lines += _class_table(PythonSandboxConfig)
+    lines.append(f"\n### {SandboxLimits.__name__} (`python_sandbox`'s `limits`)\n")
+    lines += _class_table(SandboxLimits)
     lines.append("\n## Logger options\n")
     lines.append(
         "`trainer.logger_args.<name>` is checked against the config class of the logger "

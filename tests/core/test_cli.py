@@ -315,7 +315,10 @@ def test_plugins_list_what_each_plugin_adds_by_kind(capsys, monkeypatch):
         "exact_match",
         "numeric_match",
     ]
-    assert plugins["posttrain.rollout.environments.builtin"]["environments"] == ["calculator"]
+    assert plugins["posttrain.rollout.environments.builtin"]["environments"] == [
+        "calculator",
+        "python_sandbox",
+    ]
     transports = plugins["posttrain.weight_sync.builtin"]["weight_transports"]
     assert transports == ["broadcast", "in_process", "shared_memory"]
     assert plugins["posttrain.config.checks"]["commands"] == []

@@ -106,6 +106,29 @@ def test_a_valid_environment_is_typed_and_stops_turns_where_calls_close(host, mo
     assert workflow.actor_infer.generating_args.stop_strings == ["</tool_call>"]
 
 
+def test_python_sandbox_validates_with_its_typed_config(host, model_dir, tmp_path):
+    from posttrain.rollout.environments.python_sandbox import PythonSandboxConfig
+
+    kwargs = {"syntax": "hermes", "isolation": "auto", "limits": {"timeout_s": 3}}
+    workflow, errors = build(
+        host, model_dir, tmp_path, {"name": "python_sandbox", "kwargs": kwargs}
+    )
+    assert errors == []
+    assert isinstance(workflow.environment.kwargs, PythonSandboxConfig)
+    assert workflow.environment.kwargs.limits.timeout_s == 3
+    assert workflow.actor_infer.generating_args.stop_strings == ["</tool_call>"]
+    _, errors = build(
+        host,
+        model_dir,
+        tmp_path,
+        {"name": "python_sandbox", "kwargs": {"limits": {"timout_s": 3, "memory_mb": 0}}},
+    )
+    assert {(e.path, e.message.split(";")[0]) for e in errors} == {
+        ("environment.kwargs.limits.timout_s", "unknown key"),
+        ("environment.kwargs.limits.memory_mb", "0 is out of range"),
+    }
+
+
 # -- the calculator and the call syntaxes ------------------------------------------------------
 
 

@@ -21,7 +21,10 @@ from posttrain.launch.stacks import (
     StackTarget,
     collect_stacks,
     file_head,
+    install_stack_dump,
     summary_lines,
+    target,
+    this_node,
 )
 from posttrain.paths import display_path
 
@@ -54,6 +57,25 @@ class HangWatch:
         self._reported: set = set()
         self._lock = threading.Lock()
         self._report_lock = threading.Lock()
+
+    @classmethod
+    def for_driver(
+        cls, run_dir: str, cluster: Any, show: Callable[[str], None], device: str
+    ) -> HangWatch:
+        """The driver's watchdog over every call to the ranks (docs/hangs.md), with the
+        ``cluster`` section's thresholds; the driver's own stacks can be asked for too."""
+        stacks = os.path.join(run_dir, "logs", "driver.stacks")
+        install_stack_dump(stacks)
+        if device == "cuda":  # where NCCL's flight recorder is dumped (rank_env)
+            os.makedirs(os.path.join(run_dir, "hangs"), exist_ok=True)
+        return cls(
+            run_dir,
+            cluster.hang_report_s,
+            cluster.call_timeout_s,
+            show=show,
+            device=device,
+            own=(target("driver", os.getpid(), this_node(), stacks),),
+        )
 
     def targets(self) -> list[StackTarget]:
         """Every process of the run: the driver and each rank the launcher started."""

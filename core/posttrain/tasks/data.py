@@ -6,6 +6,7 @@ import json
 import os
 import random
 from collections.abc import Mapping
+from typing import Any
 
 import attrs
 
@@ -103,7 +104,11 @@ def read_records(cfg: DataConfig, base_dir: str) -> list[dict]:
     return records
 
 
-def load_prompts(cfg: DataConfig, base_dir: str, tokenizer) -> list[Prompt]:
+def load_prompts(
+    cfg: DataConfig, base_dir: str, tokenizer, tools: list[dict[str, Any]] | None = None
+) -> list[Prompt]:
+    """The dataset's prompts, rendered through the tokenizer's chat template when it applies;
+    ``tools`` (the environment's tool schemas) go to the template's tool list."""
     records = read_records(cfg, base_dir)
     prompt_key, answer_key = (
         ("prompt", "answer") if cfg.synthetic else (cfg.prompt_key, cfg.answer_key)
@@ -123,7 +128,10 @@ def load_prompts(cfg: DataConfig, base_dir: str, tokenizer) -> list[Prompt]:
         text = str(record[prompt_key])
         if use_template:
             ids = tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+                [{"role": "user", "content": text}],
+                tools=tools,
+                add_generation_prompt=True,
+                tokenize=True,
             )
             if isinstance(ids, Mapping):  # transformers 5 returns a BatchEncoding (a UserDict)
                 ids = ids["input_ids"]

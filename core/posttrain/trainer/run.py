@@ -18,10 +18,9 @@ from posttrain.algorithms.registry import advantage_estimator
 from posttrain.backends.models import load_tokenizer
 from posttrain.checkpoint import manager as ckpt
 from posttrain.checkpoint import plugin_files
-from posttrain.checkpoint.manifest import package_versions
 from posttrain.checkpoint.record import RECORD, plain, workflow_record
 from posttrain.checkpoint.resume import Resumable, checkpoint_to_resume, rerun_hint, verified
-from posttrain.checkpoint.saver import CheckpointSaver
+from posttrain.checkpoint.schedule import RunCheckpoints
 from posttrain.config.sections import Workflow
 from posttrain.errors import RunInterrupted, WorkerError
 from posttrain.evaluation.phase import Evaluation, load_held_out
@@ -30,10 +29,7 @@ from posttrain.launch.hang_watch import HangWatch
 from posttrain.launch.placement import TimeSharing
 from posttrain.launch.plan import resolve_device, start_groups
 from posttrain.launch.stacks import (
-    install_stack_dump,
     remove_processes,
-    target,
-    this_node,
     write_processes,
 )
 from posttrain.paths import display_path
@@ -41,20 +37,20 @@ from posttrain.protocol import build_sequence_batch
 from posttrain.rewards.pool import RuleRewards
 from posttrain.rewards.scoring import RewardScorer, make_rule_rewards, reward_tokenizer
 from posttrain.rollout.batches import AsyncBatches, ProducedBatch, SynchronousBatches
+from posttrain.rollout.environments.registry import prompt_tools
 from posttrain.rollout.generation import Rollout
 from posttrain.rollout.groups import collect_groups
 from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
 from posttrain.tasks.data import PromptSampler, load_prompts
-from posttrain.trainer.call_stats import add_call_stats, phase_call_stats, split_by_caller
+from posttrain.trainer.call_stats import phase_call_stats, split_by_caller
 from posttrain.trainer.logger_registry import make_loggers
-from posttrain.trainer.phase_timer import PHASES, PhaseTimer
+from posttrain.trainer.phase_timer import PhaseTimer
 from posttrain.trainer.plugin_metrics import contributed_metrics
 from posttrain.trainer.step_log import StepLog
+from posttrain.trainer.step_metrics import add_timings, staleness
 from posttrain.training.update import update
 from posttrain.weight_sync.driver import make_transport, sync_weights
 
-# Roles whose state a checkpoint must hold (rollout and reference are rebuilt from them).
-TRAINED_ROLES = ("actor_train", "critic")
 # Every step's metrics, the driver's own record: a resumed run reads back the steps before its
 # checkpoint from here (checkpoints do not copy the history).
 HISTORY = "history.jsonl"
@@ -86,8 +82,7 @@ class Trainer:
         self.batches: SynchronousBatches | AsyncBatches | None = None
         self.rollout: Rollout | None = None
         self._stats_groups: dict[str, WorkerGroup] = {}  # asked for rank figures by the loop
-        # The run's checkpoint saver, made at the first save (see posttrain.checkpoint.saver).
-        self._saver: CheckpointSaver | None = None
+        self.checkpoints: RunCheckpoints | None = None  # made with the rank processes
         self.steps_run = 0  # steps this run (a resumed run starts after its checkpoint's)
         self.history: list[dict[str, float]] = []  # every step's metrics, the run's first on
         # The checkpoint to resume from, when it is at trainer.max_steps already.
@@ -110,8 +105,8 @@ class Trainer:
         try:
             self._start(checkpoint)
             self._loop()
-            if self._saver is not None:
-                self._saver.wait()  # the run ends when its last checkpoint is complete
+            if self.checkpoints is not None:
+                self.checkpoints.wait()  # the run ends when its last checkpoint is complete
         except KeyboardInterrupt:
             self._close()  # a save in flight stays incomplete, and is never resumed from
             raise RunInterrupted(self._rerun_hint()) from None
@@ -155,16 +150,23 @@ class Trainer:
             # any rank process does.
             self._start_loggers()
         self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
-        prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer)
+        tools = prompt_tools(wf.environment, hook)
+        prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer, tools)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
         held_out = load_held_out(wf, self.tokenizer)
         self.rule_rewards = make_rule_rewards(wf.reward, hook)
         self.estimator = advantage_estimator(wf.algorithm, hook)
-        self.watch = self._hang_watch()
+        self.watch = HangWatch.for_driver(
+            self.run_dir,
+            wf.cluster,
+            show=lambda text: self.console.print(text, markup=False, highlight=False),
+            device=self.device,
+        )
         self.launcher, self.groups = start_groups(
             wf, self.host, self.run_dir, self.device, self.console, self.watch
         )
         write_processes(self.run_dir, self.watch.targets())  # for posttrain stacks
+        self.checkpoints = RunCheckpoints(wf, self.host, self.run_dir, self.groups, self.record)
         self.sharing = TimeSharing(self.groups, enabled=self.device == "cuda")
         self.transport = make_transport(
             hook,
@@ -209,23 +211,6 @@ class Trainer:
             config=plain(self.wf),
         ):
             self.host.pm.register(logger, name=f"logger-{name}")
-
-    def _hang_watch(self) -> HangWatch:
-        """The driver's watchdog over every call to the ranks (docs/hangs.md); the driver's
-        own stacks can be asked for too."""
-        stacks = os.path.join(self.run_dir, "logs", "driver.stacks")
-        install_stack_dump(stacks)
-        if self.device == "cuda":  # where NCCL's flight recorder is dumped (rank_env)
-            os.makedirs(os.path.join(self.run_dir, "hangs"), exist_ok=True)
-        c = self.wf.cluster
-        return HangWatch(
-            self.run_dir,
-            c.hang_report_s,
-            c.call_timeout_s,
-            show=lambda text: self.console.print(text, markup=False, highlight=False),
-            device=self.device,
-            own=(target("driver", os.getpid(), this_node(), stacks),),
-        )
 
     def _resume(self, checkpoint: Resumable, sampler: PromptSampler) -> None:
         for role in checkpoint.manifest.roles:
@@ -290,9 +275,9 @@ class Trainer:
         if self.evaluation is not None:
             self.evaluation.close()
             self.evaluation = None
-        if self._saver is not None:
-            self._saver.close()
-            self._saver = None
+        if self.checkpoints is not None:
+            self.checkpoints.close()
+            self.checkpoints = None
         if self.launcher is not None:
             remove_processes(self.run_dir)
             self.launcher.shutdown()
@@ -302,7 +287,7 @@ class Trainer:
 
     def _loop(self) -> None:
         t = self.wf.trainer
-        saves = [step for step in range(1, t.max_steps + 1) if self._saves_at(step)]
+        saves = [step for step in range(1, t.max_steps + 1) if self.checkpoints.due(step)]
         saved = sum(step <= self.state.step for step in saves)
         timer = PhaseTimer(
             self.console,
@@ -338,9 +323,9 @@ class Trainer:
                 # live copy).
                 self._history_log.append(metrics)
                 self.steps_run += 1
-                if self._saves_at(self.state.step):
+                if self.checkpoints.due(self.state.step):
                     with timer.phase("checkpoint"):
-                        self._checkpoint()
+                        self.checkpoints.save(self.state.step, attrs.asdict(self.state))
                     self._time_step(metrics, timer, step_start, calls_before, tokens)
                 self.host.hook.posttrain_log_metrics(
                     step=self.state.step, metrics=metrics, run_dir=self.run_dir
@@ -415,7 +400,7 @@ class Trainer:
             **produced.sampling_metrics,
             **produced.timings,
             **produced.rank_stats,
-            **self._staleness(produced),
+            **staleness(self.state.step, produced, algo.max_staleness),
             **kl_metrics,
             **adv_metrics,
             **train_metrics,
@@ -426,75 +411,7 @@ class Trainer:
         train, infer = self.groups["actor_train"], self.groups["actor_infer"]
         return sync_weights(self.host.hook, train, infer, self.transport)
 
-    def _staleness(self, produced: ProducedBatch) -> dict[str, float]:
-        """How many updates behind the trainer the policy that sampled the batch is."""
-        if not self.wf.algorithm.max_staleness:
-            return {}
-        return {
-            "async/staleness": float(self.state.step - 1 - produced.policy_version),
-            "async/policy_version": float(produced.policy_version),
-        }
-
     def _time_step(self, metrics, timer: PhaseTimer, start: float, calls_before: int, tokens):
-        """The step's timings so far: each phase, the whole step, and the driver's own work
-        (what the phases do not account for, and its calls)."""
-        metrics.update(timer.pop())
-        metrics["time/step"] = time.perf_counter() - start
-        phases = sum(v for k, v in metrics.items() if k.removeprefix("time/") in PHASES)
-        metrics["time/outside_phases"] = metrics["time/step"] - phases
-        metrics["driver/calls"] = float(self.launcher.driver_calls() - calls_before)
-        metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
+        calls = float(self.launcher.driver_calls() - calls_before)
+        add_timings(metrics, timer, start, calls, tokens, self._stats_groups)
         metrics["step"] = self.state.step
-        add_call_stats(metrics, phase_call_stats(self._stats_groups))
-
-    # -- checkpoints -------------------------------------------------------------------------
-
-    def _saves_at(self, step: int) -> bool:
-        t = self.wf.trainer
-        return bool(t.save_steps and step % t.save_steps == 0) or (
-            t.save_final and step == t.max_steps
-        )
-
-    def _checkpoint(self) -> None:
-        """Save every trained role; the loop waits only while the ranks copy their state to
-        host memory (``trainer.async_save``), the files are written while it goes on."""
-        if self._saver is None:
-            roles = [role for role in TRAINED_ROLES if role in self.groups]
-            self._saver = CheckpointSaver(
-                self.run_dir,
-                {role: self.groups[role] for role in roles},
-                {role: getattr(self.wf, role).strategy_args.strategy_name for role in roles},
-                package_versions(self.host.plugins),
-                self.wf.trainer.save_total_limit,
-                background=self.wf.trainer.async_save,
-                saved=lambda path, manifest: self.host.hook.posttrain_checkpoint_saved(
-                    checkpoint_dir=path, manifest=manifest
-                ),
-                record=self.record,
-            )
-        files = plugin_files.collect(self.host, self.state.step, self.run_dir)
-        self._saver.save(self.state.step, attrs.asdict(self.state), files)
-
-
-def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> list[dict]:
-    from rich.console import Console
-
-    console = console or Console()
-    trainer = Trainer(workflow, host, console, source=source)
-    console.print(f"run directory: {display_path(trainer.run_dir)}")
-    history = trainer.run()
-    if trainer.nothing_to_run:
-        steps = workflow.trainer.max_steps
-        console.print(
-            f"nothing to run: {display_path(trainer.nothing_to_run)} is at step "
-            f"{trainer.state.step} and trainer.max_steps is {steps}; raise it to train on "
-            f"(--set trainer.max_steps={max(steps, trainer.state.step) * 2}); the run directory "
-            "is unchanged"
-        )
-        return history
-    first = trainer.state.step - trainer.steps_run + 1
-    console.print(
-        f"done: {trainer.steps_run} steps this run (steps {first}-{trainer.state.step}); curves at "
-        f"{display_path(os.path.join(trainer.run_dir, 'curves.png'))}"
-    )
-    return history

@@ -3,6 +3,10 @@ reported as a conflict rather than silently replacing them)."""
 
 from posttrain.hookspecs import hookimpl
 from posttrain.rollout.environments.calculator import CalculatorConfig, calculator_environment
+from posttrain.rollout.environments.python_sandbox import (
+    PythonSandboxConfig,
+    python_sandbox_environment,
+)
 from posttrain.rollout.environments.tools import tool_environment_spec
 
 
@@ -12,6 +16,11 @@ def posttrain_add_environments():
         "calculator": tool_environment_spec(
             calculator_environment,
             CalculatorConfig,
-            "integer arithmetic (+ - *) as a tool, in compact or hermes call syntax",
+            "integer arithmetic (+ - *) as a tool, in compact, hermes or llama3_json call syntax",
+        ),
+        "python_sandbox": tool_environment_spec(
+            python_sandbox_environment,
+            PythonSandboxConfig,
+            "a python tool: the model's code runs in a sandbox, its output is the observation",
         ),
     }

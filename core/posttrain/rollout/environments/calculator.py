@@ -25,8 +25,9 @@ class CalculatorConfig:
 
     # compact: `<call>3+4</call>` answered with `<result>7</result>` (tiny local models);
     # hermes: `<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>`
-    # answered with a tool message (Qwen2.5 and Hermes chat models).
-    syntax: Literal["compact", "hermes"] = "compact"
+    # answered with a tool message (Qwen2.5 and Hermes chat models); llama3_json: a turn that is
+    # only `{"name": "calculator", "parameters": {"expression": "3+4"}}` (Llama-3.1).
+    syntax: Literal["compact", "hermes", "llama3_json"] = "compact"
     # Longest expression evaluated, in characters; longer ones get an error result.
     max_length: int = attrs.field(default=32, validator=at_least(1))
     # Append the call syntax and the tool's documentation to the prompt.
@@ -79,5 +80,12 @@ def calculator_environment(config: CalculatorConfig) -> ToolEnvironment:
         name="calculator",
         function=calculator,
         doc="expression: integers with + - * (no division)",
+        parameters={
+            "type": "object",
+            "properties": {
+                "expression": {"type": "string", "description": "e.g. 12*3+4"},
+            },
+            "required": ["expression"],
+        },
     )
     return ToolEnvironment([tool], syntax=config.syntax, announce=config.announce)

@@ -14,7 +14,7 @@ driver's threads or in worker processes (``environment.isolation``). Each call r
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, Literal, Protocol
 
 import attrs
@@ -93,8 +93,17 @@ class EnvironmentSpec:
     # fixed, or computed from the structured config. They are added to the rollout role's
     # generating_args.stop_strings, so engines that set up stop strings at start see them too.
     stop_strings: tuple[str, ...] | Callable[[Any], tuple[str, ...]] = ()
+    # The tools the model may call, as chat templates take them (OpenAI function schemas:
+    # ``{"type": "function", "function": {"name", "description", "parameters"}}``): fixed, or
+    # computed from the structured config. Prompts are rendered with ``tools=`` these, so a
+    # template that lists tools (Qwen2.5, Llama-3.1) announces them; empty: no tool list.
+    tools: tuple[dict[str, Any], ...] | Callable[[Any], Sequence[dict[str, Any]]] = ()
     description: str = ""
 
     def stops(self, config: Any) -> tuple[str, ...]:
         """The stop strings for one structured ``config``."""
         return self.stop_strings(config) if callable(self.stop_strings) else self.stop_strings
+
+    def tool_schemas(self, config: Any) -> list[dict[str, Any]]:
+        """The tools' schemas for one structured ``config``."""
+        return list(self.tools(config) if callable(self.tools) else self.tools)

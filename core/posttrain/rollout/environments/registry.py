@@ -24,3 +24,13 @@ def environment_factory(name: str, spec: EnvironmentSpec) -> Callable[[Any], Env
     if not callable(factory):
         raise UserError(f"environment '{name}': factory '{spec.factory}' is not callable")
     return factory
+
+
+def prompt_tools(config, hook) -> list[dict[str, Any]] | None:
+    """The tool schemas prompts are rendered with (``apply_chat_template(tools=...)``) under the
+    workflow's ``environment`` section (its kwargs structured); None without an environment or
+    without tools."""
+    if config.name is None:
+        return None
+    spec = environment_specs(hook)[config.name]
+    return spec.tool_schemas(config.kwargs) or None

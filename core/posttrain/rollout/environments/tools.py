@@ -7,11 +7,18 @@ model (a malformed call, an unknown tool, arguments the tool rejects with :class
 are answered with an error result and the episode goes on: the model may learn from them. A tool
 that raises anything else is a broken environment: its episode ends with reward 0.
 
-Two call syntaxes:
+Three call syntaxes:
 
 * ``hermes``, what Qwen2.5 and Hermes chat models emit:
   ``<tool_call>{"name": "calculator", "arguments": {"expression": "3+4"}}</tool_call>``,
-  answered with a tool message holding the result (through the tokenizer's chat template);
+  answered with a tool message holding the result (through the tokenizer's chat template). The
+  tools' JSON schemas go to the chat template (``tools=``) when prompts are rendered, so a
+  template that announces tools (Qwen2.5's) tells the model about them in its own words;
+* ``llama3_json``, Llama-3.1's JSON tool calls: a turn that is only
+  ``{"name": "calculator", "parameters": {"expression": "3+4"}}``, ended by the model's
+  end-of-turn token (no stop string), answered with a tool message (Llama-3.1's ``ipython``
+  message); the tools' schemas go to the chat template as with ``hermes``. Calls of Llama's
+  built-in tools (``<|python_tag|>`` code) are not read;
 * ``compact``, for tiny local models: ``<call>3+4</call>`` answered with ``<result>7</result>``
   in the model's own turn. With one tool its name is implicit; with several the call starts
   with it (``<call>calculator 3+4</call>``). The text of the call is the tool's one argument.
@@ -19,6 +26,7 @@ Two call syntaxes:
 
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 from collections.abc import Callable, Sequence
@@ -45,12 +53,29 @@ class Tool:
     function: Callable[..., Any]
     # One line on the arguments, for the tools' documentation: "expression: digits with + - *".
     doc: str
+    # JSON schema of the keyword arguments (hermes), for the chat template's tool list; None:
+    # every parameter of ``function`` as a string, required unless it has a default.
+    parameters: dict[str, Any] | None = None
+
+    def schema(self) -> dict[str, Any]:
+        """The tool as chat templates take it (``apply_chat_template(tools=[...])``)."""
+        parameters = self.parameters
+        if parameters is None:
+            signature = inspect.signature(self.function).parameters.values()
+            parameters = {
+                "type": "object",
+                "properties": {p.name: {"type": "string"} for p in signature},
+                "required": [p.name for p in signature if p.default is inspect.Parameter.empty],
+            }
+        function = {"name": self.name, "description": self.doc, "parameters": parameters}
+        return {"type": "function", "function": function}
 
 
 @attrs.frozen(kw_only=True)
 class ToolCall:
     tool: Tool
-    # hermes: keyword arguments; compact: the call's text, the one positional argument.
+    # hermes, llama3_json: keyword arguments; compact: the call's text, the one positional
+    # argument.
     args: tuple[Any, ...] = ()
     kwargs: dict[str, Any] = attrs.field(factory=dict)
 
@@ -60,15 +85,23 @@ class CallSyntax:
     """How calls are written and how results come back."""
 
     open: str
-    close: str  # ends a call turn: the environment's stop string
+    close: str  # ends a call turn: the environment's stop string ("": none)
     role: ObservationRole
     result_format: str  # with {value}
     error_format: str  # with {message}
     parse: Callable[[str, dict[str, Tool]], ToolCall]  # the call's text -> a call, or ToolError
     usage: str
+    # The chat template's own call format: its tool list is given the tools' schemas.
+    templated: bool = False
+    # The call is the turn's whole text, which starts with ``open`` (Llama-3.1's JSON turn);
+    # the model's end-of-turn token ends it.
+    whole_turn: bool = False
 
     def find(self, text: str, tools: dict[str, Tool]) -> ToolCall | None:
         """The turn's first call; None when it makes none (a final answer)."""
+        if self.whole_turn:
+            body = text.strip()
+            return self.parse(body, tools) if body.startswith(self.open) else None
         start = text.find(self.open)
         if start < 0:
             return None
@@ -87,16 +120,18 @@ def _parse_compact(body: str, tools: dict[str, Tool]) -> ToolCall:
     return ToolCall(tool=tools[name], args=(rest.strip(),))
 
 
-def _parse_hermes(body: str, tools: dict[str, Tool]) -> ToolCall:
+def _parse_json_call(body: str, tools: dict[str, Tool], key: str) -> ToolCall:
+    """``{"name": ..., key: {...}}``: hermes names the arguments "arguments", Llama-3.1
+    "parameters"."""
     try:
         call = json.loads(body)
     except json.JSONDecodeError as exc:
         raise ToolError(f"the call is not JSON ({exc.msg})") from None
     if not isinstance(call, dict) or not isinstance(call.get("name"), str):
-        raise ToolError('a call is {"name": ..., "arguments": {...}}')
+        raise ToolError(f'a call is {{"name": ..., "{key}": {{...}}}}')
     if call["name"] not in tools:
         raise ToolError(f"unknown tool {call['name']!r}")
-    arguments = call.get("arguments", {})
+    arguments = call.get(key, {})
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
@@ -114,9 +149,22 @@ SYNTAXES = {
         role="tool",
         result_format="{value}",
         error_format="error: {message}",
-        parse=_parse_hermes,
+        parse=functools.partial(_parse_json_call, key="arguments"),
+        templated=True,
         usage='Call a tool with <tool_call>{"name": NAME, "arguments": {...}}</tool_call>; '
         "its result comes back as a tool message. Answer without a call when done.",
+    ),
+    "llama3_json": CallSyntax(
+        open="{",
+        close="",
+        role="tool",
+        result_format="{value}",
+        error_format="error: {message}",
+        parse=functools.partial(_parse_json_call, key="parameters"),
+        templated=True,
+        whole_turn=True,
+        usage='Call a tool with a turn that is only {"name": NAME, "parameters": {...}}; its '
+        "result comes back as a tool message. Answer without a call when done.",
     ),
     "compact": CallSyntax(
         open="<call>",
@@ -133,8 +181,9 @@ SYNTAXES = {
 
 
 def syntax_stop_strings(syntax: str) -> tuple[str, ...]:
-    """A call turn ends where its call is closed."""
-    return (SYNTAXES[syntax].close,)
+    """A call turn ends where its call is closed (a whole-turn call: at the end of the turn)."""
+    close = SYNTAXES[syntax].close
+    return (close,) if close else ()
 
 
 class ToolEnvironment:
@@ -151,6 +200,11 @@ class ToolEnvironment:
         """The call syntax and one line per tool."""
         lines = [self.syntax.usage] + [f"{t.name}({t.doc})" for t in self.tools.values()]
         return "\n".join(lines) + "\n"
+
+    def schemas(self) -> list[dict[str, Any]]:
+        """The tools for the chat template's tool list; none when the syntax is not the
+        template's (compact calls would contradict what the template tells the model)."""
+        return [tool.schema() for tool in self.tools.values()] if self.syntax.templated else []
 
     def reset(self, prompt) -> str | None:
         return self.instructions() if self.announce else None
@@ -185,5 +239,6 @@ def tool_environment_spec(
         factory=factory,
         config_class=config_class,
         stop_strings=lambda config: syntax_stop_strings(config.syntax),
+        tools=lambda config: factory(config).schemas(),
         description=description,
     )
