@@ -92,6 +92,22 @@ def test_the_environment_section_is_checked_all_at_once(host, model_dir, tmp_pat
     assert "did you mean 'syntax'" in errors[0].hint
 
 
+def test_process_isolation_needs_an_environment_it_can_send(host, model_dir, tmp_path):
+    class Local:
+        @hookimpl
+        def posttrain_add_environments(self):
+            return {"local": EnvironmentSpec(factory=lambda config: env_support.Countdown(config))}
+
+    host.pm.register(Local(), name="local")
+    _, errors = build(host, model_dir, tmp_path, {"name": "local", "isolation": "process"})
+    assert [e.path for e in errors] == ["environment.isolation"]
+    assert "cannot be sent to a worker process" in errors[0].message
+    assert "isolation: thread" in errors[0].hint
+    # The same environment in threads, and a module-level one in processes, are fine.
+    assert build(host, model_dir, tmp_path, {"name": "local"})[1] == []
+    assert build(host, model_dir, tmp_path, {"name": "hostile", "isolation": "process"})[1] == []
+
+
 def test_a_valid_environment_is_typed_and_stops_turns_where_calls_close(host, model_dir, tmp_path):
     # An environment needs no reward.function: it rewards on its own.
     workflow, errors = build(
