@@ -91,6 +91,7 @@ class Unbuildable(Countdown):
     """Its constructor raises."""
 
     def __init__(self, config: dict):
+        note_pid(config, os.getpid())
         raise ValueError("no such board size")
 
 

@@ -45,23 +45,29 @@ trainer: {max_steps: 2, save_final: false, output_dir: run, logger: [jsonl], pro
 """
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(120)
-def test_a_run_with_a_broken_environment_goes_on(tmp_path, e2e_cache):
+def run_workflow(tmp_path, *overrides: str) -> subprocess.CompletedProcess:
+    """``posttrain run`` of WORKFLOW (``--set`` ``overrides``) in ``tmp_path``."""
     (tmp_path / "workflow.yaml").write_text(textwrap.dedent(WORKFLOW))
     (tmp_path / "pids").mkdir()
     records = [{"prompt": f"0+{a}=", "answer": str(a)} for a in range(4)]
     (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     env = run_env()
     env["PYTHONPATH"] = os.pathsep.join([str(CORE_TESTS), env["PYTHONPATH"]])
-    proc = subprocess.run(
-        posttrain_cmd("run", str(tmp_path / "workflow.yaml")),
+    sets = [arg for override in overrides for arg in ("--set", override)]
+    return subprocess.run(
+        posttrain_cmd("run", str(tmp_path / "workflow.yaml"), *sets),
         capture_output=True,
         text=True,
         env=env,
         cwd=tmp_path,
         timeout=110,
     )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_run_with_a_broken_environment_goes_on(tmp_path, e2e_cache):
+    proc = run_workflow(tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     metrics = read_metrics(tmp_path / "run")
     assert [m["step"] for m in metrics] == [1, 2]
@@ -81,3 +87,26 @@ def test_a_run_with_a_broken_environment_goes_on(tmp_path, e2e_cache):
     pids = [int(p) for p in os.listdir(tmp_path / "pids")]
     assert len(set(pids)) >= 4
     assert not [p for p in pids if os.path.exists(f"/proc/{p}")]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(120)
+def test_a_run_whose_every_episode_keeps_failing_stops(tmp_path, e2e_cache):
+    proc = run_workflow(
+        tmp_path,
+        "environment.name=unbuildable",  # its constructor raises
+        "environment.max_failed_steps=2",
+        "trainer.max_steps=4",
+    )
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    # Step 1 is warned about and trains on nothing; step 2 stops the run, no traceback shown.
+    assert [m["step"] for m in read_metrics(tmp_path / "run")] == [1]
+    assert "step 1: 8 of 8 episodes failed" in proc.stderr and "EVERY episode" in proc.stderr
+    assert (
+        "error: environment 'unbuildable': every episode failed in 2 step(s) in a row "
+        "(environment.max_failed_steps: 2)" in proc.stderr
+    )
+    assert "the constructor (Unbuildable) raised ValueError" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    pids = [int(p) for p in os.listdir(tmp_path / "pids")]  # the worker processes
+    assert len(pids) == 4 and not [p for p in pids if os.path.exists(f"/proc/{p}")]
