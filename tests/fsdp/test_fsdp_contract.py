@@ -26,3 +26,13 @@ class TestFSDP2TrainLoraContract(StrategyContract):
     strategy = "fsdp2_train"
     world_size = 2
     lora = LoraArgs(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
+
+    # CI time: the LoRA-specific tests only (the LoRA resume is tests/e2e/test_lora.py's, bitwise
+    # through a SIGKILL); the rest is TestFSDP2TrainContract's, unchanged by adapters.
+    test_declared_capabilities_match_implemented_hooks = None
+    test_setup_reports_data_parallel_coordinates = None
+    test_logprobs_match_transformers_forward = None
+    test_checkpoint_round_trip_is_exact = None
+    test_critic_values_match_transformers_forward = None
+    test_critic_checkpoint_round_trip_is_exact = None
+    test_critic_value_step_reduces_value_loss = None

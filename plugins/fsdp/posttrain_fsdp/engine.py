@@ -61,7 +61,6 @@ from posttrain import (
     settle_cuda,
     torch_dtype,
 )
-
 from posttrain_fsdp import lora
 
 if TYPE_CHECKING:
@@ -133,7 +132,9 @@ def load_model(worker: WorkerContext):
     if actor is not None:
         # The reference of a LoRA actor is its base: the actor's model with adapters disabled
         # (compute_logprobs), not a second copy.
-        log.info("fsdp: %s uses %s's model with its LoRA adapters disabled", worker.role, actor.role)
+        log.info(
+            "fsdp: %s uses %s's model with its LoRA adapters disabled", worker.role, actor.role
+        )
         worker.state["lender"] = actor
         worker.state["step"] = 0
         return actor.model

@@ -79,8 +79,27 @@ def wrap(worker: WorkerContext, model) -> Any:
             f"{worker.role}.model_args.lora.target_modules: {list(args.target_modules)} adapts "
             f"{', '.join(odd)}; posttrain merges adapters of linear modules only: name linears"
         )
+    shared = _shared_adapted_weights(peft_model)
+    if shared:
+        raise UserError(
+            f"{worker.role}.model_args.lora.target_modules: {', '.join(shared)} shares its "
+            "weight with another module (tied embeddings): its merged weight could not be "
+            "synced or exported; leave it out of target_modules"
+        )
     _ACTORS[worker.model_args.model_name_or_path or ""] = worker
     return peft_model
+
+
+def _shared_adapted_weights(model) -> list[str]:
+    """Adapted modules whose base weight is also another module's (a tied output layer)."""
+    uses: dict[int, int] = {}
+    for _, param in model.named_parameters(remove_duplicate=False):
+        uses[id(param)] = uses.get(id(param), 0) + 1
+    return sorted(
+        name.removeprefix(_PEFT_PREFIX)
+        for name, layer in lora_layers(model).items()
+        if uses.get(id(layer.base_layer.weight), 0) > 1
+    )
 
 
 def lender(worker: WorkerContext) -> WorkerContext | None:
