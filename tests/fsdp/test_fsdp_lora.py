@@ -18,7 +18,12 @@ from posttrain_fsdp import lora
 def worker(preset: str = "preset:tiny-qwen3", **lora_kwargs):
     args = ModelArgs(model_name_or_path=preset, lora=LoraArgs(**lora_kwargs))
     return types.SimpleNamespace(
-        role="actor_train", strategy_name="fsdp2_train", head="lm", model_args=args, world_size=1
+        role="actor_train",
+        strategy_name="fsdp2_train",
+        head="lm",
+        model_args=args,
+        world_size=1,
+        seed=7,
     )
 
 

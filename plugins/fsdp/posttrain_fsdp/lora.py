@@ -58,7 +58,12 @@ def wrap(worker: WorkerContext, model) -> Any:
         task_type="CAUSAL_LM",
     )
     try:
-        peft_model = get_peft_model(model, config)
+        # lora_A's random init from the run's seed alone: the same on every rank and in every
+        # run of the workflow, whatever drew from the global generator before (a preset built
+        # on first use, another role loaded first); the global generator is left as it was.
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(worker.seed)
+            peft_model = get_peft_model(model, config)
     except ValueError as exc:  # peft's "Target modules {...} not found in the base model"
         linears = sorted(
             {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m) is torch.nn.Linear}
