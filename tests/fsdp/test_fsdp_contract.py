@@ -3,9 +3,16 @@
 import pytest
 
 from posttrain.config.sections import LoraArgs
+from posttrain.protocol import concat_tensor_rows
 from posttrain.testing import StrategyContract
+from posttrain.testing.expected import reference_logprobs, synthetic_train_batch
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+
+
+def uses_the_actors_model(runtime) -> bool:
+    """``run_function`` target on a reference rank: whether it holds the actor's model."""
+    return runtime.ctx.model is runtime.peers["actor_train"].ctx.model
 
 
 class TestFSDP2TrainContract(StrategyContract):
@@ -36,3 +43,20 @@ class TestFSDP2TrainLoraContract(StrategyContract):
     test_critic_values_match_transformers_forward = None
     test_critic_checkpoint_round_trip_is_exact = None
     test_critic_value_step_reduces_value_loss = None
+
+    def test_reference_beside_the_actor_is_the_base_with_adapters_off(self, start, tiny_model_path):
+        """fsdp2_infer as the reference in the actor's processes borrows the actor's model: after
+        a step its log-probs are still the base model's, while the actor's have moved."""
+        trainer, reference = start(beside=("fsdp2_infer", "reference"))
+        assert trainer.shares_processes_with(reference)
+        # No second copy: on every rank the reference's model is the actor's.
+        assert reference.call("run_function", f"{__name__}:uses_the_actors_model") == [True, True]
+        batch = synthetic_train_batch(dp_size=trainer.dp_size)
+        trainer.call_dp("train_step", batch.split(trainer.dp_size))
+        probe = synthetic_train_batch()
+        base = reference_logprobs(tiny_model_path, None, probe)
+        ref = concat_tensor_rows(reference.call_dp("compute_logprobs", probe.split(2)))
+        actor = concat_tensor_rows(trainer.call_dp("compute_logprobs", probe.split(2)))
+        mask = probe.attention_mask
+        assert float(((ref * mask) - base).abs().max()) <= self.logprob_tolerance
+        assert float(((actor * mask) - base).abs().max()) > 1e-3
