@@ -365,8 +365,10 @@ def _merged(
         if prefix != name and prefix in layers:
             a_key, b_key = lora.adapter_keys(prefix)
             full = lora.merged(full, _full(state[a_key]), _full(state[b_key]), layers[prefix])
-        if keep:
-            tensor = full.detach().to(device=device or full.device, dtype=dtype)
+        if keep and device is None:
+            tensor = full.detach().to(dtype=dtype)
+        elif keep:
+            tensor = full.detach().to(device=device, dtype=dtype, copy=True)
         else:
             tensor = torch.empty(full.shape, dtype=dtype, device="meta")
         del full
