@@ -5,10 +5,14 @@ CUDA, with each row's ratio to the first strategy's tokens/s.
     python benchmarks/train_throughput.py --device cuda --ranks 2 --shape qwen2-1.5b \
         --batch 4 --seq 2048 --dtype bf16 --strategies fsdp2_train+deepspeed_train:zero_stage=3
     python benchmarks/train_throughput.py --ranks 1 --batch 1 --seq 32 --steps 1  # smoke check
+    python benchmarks/train_throughput.py --device cuda --ranks 1 --shape qwen2-1.5b --batch 4 \
+        --seq 2048 --dtype bf16 --strategies fsdp2_train+fsdp2_train:lora_rank=16,lora_alpha=32
 
 Mixed precision (``--dtype bf16``): float32 master weights and bf16 compute for every strategy
 (fsdp2_train's ``param_dtype``; deepspeed_train's bf16 mode through ``model_args.dtype``).
 TFLOP/s counts 6 x params + causal attention per token (as shared/BACKENDS.md does).
+``lora_*`` entries of a strategy are ``model_args.lora``'s (``lora_rank=16``: adapters on every
+attention and MLP projection), not ``strategy_config``'s: LoRA against full fine-tuning.
 """
 
 from __future__ import annotations
@@ -53,8 +57,16 @@ def parse_strategy(text: str) -> tuple[str, dict]:
 def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
     """Seconds per step (the first left out, unless it is the only one) and peak GiB per rank of
     one strategy."""
+    from posttrain.config.sections import LoraArgs
     from posttrain.launch.local import LocalLauncher
 
+    lora_keys = {k: v for k, v in extra.items() if k.startswith("lora_")}
+    lora = (
+        LoraArgs(**{k.removeprefix("lora_"): v for k, v in lora_keys.items()})
+        if lora_keys
+        else None
+    )
+    extra = {k: v for k, v in extra.items() if k not in lora_keys}
     raw, model_dtype = {"micro_batch_size": args.batch, **extra}, "fp32"
     if args.dtype != "fp32":
         precision, model_dtype = MIXED_PRECISION[strategy](args.dtype)
@@ -72,6 +84,7 @@ def measure(args, model_dir: str, strategy: str, extra: dict) -> dict:
             ranks=args.ranks,
             checkpointing=args.checkpointing,
             threads=None if args.device == "cuda" else 1,
+            lora=lora,
         )
         batch = random_train_batch(args.batch * args.ranks, args.seq, dp_size=group.dp_size)
         times = []

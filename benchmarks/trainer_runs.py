@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from posttrain import GeneratingArgs, ModelArgs, TrainingArgs
 from posttrain.config.converter import CONVERTER
-from posttrain.config.sections import AlgorithmConfig, RoleConfig, StrategyArgs
+from posttrain.config.sections import AlgorithmConfig, LoraArgs, RoleConfig, StrategyArgs
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.launch.base import GroupSpec
 
@@ -25,6 +25,7 @@ def role_spec(
     learning_rate: float = 1e-5,
     seed: int = 0,
     threads: int | None = None,
+    lora: LoraArgs | None = None,
 ) -> GroupSpec:
     """``role`` running ``strategy`` with ``strategy_config`` ``raw`` on ``devices`` (``ranks``
     ranks, default one per device), default generating settings."""
@@ -40,6 +41,7 @@ def role_spec(
             model_name_or_path=model_dir,
             dtype=model_dtype,
             disable_gradient_checkpointing=not checkpointing,
+            lora=lora,
         ),
         training_args=TrainingArgs(learning_rate=learning_rate),
         generating_args=GeneratingArgs(),

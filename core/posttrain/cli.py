@@ -252,7 +252,9 @@ def cmd_eval(args, host) -> int:
 def cmd_export_hf(args, host) -> int:
     from posttrain.checkpoint.export_hf import export_checkpoint_to_hf
 
-    export_checkpoint_to_hf(args.checkpoint, args.output, host, console=_console(), role=args.role)
+    export_checkpoint_to_hf(
+        args.checkpoint, args.output, host, console=_console(), role=args.role, merge=args.merge
+    )
     return EXIT_OK
 
 
@@ -319,6 +321,11 @@ def build_parser(host) -> argparse.ArgumentParser:
         default="actor_train",
         choices=("actor_train", "critic"),
         help="the trained role to export (default: the policy)",
+    )
+    p.add_argument(
+        "--merge",
+        action="store_true",
+        help="LoRA runs: also write the merged model (the adapter goes to OUT/adapter)",
     )
     p.set_defaults(handler=cmd_export_hf)
     p = sub.add_parser("stacks", help="the Python stacks of every process of a live run")

@@ -420,10 +420,14 @@ def posttrain_load_checkpoint(worker: WorkerContext, path: str) -> bool | None:
 
 
 @hookspec(firstresult=True)
-def posttrain_export_hf(worker: WorkerContext, path: str) -> bool | None:
+def posttrain_export_hf(worker: WorkerContext, path: str, merge: bool) -> bool | None:
     """Write the model as an HF directory (config, safetensors, tokenizer) into ``path``.
 
     Called on every rank (gathers are collective); rank 0 writes. Return True when done.
+    A role that trains LoRA adapters (``model_args.lora``, strategies with the ``lora``
+    capability) writes the adapter in peft's format into ``path``; with ``merge`` (``posttrain
+    export-hf --merge``, only passed for such roles) the merged model into ``path`` and the
+    adapter into ``path/adapter``.
     """
 
 

@@ -1,5 +1,6 @@
-"""``posttrain export-hf RUN_DIR/checkpoint-N OUT [--role critic]``: a checkpoint's policy (or
-critic, a value model) as a loadable HF directory.
+"""``posttrain export-hf RUN_DIR/checkpoint-N OUT [--role critic] [--merge]``: a checkpoint's
+policy (or critic, a value model) as a loadable HF directory; of a LoRA run, its adapter in peft's
+format and, with ``--merge``, the merged model.
 
 The trainer's strategy wrote the checkpoint in its own format (DCP, dist_checkpointing), so the
 export starts that strategy's worker group with the workflow the checkpoint records (the one
@@ -21,7 +22,12 @@ from posttrain.paths import display_path
 
 
 def export_checkpoint_to_hf(
-    checkpoint_dir: str, output: str, host, console, role: str = "actor_train"
+    checkpoint_dir: str,
+    output: str,
+    host,
+    console,
+    role: str = "actor_train",
+    merge: bool = False,
 ) -> str:
     checkpoint_dir = os.path.abspath(checkpoint_dir)
     if not os.path.isdir(checkpoint_dir):
@@ -41,6 +47,11 @@ def export_checkpoint_to_hf(
     report.raise_if_errors(display_path(record_path))
     role_name, role = role, getattr(workflow, role)
     layout = manifest.roles[role_name]
+    if merge and role.model_args.lora is None:
+        raise UserError(
+            f"--merge: {display_path(checkpoint_dir)} holds full weights ({role_name} trained "
+            "without model_args.lora), which are exported merged already; drop --merge"
+        )
     if role.num_ranks != layout["world_size"]:
         # Only a checkpoint without a record of its own gets here: the run directory's
         # workflow.yaml is a later run's, on another layout.
@@ -59,7 +70,7 @@ def export_checkpoint_to_hf(
             group_spec(workflow, role_name, role, run_dir, resolve_device(workflow))
         )
         group.call("load_checkpoint", os.path.join(checkpoint_dir, role_name))
-        group.call("export_hf", staging)
+        group.call("export_hf", staging, merge)
     finally:
         launcher.shutdown()
     _readable_as_umask_allows(staging)

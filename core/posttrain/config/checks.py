@@ -77,6 +77,14 @@ def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None
                 join_path(name, "strategy_args", "strategy_name"),
                 f"'{spec.name}' does not compute log-probs, which reference needs",
             )
+        elif name == "actor_train" and role.model_args.lora and not spec.capabilities.lora:
+            able = sorted(s for s, sp in strategies.items() if sp.capabilities.lora)
+            report.error(
+                join_path(name, "model_args", "lora"),
+                f"'{spec.name}' does not train LoRA adapters",
+                f"strategies that do: {', '.join(able) or 'none installed'}; "
+                "or remove model_args.lora",
+            )
         elif ROLE_HEADS.get(name, "lm") not in spec.capabilities.heads:
             head = ROLE_HEADS[name]
             able = sorted(

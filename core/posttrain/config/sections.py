@@ -14,6 +14,40 @@ from posttrain.config.ranges import at_least, between, greater_than
 Dtype = Literal["fp32", "bf16", "fp16", "float32", "bfloat16", "float16"]
 
 
+def _not_empty(instance: Any, attribute: attrs.Attribute, value: list) -> None:
+    if not value:
+        raise ValueError(
+            f"{attribute.name} is empty; name the modules that get an adapter, "
+            "e.g. q_proj and v_proj"
+        )
+
+
+@attrs.frozen(kw_only=True)
+class LoraArgs:
+    """Low-rank adapters (LoRA, through peft) on the trained policy: only the adapters train,
+    the base weights stay frozen. The strategy must support it (``fsdp2_train`` does)."""
+
+    # Rank r of each adapter pair (B @ A).
+    rank: int = attrs.field(default=8, validator=at_least(1))
+    # Scale of the update: W + (alpha / rank) * B @ A.
+    alpha: float = attrs.field(default=16.0, validator=greater_than(0))
+    # Dropout on the adapters' input while training.
+    dropout: float = attrs.field(default=0.0, validator=between(0, 1, high_open=True))
+    # Names (last component) of the linear modules that get an adapter.
+    target_modules: list[str] = attrs.field(
+        factory=lambda: [
+            "q_proj",
+            "k_proj",
+            "v_proj",
+            "o_proj",
+            "gate_proj",
+            "up_proj",
+            "down_proj",
+        ],
+        validator=_not_empty,
+    )
+
+
 @attrs.frozen(kw_only=True)
 class ModelArgs:
     """Model settings; top-level values are defaults that a role's own ``model_args`` override."""
@@ -28,6 +62,8 @@ class ModelArgs:
     disable_gradient_checkpointing: bool = True
     trust_remote_code: bool = False
     flash_attn: str | None = None  # ROLL key, accepted for compatibility
+    # Train low-rank adapters instead of every weight; null: full fine-tuning.
+    lora: LoraArgs | None = None
 
 
 @attrs.frozen(kw_only=True)

@@ -103,8 +103,10 @@ class EngineHooks:
         return self._call("load_checkpoint", worker, path)
 
     @hookimpl(trylast=True)
-    def posttrain_export_hf(self, worker, path):
-        return self._call("export_hf", worker, path)
+    def posttrain_export_hf(self, worker, path, merge):
+        # ``merge`` only reaches engines of strategies with the ``lora`` capability.
+        args = (path, True) if merge else (path,)
+        return self._call("export_hf", worker, *args)
 
     @hookimpl(trylast=True)
     def posttrain_release_memory(self, worker, tags):

@@ -83,6 +83,10 @@ class Capabilities:
     # For rollout: honours SamplingParams.stop (generating_args.stop_strings). Strategies that do
     # not would silently ignore them, so validation refuses stop strings for them.
     stop_strings: bool = False
+    # For trainers: trains LoRA adapters (model_args.lora) on an "lm" head, checkpoints only
+    # them, syncs merged weights and takes ``merge`` in posttrain_export_hf. Validation refuses
+    # model_args.lora on an actor_train whose strategy does not.
+    lora: bool = False
 
 
 @attrs.frozen(kw_only=True)

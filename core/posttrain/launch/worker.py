@@ -180,8 +180,8 @@ class WorkerRuntime:
     def load_checkpoint(self, path: str) -> bool:
         return self._call("posttrain_load_checkpoint", path=path)
 
-    def export_hf(self, path: str) -> bool:
-        return self._call("posttrain_export_hf", path=path)
+    def export_hf(self, path: str, merge: bool = False) -> bool:
+        return self._call("posttrain_export_hf", path=path, merge=merge)
 
     def release_memory(self, tags: list[str]) -> bool:
         return self._call("posttrain_release_memory", tags=tags)

@@ -23,6 +23,7 @@ from posttrain.config.sections import (
     ROLE_HEADS,
     AlgorithmConfig,
     GeneratingArgs,
+    LoraArgs,
     ModelArgs,
     RoleConfig,
     StrategyArgs,
@@ -70,6 +71,9 @@ class StrategyContract:
     # The strategy_config the critic contract runs (None: strategy_config): a suite with one
     # class per layout can spend its critic runs on other layouts than its policy runs.
     critic_strategy_config: ClassVar[dict[str, Any] | None] = None
+    # A trainer with the ``lora`` capability runs the contract again with adapters: export and
+    # sync send merged weights, checkpoints hold the adapters.
+    lora: ClassVar[LoraArgs | None] = None
 
     # -- helpers ---------------------------------------------------------------------------
 
@@ -130,7 +134,7 @@ class StrategyContract:
         role_config = RoleConfig(
             strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
             device_mapping=tuple(range(ranks)),
-            model_args=ModelArgs(model_name_or_path=model_path),
+            model_args=ModelArgs(model_name_or_path=model_path, lora=cls.lora),
             training_args=TrainingArgs(learning_rate=learning_rate, max_grad_norm=1.0),
             generating_args=GeneratingArgs(),
         )

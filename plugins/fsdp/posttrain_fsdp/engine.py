@@ -61,6 +61,7 @@ from posttrain import (
     settle_cuda,
     torch_dtype,
 )
+from posttrain_fsdp import lora
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
@@ -127,6 +128,16 @@ def _shard(
 
 
 def load_model(worker: WorkerContext):
+    actor = lora.lender(worker)
+    if actor is not None:
+        # The reference of a LoRA actor is its base: the actor's model with adapters disabled
+        # (compute_logprobs), not a second copy.
+        log.info(
+            "fsdp: %s uses %s's model with its LoRA adapters disabled", worker.role, actor.role
+        )
+        worker.state["lender"] = actor
+        worker.state["step"] = 0
+        return actor.model
     cfg = worker.config
     train = worker.strategy_name == TRAIN
     model_args = worker.model_args
@@ -136,6 +147,8 @@ def load_model(worker: WorkerContext):
     model = load_model_with_head(model_args, worker.head, worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    if lora.lora_args(worker) is not None:  # before fully_shard: adapters shard with the layers
+        model = lora.wrap(worker, model)
     param_dtype = cfg.param_dtype or worker.model_args.dtype
     if param_dtype == model_args.dtype:
         param_dtype = None  # no cast needed
@@ -219,7 +232,25 @@ def _score(worker: WorkerContext, batch: SequenceBatch, score, forward) -> torch
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    return _score(worker, batch, score_logprobs, lambda mb: forward_logits(worker.model, mb))
+    actor = worker.state.get("lender")
+    if actor is None:
+        return _score(worker, batch, score_logprobs, lambda mb: forward_logits(worker.model, mb))
+    with _resident(actor), worker.model.disable_adapter():
+        return _score(worker, batch, score_logprobs, lambda mb: forward_logits(worker.model, mb))
+
+
+@contextlib.contextmanager
+def _resident(actor: WorkerContext) -> Iterator[None]:
+    """The lending actor's weights on the device while a borrowing reference scores (the
+    actor's role offloads them while another role runs, when its config says so)."""
+    offloads = bool(_offloaded(actor, ["weights"]))
+    if offloads:
+        resume_memory(actor, ["weights"])
+    try:
+        yield
+    finally:
+        if offloads:
+            release_memory(actor, ["weights"])
 
 
 def compute_values(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
@@ -281,6 +312,9 @@ def _gathered(
     (None: where the gather left it, with no copy when the dtype matches); with ``keep=False``
     a meta tensor of the same shape stands in (the gather still runs)."""
     model = worker.model
+    if lora.lora_args(worker) is not None:
+        yield from _merged(worker, keep, device)
+        return
     dtype = export_dtype(worker)
     # Tied weights appear under several names: gather once.
     owners: dict[int, list[str]] = {}
@@ -306,10 +340,63 @@ def _gathered(
         yield hf_name(name), tensor
 
 
-def export_hf(worker: WorkerContext, path: str) -> bool:
-    """Streamed: every rank gathers one tensor at a time (collectively) and rank 0 writes each
-    safetensors shard as soon as it is full, holding at most one shard on the host."""
+def _merged(
+    worker: WorkerContext, keep: bool, device: str | None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """:func:`_gathered` of a LoRA model: each adapted weight merged (``W + scale * B @ A``,
+    from gathered copies) under its plain HF name; the adapters themselves are not sent."""
     model = worker.model
+    dtype = export_dtype(worker)
+    layers = lora.lora_layers(model)
+    state = model.state_dict()
+    owners: dict[int, list[str]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        owners.setdefault(id(param), []).append(name)
+    alias = {n: names[0] for names in owners.values() if len(names) > 1 for n in names}
+    cache: dict[str, torch.Tensor] = {}
+    for name, value in state.items():
+        if lora.is_adapter_entry(name):
+            continue  # merged into its base weight
+        source = alias.get(name)
+        if source is not None and source in cache:
+            yield lora.plain_name(hf_name(name)), cache[source]
+            continue
+        prefix = name.removesuffix(".base_layer.weight")
+        full = _full(value)
+        if prefix != name and prefix in layers:
+            a_key, b_key = lora.adapter_keys(prefix)
+            full = lora.merged(full, _full(state[a_key]), _full(state[b_key]), layers[prefix])
+        if keep and device is None:
+            tensor = full.detach().to(dtype=dtype)
+        elif keep:
+            tensor = full.detach().to(device=device, dtype=dtype, copy=True)
+        else:
+            tensor = torch.empty(full.shape, dtype=dtype, device="meta")
+        del full
+        if source is not None:
+            cache[source] = tensor
+        yield lora.plain_name(hf_name(name)), tensor
+
+
+def _adapters(worker: WorkerContext) -> Iterator[tuple[str, torch.Tensor]]:
+    """The trained adapters, gathered, under peft's saved names (adapter name dropped)."""
+    for name, value in worker.model.state_dict().items():
+        if lora.is_adapter_entry(name):
+            full = _full(value).detach().to("cpu", copy=True)
+            yield hf_name(name).replace(f".{lora.ADAPTER}.", "."), full
+
+
+def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
+    """Streamed: every rank gathers one tensor at a time (collectively) and rank 0 writes each
+    safetensors shard as soon as it is full, holding at most one shard on the host.
+
+    With LoRA, ``path`` gets the adapter in peft's format; with ``merge``, ``path`` gets the
+    merged model and ``path/adapter`` the adapter."""
+    if lora.lora_args(worker) is not None:
+        _export_adapter(worker, os.path.join(path, "adapter") if merge else path)
+        if not merge:
+            return True
+    model = _hf_model(worker.model)
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False):
         # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
@@ -319,8 +406,28 @@ def export_hf(worker: WorkerContext, path: str) -> bool:
     return True
 
 
+def _export_adapter(worker: WorkerContext, path: str) -> None:
+    from safetensors.torch import save_file
+
+    tensors = dict(_adapters(worker))  # every rank gathers; rank 0 writes
+    if is_rank0():
+        os.makedirs(path, exist_ok=True)
+        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
+        with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
+            json.dump(lora.adapter_config(worker), f, indent=2, default=sorted)
+        save_tokenizer_beside(worker, path, log)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _hf_model(model):
+    """The HF model inside a peft wrapper (the model itself without one)."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def _write_hf_config(worker: WorkerContext, path: str) -> None:
-    model = worker.model
+    model = _hf_model(worker.model)
     config = copy.deepcopy(model.config)
     config.dtype = export_dtype(worker)
     # A critic's directory loads as the value model it is (as save_pretrained records it).
@@ -339,7 +446,7 @@ def _tied_head_names(model) -> list[str]:
         return []
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is out.weight]
     keep = [n for n, p in model.named_parameters() if p is out.weight]  # the first name stays
-    return [hf_name(n) for n in names if n not in keep]
+    return [lora.plain_name(hf_name(n)) for n in names if n not in keep]
 
 
 # --------------------------------------------------------------------------------------------
@@ -351,13 +458,26 @@ def _extra_path(path: str, rank: int) -> str:
     return os.path.join(path, f"extra_state_rank{rank}.pt")
 
 
+def _state_options(worker: WorkerContext, loading: bool = False):
+    """With LoRA, the frozen base stays out of checkpoints: it comes from model_name_or_path
+    (recorded beside the adapters and checked on load). Loading such a state is not strict (the
+    base's keys are absent by design); ``dcp.load`` still fails on a missing adapter key."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    adapters_only = lora.lora_args(worker) is not None
+    return StateDictOptions(
+        ignore_frozen_params=adapters_only, strict=not (loading and adapters_only)
+    )
+
+
 def _dcp_state(worker: WorkerContext) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
+    options = _state_options(worker)
     optimizer = worker.state.get("optimizer")
     if optimizer is None:
-        return {"model": get_model_state_dict(worker.model)}
-    model_sd, optim_sd = get_state_dict(worker.model, optimizer)
+        return {"model": get_model_state_dict(worker.model, options=options)}
+    model_sd, optim_sd = get_state_dict(worker.model, optimizer, options=options)
     return {"model": model_sd, "optimizer": optim_sd}
 
 
@@ -383,6 +503,11 @@ def _write_extras(worker: WorkerContext, path: str, digests) -> dict:
     if rank == 0:
         with digests.open(os.path.join(path, "fsdp_layout.json")) as f:
             f.write(json.dumps({**layout, "strategy": worker.strategy_name}).encode())
+    if lora.lora_args(worker) is not None:
+        layout["lora"] = True
+        if rank == 0:
+            with digests.open(os.path.join(path, lora.LORA_RECORD)) as f:
+                f.write(json.dumps(lora.record(worker), sort_keys=True).encode())
     return layout
 
 
@@ -505,17 +630,20 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
+    lora.check_record(worker, path)
     state = _dcp_state(worker)
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
+    options = _state_options(worker, loading=True)
     optimizer = worker.state.get("optimizer")
     if optimizer is None:
-        set_model_state_dict(worker.model, state["model"])
+        set_model_state_dict(worker.model, state["model"], options=options)
     else:
         set_state_dict(
             worker.model,
             optimizer,
             model_state_dict=state["model"],
             optim_state_dict=state["optimizer"],
+            options=options,
         )
     rank = dist.get_rank() if dist.is_initialized() else 0
     world = dist.get_world_size() if dist.is_initialized() else 1
@@ -555,6 +683,8 @@ def _offloaded(worker: WorkerContext, tags: list[str]) -> set[str]:
 
 
 def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
+    if "lender" in worker.state:
+        return True  # a borrowed model: its owner (the actor) moves it
     if not is_cuda(worker):
         log_once(log, "fsdp: release_memory on a CPU device: nothing to free")
         return True
@@ -571,6 +701,8 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
 
 
 def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
+    if "lender" in worker.state:
+        return True
     if not is_cuda(worker):
         return True
     wanted = _offloaded(worker, tags)
@@ -587,6 +719,7 @@ def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
 
 
 def shutdown_worker(worker: WorkerContext) -> bool:
+    lora.forget(worker)
     worker.state.clear()
     worker.model = None
     end_process_group()

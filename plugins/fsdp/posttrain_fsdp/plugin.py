@@ -79,6 +79,7 @@ class FSDPPlugin(EngineHooks):
                     computes_logprobs=True,
                     shares_process=True,
                     heads=("lm", "value"),
+                    lora=True,
                 ),
                 description="training (actor or critic) with PyTorch FSDP2 and DCP checkpoints",
             ),
