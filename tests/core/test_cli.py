@@ -69,18 +69,20 @@ def test_validate_reports_every_error_with_paths_and_hints(bad_workflow):
         "- actor_infer.strategy_args.strategy_config.batch_sise: unknown key "
         "(did you mean 'batch_size'?)",
     ]
-    assert wall < 5.0, f"the whole validate subprocess took {wall:.2f} s"
+    assert wall < 30.0, f"the whole validate subprocess took {wall:.2f} s"
 
 
 def test_validate_is_fast_and_imports_no_torch(bad_workflow):
-    """Measured inside the subprocess (no interpreter start-up), with every installed plugin."""
+    """Measured inside the subprocess (no interpreter start-up), with every installed plugin, in
+    CPU seconds: what validate costs, whatever else loads the machine (CI runs suites side by
+    side). Importing torch alone costs more than the bound."""
     code = textwrap.dedent(
         """\
         import sys, time
-        start = time.perf_counter()
+        start = time.process_time()
         from posttrain.cli import main
         rc = main(["validate", sys.argv[1]])
-        elapsed = time.perf_counter() - start
+        elapsed = time.process_time() - start
         heavy = sorted(m for m in ("torch", "transformers", "vllm", "sglang", "megatron")
                        if m in sys.modules)
         print(f"RESULT rc={rc} elapsed={elapsed:.4f} heavy={','.join(heavy) or '-'}")
@@ -100,8 +102,8 @@ def test_validate_is_fast_and_imports_no_torch(bad_workflow):
     fields = dict(item.split("=", 1) for item in result[0].split()[1:])
     assert fields["rc"] == str(EXIT_USER)
     assert fields["heavy"] == "-", f"validate imported {fields['heavy']}"
-    assert float(fields["elapsed"]) < 1.0, f"validate took {fields['elapsed']} s in-process"
-    assert wall < 5.0, f"the whole subprocess took {wall:.2f} s"
+    assert float(fields["elapsed"]) < 1.0, f"validate took {fields['elapsed']} CPU s in-process"
+    assert wall < 30.0, f"the whole subprocess took {wall:.2f} s"
 
 
 def test_validate_ok_exits_zero(write_workflow, model_dir, capsys, monkeypatch):
