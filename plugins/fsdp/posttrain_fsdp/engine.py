@@ -310,62 +310,33 @@ def _gathered(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """``(hf_name, full tensor)`` for every state-dict entry in the export dtype, on ``device``
     (None: where the gather left it, with no copy when the dtype matches); with ``keep=False``
-    a meta tensor of the same shape stands in (the gather still runs)."""
+    a meta tensor of the same shape stands in (the gather still runs). A LoRA model's adapted
+    weights are merged (``W + scale * B @ A``, from gathered copies, the model untouched) under
+    their plain HF names; the adapters themselves are not sent."""
     model = worker.model
-    if lora.lora_args(worker) is not None:
-        yield from _merged(worker, keep, device)
-        return
     dtype = export_dtype(worker)
+    # peft is imported only for a LoRA model.
+    adapted = lora.lora_layers(model) if lora.lora_args(worker) is not None else {}
+    state = model.state_dict()
     # Tied weights appear under several names: gather once.
     owners: dict[int, list[str]] = {}
     for name, param in model.named_parameters(remove_duplicate=False):
         owners.setdefault(id(param), []).append(name)
     alias = {n: names[0] for names in owners.values() if len(names) > 1 for n in names}
     cache: dict[str, torch.Tensor] = {}
-    for name, value in model.state_dict().items():
-        source = alias.get(name)
-        if source is not None and source in cache:
-            yield hf_name(name), cache[source]
-            continue
-        full = _full(value)
-        if keep and device is None:
-            tensor = full.detach().to(dtype=dtype)
-        elif keep:
-            tensor = full.detach().to(device=device, dtype=dtype, copy=True)
-        else:
-            tensor = torch.empty(full.shape, dtype=dtype, device="meta")
-        del full
-        if source is not None:
-            cache[source] = tensor
-        yield hf_name(name), tensor
-
-
-def _merged(
-    worker: WorkerContext, keep: bool, device: str | None
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """:func:`_gathered` of a LoRA model: each adapted weight merged (``W + scale * B @ A``,
-    from gathered copies) under its plain HF name; the adapters themselves are not sent."""
-    model = worker.model
-    dtype = export_dtype(worker)
-    layers = lora.lora_layers(model)
-    state = model.state_dict()
-    owners: dict[int, list[str]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
-        owners.setdefault(id(param), []).append(name)
-    alias = {n: names[0] for names in owners.values() if len(names) > 1 for n in names}
-    cache: dict[str, torch.Tensor] = {}
     for name, value in state.items():
-        if lora.is_adapter_entry(name):
+        if adapted and lora.is_adapter_entry(name):
             continue  # merged into its base weight
+        exported = lora.plain_name(hf_name(name))
         source = alias.get(name)
         if source is not None and source in cache:
-            yield lora.plain_name(hf_name(name)), cache[source]
+            yield exported, cache[source]
             continue
-        prefix = name.removesuffix(".base_layer.weight")
         full = _full(value)
-        if prefix != name and prefix in layers:
+        prefix = name.removesuffix(".base_layer.weight")
+        if prefix != name and prefix in adapted:
             a_key, b_key = lora.adapter_keys(prefix)
-            full = lora.merged(full, _full(state[a_key]), _full(state[b_key]), layers[prefix])
+            full = lora.merged(full, _full(state[a_key]), _full(state[b_key]), adapted[prefix])
         if keep and device is None:
             tensor = full.detach().to(dtype=dtype)
         elif keep:
@@ -375,7 +346,7 @@ def _merged(
         del full
         if source is not None:
             cache[source] = tensor
-        yield lora.plain_name(hf_name(name)), tensor
+        yield exported, tensor
 
 
 def _adapters(worker: WorkerContext) -> Iterator[tuple[str, torch.Tensor]]:
