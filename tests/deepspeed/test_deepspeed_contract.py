@@ -9,9 +9,17 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 
 
 class TestDeepSpeedZero1Contract(StrategyContract):
+    """ZeRO-1 differs from ZeRO-2 in what DeepSpeed partitions (the optimizer state alone), not
+    in the plugin's code: it runs the kit's tests that hold optimizer state (a step, then a sync
+    or a checkpoint round trip); loading, scoring and export are ZeRO-2's (CI time)."""
+
     strategy = "deepspeed_train"
     strategy_config = {"zero_stage": 1}
     world_size = 2
+    test_setup_reports_data_parallel_coordinates = None
+    test_logprobs_match_transformers_forward = None
+    test_export_weights_equal_loaded_checkpoint = None
+    test_train_then_in_process_sync_logprob_parity = None
 
 
 class TestDeepSpeedZero2Contract(StrategyContract):
