@@ -95,6 +95,27 @@ def test_gae_against_the_recursion():
     torch.testing.assert_close(whitened.returns, out.returns)  # targets are not whitened
 
 
+def test_gae_of_one_token_answers_is_the_reward_minus_the_prompts_value():
+    """The quickstart's case (one answer token, gamma = lam = 1): the value the critic's head
+    gives at the last prompt token (the state the answer was chosen in, as shifted_values aligns
+    it) is the baseline, the return is the reward itself, and nothing leaks from the answer's own
+    position (where the head has seen the answer)."""
+    from posttrain.scoring.modeling import shifted_values
+
+    batch = response_batch([1, 1, 1], prompt_len=3)
+    # The head at every position: the prompt's last one (index 2) holds V(prompt); the answer's
+    # position (index 3) holds a value that saw the answer and must not be used.
+    head = torch.tensor([[0.0, 0.0, 0.3, 9.0], [0.0, 0.0, 0.8, 9.0], [0.0, 0.0, 0.5, 9.0]])
+    values = shifted_values(head[:, :, None]) * batch.response_mask
+    assert values[:, 3].tolist() == pytest.approx([0.3, 0.8, 0.5])
+    scores = torch.tensor([1.0, 0.0, 1.0])
+    algo = AlgorithmConfig(gamma=1.0, lam=1.0, whiten_advantages=False)
+    out = adv.gae(batch.with_tensors(values=values), scores, algo)
+    torch.testing.assert_close(out.advantages[:, 3], scores - torch.tensor([0.3, 0.8, 0.5]))
+    torch.testing.assert_close(out.returns[:, 3], scores)
+    assert float(out.advantages[:, :3].abs().sum()) == 0.0
+
+
 def test_reinforce_plus_plus_whitens_discounted_returns():
     batch = response_batch([2, 2])
     out = adv.reinforce_plus_plus(batch, torch.tensor([1.0, 0.0]), AlgorithmConfig(gamma=0.5))
