@@ -121,6 +121,7 @@ class TestDeepSpeedRefusesAtStart:
     world_size = 1
     group_timeout_s = 120.0
     device = "cpu"
+    lora = StrategyContract.lora
     spec_and_config = StrategyContract.spec_and_config
     start = StrategyContract.start
     group_spec = classmethod(StrategyContract.group_spec.__func__)

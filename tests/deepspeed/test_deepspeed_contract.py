@@ -48,6 +48,7 @@ class TestDeepSpeedBesideDeepSpeed:
     world_size = 2
     group_timeout_s = StrategyContract.group_timeout_s
     device = "cpu"
+    lora = StrategyContract.lora
     spec_and_config = StrategyContract.spec_and_config
     start = StrategyContract.start
     group_spec = classmethod(StrategyContract.group_spec.__func__)
