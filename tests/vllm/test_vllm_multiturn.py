@@ -3,7 +3,8 @@
 Each episode's turns reach the engine as continuation requests (its whole context so far, token
 ids, the calculator's stop string ``</call>``, one sample). What the run must show, and why it
 proves tool calls, an idle rollout rank and masked tool tokens: posttrain.testing.multiturn.
-About 45 s on 2 idle CPU cores, nearly all of it the engines' start-up.
+45 s on this machine's 2 CPU cores shared with other work (load 6.5), nearly all of it the
+engines' start-up; the first run also builds the head-32 calculator preset (~30 s, cached).
 """
 
 from __future__ import annotations
