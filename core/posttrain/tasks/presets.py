@@ -96,6 +96,21 @@ PRESETS: dict[str, Preset] = {
             "call the calculator in about 1 answer of 4 and copy its result"
         ),
     ),
+    # The calculator preset for vLLM, whose CPU attention has no kernel for head size 16: the
+    # head-32 geometry, warm-started by the same recipe (tests/vllm/test_vllm_multiturn.py).
+    "tiny-qwen2-head32-calculator": Preset(
+        hidden_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        added_tokens=TOOL_TAGS,
+        warm_start="calculator",
+        description=(
+            "tiny-qwen2-head32 with calculator tags, warm-started as tiny-qwen2-calculator "
+            "(for vLLM on CPU)"
+        ),
+    ),
 }
 _VERSION = "v2"  # bump when a preset's construction changes, so caches are rebuilt
 

@@ -1,0 +1,40 @@
+"""Multi-turn episodes on vLLM: examples/calculator_tool.yaml with vllm as actor_infer on 2 ranks.
+
+Each episode's turns reach the engine as continuation requests (its whole context so far, token
+ids, the calculator's stop string ``</call>``, one sample). What the run must show, and why it
+proves tool calls, an idle rollout rank and masked tool tokens: posttrain.testing.multiturn.
+45 s on this machine's 2 CPU cores shared with other work (load 6.5), nearly all of it the
+engines' start-up; the first run also builds the head-32 calculator preset (~30 s, cached).
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from posttrain.testing.multiturn import engine_multiturn_overrides, read_multiturn_run
+
+REPO = Path(__file__).resolve().parents[2]
+EXAMPLE = REPO / "examples" / "calculator_tool.yaml"
+# vLLM's CPU attention has no kernel for head size 16: the head-32 calculator preset.
+PRESET = "preset:tiny-qwen2-head32-calculator"
+STRATEGY_CONFIG = "{kv_cache_memory_bytes: 67108864, enforce_eager: true}"
+# The contract kit's tolerance for vLLM's log-probs (tests/vllm/test_vllm_contract.py).
+LOGPROB_TOLERANCE = 1e-5
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_calculator_example_runs_multiturn_on_vllm(tmp_path, posttrain_cache):
+    run_dir = tmp_path / "run"
+    overrides = engine_multiturn_overrides(run_dir, PRESET, "vllm", STRATEGY_CONFIG)
+    cmd = [sys.executable, "-m", "posttrain.cli", "run", str(EXAMPLE)]
+    cmd += [x for item in overrides for x in ("--set", item)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    run = read_multiturn_run(run_dir, ranks=2)
+    print(f"\nvllm multi-turn: {run.summary()}")
+    run.check(LOGPROB_TOLERANCE)
