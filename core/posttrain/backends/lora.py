@@ -8,6 +8,8 @@ export send ``W + scale * B @ A`` (:func:`merge_lora_weight`) under the base nam
 (:func:`lora_plain_name`), computed from gathered copies, never by merging into the trained model.
 A checkpoint of adapters records the base they adapt (:func:`lora_record`), checked on load
 (:func:`check_lora_record`); the adapter export is peft's format (:func:`write_lora_adapter`).
+peft is imported only when a function needs it: it is a dependency of the trainers' plugins,
+not of core.
 """
 
 from __future__ import annotations
