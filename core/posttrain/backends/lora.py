@@ -47,10 +47,10 @@ def wrap_lora(worker: WorkerContext, model) -> Any:
     from peft import LoraConfig, get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
 
-    args = worker.model_args.lora
+    args = _lora(worker)
     config = LoraConfig(
         r=args.rank,
-        lora_alpha=args.alpha,
+        lora_alpha=args.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales a float
         lora_dropout=args.dropout,
         target_modules=list(args.target_modules),
         bias="none",
@@ -91,6 +91,13 @@ def wrap_lora(worker: WorkerContext, model) -> Any:
             "synced or exported; leave it out of target_modules"
         )
     return peft_model
+
+
+def _lora(worker: WorkerContext) -> LoraArgs:
+    args = worker.model_args.lora
+    if args is None:  # a plugin's slip, not the user's: it checks lora_args first
+        raise TypeError(f"role {worker.role} has no model_args.lora to build adapters from")
+    return args
 
 
 def _shared_adapted_weights(model) -> list[str]:
@@ -140,7 +147,7 @@ def lora_record(worker: WorkerContext) -> dict:
     """What a checkpoint of adapters needs beside them: the base they adapt and their shape."""
     return {
         "base_model": worker.model_args.model_name_or_path,
-        "lora": attrs.asdict(worker.model_args.lora),
+        "lora": attrs.asdict(_lora(worker)),
     }
 
 
