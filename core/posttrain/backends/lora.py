@@ -118,6 +118,13 @@ def lora_plain_name(name: str) -> str:
     return name.removeprefix(_PEFT_PREFIX).replace(_BASE_SEGMENT, ".")
 
 
+def lora_base_model(model) -> Any:
+    """The HF model inside a peft wrapper (the model itself without one): what holds the HF
+    config and ``save_pretrained`` of a merged export."""
+    get_base = getattr(model, "get_base_model", None)
+    return get_base() if callable(get_base) else model
+
+
 def lora_layers(model) -> dict[str, Any]:
     """``{state-dict prefix: peft LoRA linear}`` of every adapted module."""
     from peft.tuners.lora import LoraLayer

@@ -48,6 +48,7 @@ from posttrain import (
     log_once,
     lora_adapter_keys,
     lora_args,
+    lora_base_model,
     lora_layers,
     lora_plain_name,
     lora_record,
@@ -591,14 +592,8 @@ def _export_adapter(worker: WorkerContext, path: str) -> None:
         dist.barrier()
 
 
-def _hf_model(module):
-    """The HF model inside a peft wrapper (the module itself without one)."""
-    get_base = getattr(module, "get_base_model", None)
-    return get_base() if callable(get_base) else module
-
-
 def _write_hf_dir(worker: WorkerContext, state: dict[str, torch.Tensor], path: str) -> None:
-    module = _hf_model(worker.model.module)
+    module = lora_base_model(worker.model.module)
     os.makedirs(path, exist_ok=True)
     # transformers writes the safetensors (sharded when large) and drops tied duplicates.
     with no_hf_progress_bars():

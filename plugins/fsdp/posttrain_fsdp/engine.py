@@ -51,6 +51,7 @@ from posttrain import (
     log_once,
     lora_adapter_keys,
     lora_args,
+    lora_base_model,
     lora_layers,
     lora_plain_name,
     lora_record,
@@ -377,7 +378,7 @@ def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
         _export_adapter(worker, os.path.join(path, "adapter") if merge else path)
         if not merge:
             return True
-    model = _hf_model(worker.model)
+    model = lora_base_model(worker.model)
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False):
         # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
@@ -396,14 +397,8 @@ def _export_adapter(worker: WorkerContext, path: str) -> None:
         dist.barrier()
 
 
-def _hf_model(model):
-    """The HF model inside a peft wrapper (the model itself without one)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def _write_hf_config(worker: WorkerContext, path: str) -> None:
-    model = _hf_model(worker.model)
+    model = lora_base_model(worker.model)
     config = copy.deepcopy(model.config)
     config.dtype = export_dtype(worker)
     # A critic's directory loads as the value model it is (as save_pretrained records it).
