@@ -88,6 +88,20 @@ _PUBLIC = {
     "destroy_default_process_group": "posttrain.backends.distributed",
     "agree_max": "posttrain.backends.distributed",
     "collective_timeout_s": "posttrain.backends.distributed",
+    # LoRA adapters of trainers (model_args.lora)
+    "LORA_ADAPTER": "posttrain.backends.lora",
+    "LORA_RECORD": "posttrain.backends.lora",
+    "lora_args": "posttrain.backends.lora",
+    "wrap_lora": "posttrain.backends.lora",
+    "lora_layers": "posttrain.backends.lora",
+    "lora_base_model": "posttrain.backends.lora",
+    "lora_plain_name": "posttrain.backends.lora",
+    "is_lora_adapter_entry": "posttrain.backends.lora",
+    "lora_adapter_keys": "posttrain.backends.lora",
+    "merge_lora_weight": "posttrain.backends.lora",
+    "lora_record": "posttrain.backends.lora",
+    "check_lora_record": "posttrain.backends.lora",
+    "write_lora_adapter": "posttrain.backends.lora",
     # Exported weights and checkpoints
     "write_shards": "posttrain.backends.safetensors_shards",
     "export_streamed": "posttrain.backends.safetensors_shards",
@@ -169,6 +183,21 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         init_default_process_group,
     )
     from posttrain.backends.hf_progress import no_hf_progress_bars
+    from posttrain.backends.lora import (
+        LORA_ADAPTER,
+        LORA_RECORD,
+        check_lora_record,
+        is_lora_adapter_entry,
+        lora_adapter_keys,
+        lora_args,
+        lora_base_model,
+        lora_layers,
+        lora_plain_name,
+        lora_record,
+        merge_lora_weight,
+        wrap_lora,
+        write_lora_adapter,
+    )
     from posttrain.backends.models import (
         DTYPES,
         HEAD_WEIGHT,

@@ -1,7 +1,8 @@
 """A trainer on 2 ranks -> weight sync -> vllm: rollout log-probs equal the trainer's.
 
 fsdp2_train, with the in-process engine and with vLLM's multiprocessing engine (tensors cannot
-cross its RPC, so the plugin goes through safetensors in tmpfs there); megatron_train at TP2
+cross its RPC, so the plugin goes through safetensors in tmpfs there); fsdp2_train training LoRA
+adapters (vLLM receives the merged weights under the plain HF names); megatron_train at TP2
 (its export gathers the TP shards into HF-named buckets), in-process.
 """
 
@@ -10,8 +11,10 @@ from __future__ import annotations
 import os
 import time
 
+import attrs
 import pytest
 
+from posttrain.config.sections import LoraArgs
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
 from posttrain.testing.batches import PROMPTS
@@ -39,13 +42,23 @@ def _have_megatron() -> bool:
     return importlib.util.find_spec("posttrain_megatron") is not None
 
 
+def _with_lora(spec, lora: LoraArgs | None):
+    if lora is None:
+        return spec
+    model_args = attrs.evolve(spec.config.model_args, lora=lora)
+    return attrs.evolve(spec, config=attrs.evolve(spec.config, model_args=model_args))
+
+
+LORA = LoraArgs(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
 TRAINERS = [
-    pytest.param("fsdp2_train", {}, "0", id="fsdp2-inproc"),
-    pytest.param("fsdp2_train", {}, "1", id="fsdp2-mp"),
+    pytest.param("fsdp2_train", {}, "0", None, id="fsdp2-inproc"),
+    pytest.param("fsdp2_train", {}, "1", None, id="fsdp2-mp"),
+    pytest.param("fsdp2_train", {}, "0", LORA, id="fsdp2_lora-inproc"),
     pytest.param(
         "megatron_train",
         {"tensor_model_parallel_size": 2},
         "0",
+        None,
         id="megatron_tp2-inproc",
         marks=pytest.mark.skipif(not _have_megatron(), reason="posttrain-megatron not installed"),
     ),
@@ -54,18 +67,17 @@ TRAINERS = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(240)
-@pytest.mark.parametrize("trainer_strategy, trainer_config, multiprocessing", TRAINERS)
+@pytest.mark.parametrize("trainer_strategy, trainer_config, multiprocessing, lora", TRAINERS)
 def test_sync_then_vllm_logprobs_match_trainer(
-    trainer_strategy, trainer_config, multiprocessing, tiny_model_path, tmp_path
+    trainer_strategy, trainer_config, multiprocessing, lora, tiny_model_path, tmp_path
 ):
     from posttrain.weight_sync.transport import SharedMemoryTransport
 
     before_procs, before_shm = descendants(), _shm_entries()
     launcher = LocalLauncher(call_timeout_s=180, start_timeout_s=180)
     try:
-        trainer = launcher.start_group(
-            _spec(trainer_strategy, trainer_config, 2, "actor_train", tiny_model_path, tmp_path)
-        )
+        spec = _spec(trainer_strategy, trainer_config, 2, "actor_train", tiny_model_path, tmp_path)
+        trainer = launcher.start_group(_with_lora(spec, lora))
         batch = synthetic_train_batch(dp_size=trainer.dp_size)
         trainer.call_dp("train_step", batch.split(trainer.dp_size))
         env = {"VLLM_ENABLE_V1_MULTIPROCESSING": multiprocessing}
@@ -96,6 +108,12 @@ def test_sync_then_vllm_logprobs_match_trainer(
             f"({stats['buckets']} buckets), max |logprob diff| vs {trainer_strategy} = {diff:.2e}"
         )
         assert diff <= TOLERANCE
+        if lora is not None:
+            # The trained adapters reached vLLM: its log-probs are no longer the base model's.
+            from posttrain.testing.expected import reference_logprobs
+
+            base = reference_logprobs(tiny_model_path, None, sample_batch)
+            assert max_sample_logprob_diff(out, base) > 10 * TOLERANCE
         # The engine's own scoring agrees too.
         scored = concat_tensor_rows(rollout.call_dp("compute_logprobs", [sample_batch]))
         assert float(((scored - got) * sample_batch.response_mask).abs().max()) <= TOLERANCE

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from posttrain import (
+    LORA_RECORD,
     CheckpointError,
     SequenceBatch,
     UserError,
@@ -34,16 +35,25 @@ from posttrain import (
     adamw,
     backend_for,
     bucketize,
+    check_lora_record,
     enable_gradient_checkpointing,
     end_process_group,
     export_dtype,
     forward_logits,
     init_default_process_group,
     is_cuda,
+    is_lora_adapter_entry,
     is_rank0,
     load_causal_lm,
     log_once,
+    lora_adapter_keys,
+    lora_args,
+    lora_base_model,
+    lora_layers,
+    lora_plain_name,
+    lora_record,
     lr_lambda,
+    merge_lora_weight,
     micro_batch_size,
     no_hf_progress_bars,
     rank_device,
@@ -54,6 +64,8 @@ from posttrain import (
     score_logprobs,
     score_rows,
     settle_cuda,
+    wrap_lora,
+    write_lora_adapter,
 )
 
 if TYPE_CHECKING:
@@ -220,6 +232,10 @@ def load_model(worker: WorkerContext):
         module = load_causal_lm(_fp32(worker.model_args), worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
         enable_gradient_checkpointing(module)
+    if lora_args(worker, TRAIN) is not None:
+        # Before deepspeed.initialize: the engine (and ZeRO's partitions) holds the adapters,
+        # the optimizer only the trainable ones.
+        module = wrap_lora(worker, module)
     optimizer = scheduler = None
     if train:
         args = worker.require_training_args()
@@ -237,7 +253,9 @@ def load_model(worker: WorkerContext):
         engine, _, _, lr_scheduler = deepspeed.initialize(
             model=module,
             optimizer=optimizer,
-            model_parameters=None if optimizer is not None or not train else module.parameters(),
+            model_parameters=None
+            if optimizer is not None or not train
+            else [p for p in module.parameters() if p.requires_grad],
             lr_scheduler=scheduler,
             config=ds_config,
             dist_init_required=False,
@@ -438,18 +456,32 @@ def export_weights(
     return _export_buckets(worker, bucket_bytes, on_device)
 
 
-def _plan(worker: WorkerContext, bucket_bytes: int) -> list[list[tuple[str, Any]]]:
-    """Buckets of ``(hf_name, parameter or buffer)`` in state-dict order, sized by full shapes
-    (the same plan on every rank, whatever each rank holds)."""
+def _plan(worker: WorkerContext, bucket_bytes: int) -> list[list[tuple[str, Any, Any]]]:
+    """Buckets of ``(hf_name, parameter or buffer, adapter)`` in state-dict order, sized by full
+    shapes (the same plan on every rank, whatever each rank holds). With LoRA, an adapted
+    weight's ``adapter`` is ``(A, B, peft layer)``, to be merged into it under its plain HF name;
+    the adapters themselves are not sent. Otherwise ``adapter`` is None."""
     dtype = export_dtype(worker)
-    entries = list(worker.model.module.state_dict(keep_vars=True).items())
-    sources = dict(entries)
+    module = worker.model.module
+    entries = list(module.state_dict(keep_vars=True).items())
+    adapted = lora_layers(module) if lora_args(worker, TRAIN) is not None else {}
+    state = dict(entries)
+    sources: dict[str, tuple[Any, Any]] = {}
+    for name, value in entries:
+        if adapted and is_lora_adapter_entry(name):
+            continue
+        adapter = None
+        prefix = name.removesuffix(".base_layer.weight")
+        if prefix != name and prefix in adapted:
+            a_key, b_key = lora_adapter_keys(prefix)
+            adapter = (state[a_key], state[b_key], adapted[prefix])
+        sources[lora_plain_name(name)] = (value, adapter)
     shaped = (
         (name, torch.empty(_full_shape(value), dtype=dtype, device="meta"))
-        for name, value in entries
+        for name, (value, _) in sources.items()
     )
     return [
-        [(n, sources[n]) for n, _ in bucket.tensors] for bucket in bucketize(shaped, bucket_bytes)
+        [(n, *sources[n]) for n, _ in bucket.tensors] for bucket in bucketize(shaped, bucket_bytes)
     ]
 
 
@@ -462,9 +494,10 @@ def _export_buckets(
     cache: dict[int, torch.Tensor] = {}  # tied weights: one gather, several names
     for planned in _plan(worker, bucket_bytes):
         gather: dict[int, Any] = {}
-        for _, value in planned:
-            if _is_partitioned(value) and id(value) not in cache:
-                gather[id(value)] = value
+        for _, value, adapter in planned:
+            for source in (value, *(adapter[:2] if adapter else ())):
+                if _is_partitioned(source) and id(source) not in cache:
+                    gather[id(source)] = source
         context = (
             deepspeed.zero.GatheredParameters(list(gather.values()), modifier_rank=None)
             if gather
@@ -472,10 +505,10 @@ def _export_buckets(
         )
         bucket = WeightBucket()
         with context:
-            for name, value in planned:
+            for name, value, adapter in planned:
                 tensor = cache.get(id(value))
                 if tensor is None:
-                    tensor = _export_tensor(value, dtype, on_device, keep)
+                    tensor = _export_tensor(value, dtype, on_device, keep, adapter)
                     cache[id(value)] = tensor
                 bucket.tensors.append((name, tensor))
         # Drop cached tensors no later bucket names (only tied weights repeat).
@@ -495,10 +528,16 @@ def _tied_later(worker: WorkerContext, key: int) -> bool:
     return key in tied
 
 
-def _export_tensor(value, dtype: torch.dtype, on_device: bool, keep: bool) -> torch.Tensor:
+def _export_tensor(
+    value, dtype: torch.dtype, on_device: bool, keep: bool, adapter=None
+) -> torch.Tensor:
     data = value.detach()
     if not keep:
         return torch.empty(0, dtype=dtype, device="meta")
+    if adapter is not None:  # a new tensor: the trained weight is untouched
+        a, b, layer = adapter
+        merged = merge_lora_weight(data, a.detach(), b.detach(), layer)
+        return merged.to(device=data.device if on_device else "cpu", dtype=dtype)
     if not on_device:
         return data.to(device="cpu", dtype=dtype, copy=True)
     if data.dtype != dtype:
@@ -516,7 +555,13 @@ def full_state_dict(worker: WorkerContext) -> dict[str, torch.Tensor]:
     return state
 
 
-def export_hf(worker: WorkerContext, path: str) -> bool:
+def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
+    """The HF model into ``path``. With LoRA, ``path`` gets the adapter in peft's format; with
+    ``merge``, ``path`` gets the merged model and ``path/adapter`` the adapter."""
+    if lora_args(worker, TRAIN) is not None:
+        _export_adapter(worker, os.path.join(path, "adapter") if merge else path)
+        if not merge:
+            return True
     state = full_state_dict(worker)
     if is_rank0():
         _write_hf_dir(worker, state, path)
@@ -525,8 +570,30 @@ def export_hf(worker: WorkerContext, path: str) -> bool:
     return True
 
 
-def _write_hf_dir(worker: WorkerContext, state: dict[str, torch.Tensor], path: str) -> None:
+def _export_adapter(worker: WorkerContext, path: str) -> None:
+    """The trained adapters (gathered at ZeRO-3: every rank joins), written by rank 0."""
+    deepspeed = _deepspeed(worker)
     module = worker.model.module
+    tensors = {}
+    for name, param in module.state_dict(keep_vars=True).items():
+        if not is_lora_adapter_entry(name):
+            continue
+        context = (
+            deepspeed.zero.GatheredParameters([param], modifier_rank=None)
+            if _is_partitioned(param)
+            else contextlib.nullcontext()
+        )
+        with context:
+            tensors[name] = param.detach().to("cpu", copy=True)
+    if is_rank0():
+        write_lora_adapter(worker, module, tensors, path)
+        save_tokenizer_beside(worker, path, log)
+    if dist.is_initialized():
+        dist.barrier()
+
+
+def _write_hf_dir(worker: WorkerContext, state: dict[str, torch.Tensor], path: str) -> None:
+    module = lora_base_model(worker.model.module)
     os.makedirs(path, exist_ok=True)
     # transformers writes the safetensors (sharded when large) and drops tied duplicates.
     with no_hf_progress_bars():
@@ -562,8 +629,13 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict:
         "dp_size": world,
         "strategy": worker.strategy_name,
     }
+    adapters_only = lora_args(worker, TRAIN) is not None
     # Model, optimizer partitions (fp32 master weights) and the LR scheduler, per DeepSpeed.
-    engine.save_checkpoint(path, tag=TAG, save_latest=False)
+    # With LoRA the frozen base stays out: it comes from model_name_or_path (recorded beside the
+    # adapters and checked on load).
+    engine.save_checkpoint(
+        path, tag=TAG, save_latest=False, exclude_frozen_parameters=adapters_only
+    )
     extra = {
         "step": worker.state.get("step", 0),
         **rng_state(worker),
@@ -573,6 +645,9 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     if rank == 0:
         with open(os.path.join(path, LAYOUT_FILE), "w") as f:
             json.dump(layout, f)
+        if adapters_only:
+            with open(os.path.join(path, LORA_RECORD), "w", encoding="utf-8") as f:
+                json.dump(lora_record(worker), f, sort_keys=True)
     if dist.is_initialized():
         dist.barrier()
     return {"format": "deepspeed", "zero_stage": worker.config.zero_stage, "dp_size": world}
@@ -595,12 +670,15 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
             "{load_universal: true}}, or resume with the same ranks and stage)"
         )
     train = worker.strategy_name == TRAIN
+    adapters = lora_args(worker, TRAIN)
+    check_lora_record(worker, path, adapters)
     load_path, _ = engine.load_checkpoint(
         path,
         tag=TAG,
         load_optimizer_states=train,
         load_lr_scheduler_states=train,
-        load_module_strict=True,
+        # A checkpoint of adapters lacks the frozen base's keys by design.
+        load_module_strict=adapters is None,
     )
     if load_path is None:
         raise CheckpointError(f"{path}: DeepSpeed found no checkpoint under tag {TAG!r}")

@@ -32,6 +32,7 @@ class DeepSpeedPlugin(EngineHooks):
                     exports_hf_weights=True,
                     computes_logprobs=True,
                     shares_process=True,
+                    lora=True,
                 ),
                 description="training with DeepSpeed ZeRO-1/2/3 (optional CPU offload), "
                 "DeepSpeed checkpoints",

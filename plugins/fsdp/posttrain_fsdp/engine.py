@@ -29,12 +29,14 @@ from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
 from posttrain import (
+    LORA_RECORD,
     HashingStream,
     SequenceBatch,
     WeightBucket,
     accumulate_gradients,
     adamw,
     bucketize,
+    check_lora_record,
     collective_timeout_s,
     enable_gradient_checkpointing,
     end_process_group,
@@ -43,11 +45,19 @@ from posttrain import (
     forward_logits,
     init_default_process_group,
     is_cuda,
+    is_lora_adapter_entry,
     is_rank0,
     load_model_with_head,
     log_once,
+    lora_adapter_keys,
+    lora_args,
+    lora_base_model,
+    lora_layers,
+    lora_plain_name,
+    lora_record,
     lr_lambda,
     memory_tags,
+    merge_lora_weight,
     move_optimizer_state,
     rank_device,
     restore_rng_state,
@@ -60,6 +70,7 @@ from posttrain import (
     sequence_scores,
     settle_cuda,
     torch_dtype,
+    write_lora_adapter,
 )
 from posttrain_fsdp import lora
 
@@ -147,7 +158,7 @@ def load_model(worker: WorkerContext):
     model = load_model_with_head(model_args, worker.head, worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
-    if lora.lora_args(worker) is not None:  # before fully_shard: adapters shard with the layers
+    if lora_args(worker, TRAIN) is not None:  # before fully_shard: adapters shard with the layers
         model = lora.wrap(worker, model)
     param_dtype = cfg.param_dtype or worker.model_args.dtype
     if param_dtype == model_args.dtype:
@@ -316,7 +327,7 @@ def _gathered(
     model = worker.model
     dtype = export_dtype(worker)
     # peft is imported only for a LoRA model.
-    adapted = lora.lora_layers(model) if lora.lora_args(worker) is not None else {}
+    adapted = lora_layers(model) if lora_args(worker, TRAIN) is not None else {}
     state = model.state_dict()
     # Tied weights appear under several names: gather once.
     owners: dict[int, list[str]] = {}
@@ -325,9 +336,9 @@ def _gathered(
     alias = {n: names[0] for names in owners.values() if len(names) > 1 for n in names}
     cache: dict[str, torch.Tensor] = {}
     for name, value in state.items():
-        if adapted and lora.is_adapter_entry(name):
+        if adapted and is_lora_adapter_entry(name):
             continue  # merged into its base weight
-        exported = lora.plain_name(hf_name(name))
+        exported = lora_plain_name(hf_name(name))
         source = alias.get(name)
         if source is not None and source in cache:
             yield exported, cache[source]
@@ -335,8 +346,9 @@ def _gathered(
         full = _full(value)
         prefix = name.removesuffix(".base_layer.weight")
         if prefix != name and prefix in adapted:
-            a_key, b_key = lora.adapter_keys(prefix)
-            full = lora.merged(full, _full(state[a_key]), _full(state[b_key]), adapted[prefix])
+            a_key, b_key = lora_adapter_keys(prefix)
+            a, b = _full(state[a_key]), _full(state[b_key])
+            full = merge_lora_weight(full, a, b, adapted[prefix])
         if keep and device is None:
             tensor = full.detach().to(dtype=dtype)
         elif keep:
@@ -350,11 +362,10 @@ def _gathered(
 
 
 def _adapters(worker: WorkerContext) -> Iterator[tuple[str, torch.Tensor]]:
-    """The trained adapters, gathered, under peft's saved names (adapter name dropped)."""
+    """The trained adapters, gathered, under their state-dict names."""
     for name, value in worker.model.state_dict().items():
-        if lora.is_adapter_entry(name):
-            full = _full(value).detach().to("cpu", copy=True)
-            yield hf_name(name).replace(f".{lora.ADAPTER}.", "."), full
+        if is_lora_adapter_entry(name):
+            yield hf_name(name), _full(value).detach().to("cpu", copy=True)
 
 
 def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
@@ -363,11 +374,11 @@ def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
 
     With LoRA, ``path`` gets the adapter in peft's format; with ``merge``, ``path`` gets the
     merged model and ``path/adapter`` the adapter."""
-    if lora.lora_args(worker) is not None:
+    if lora_args(worker, TRAIN) is not None:
         _export_adapter(worker, os.path.join(path, "adapter") if merge else path)
         if not merge:
             return True
-    model = _hf_model(worker.model)
+    model = lora_base_model(worker.model)
     tied = set()
     if getattr(model.config, "tie_word_embeddings", False):
         # As save_pretrained does: the tied head is rebuilt from the embeddings on load.
@@ -378,27 +389,16 @@ def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
 
 
 def _export_adapter(worker: WorkerContext, path: str) -> None:
-    from safetensors.torch import save_file
-
     tensors = dict(_adapters(worker))  # every rank gathers; rank 0 writes
     if is_rank0():
-        os.makedirs(path, exist_ok=True)
-        save_file(tensors, os.path.join(path, "adapter_model.safetensors"))
-        with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
-            json.dump(lora.adapter_config(worker), f, indent=2, default=sorted)
+        write_lora_adapter(worker, worker.model, tensors, path)
         save_tokenizer_beside(worker, path, log)
     if dist.is_initialized():
         dist.barrier()
 
 
-def _hf_model(model):
-    """The HF model inside a peft wrapper (the model itself without one)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
-
-
 def _write_hf_config(worker: WorkerContext, path: str) -> None:
-    model = _hf_model(worker.model)
+    model = lora_base_model(worker.model)
     config = copy.deepcopy(model.config)
     config.dtype = export_dtype(worker)
     # A critic's directory loads as the value model it is (as save_pretrained records it).
@@ -417,7 +417,7 @@ def _tied_head_names(model) -> list[str]:
         return []
     names = [n for n, p in model.named_parameters(remove_duplicate=False) if p is out.weight]
     keep = [n for n, p in model.named_parameters() if p is out.weight]  # the first name stays
-    return [lora.plain_name(hf_name(n)) for n in names if n not in keep]
+    return [lora_plain_name(hf_name(n)) for n in names if n not in keep]
 
 
 # --------------------------------------------------------------------------------------------
@@ -435,7 +435,7 @@ def _state_options(worker: WorkerContext, loading: bool = False):
     base's keys are absent by design); ``dcp.load`` still fails on a missing adapter key."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions
 
-    adapters_only = lora.lora_args(worker) is not None
+    adapters_only = lora_args(worker, TRAIN) is not None
     return StateDictOptions(
         ignore_frozen_params=adapters_only, strict=not (loading and adapters_only)
     )
@@ -474,11 +474,11 @@ def _write_extras(worker: WorkerContext, path: str, digests) -> dict:
     if rank == 0:
         with digests.open(os.path.join(path, "fsdp_layout.json")) as f:
             f.write(json.dumps({**layout, "strategy": worker.strategy_name}).encode())
-    if lora.lora_args(worker) is not None:
+    if lora_args(worker, TRAIN) is not None:
         layout["lora"] = True
         if rank == 0:
-            with digests.open(os.path.join(path, lora.LORA_RECORD)) as f:
-                f.write(json.dumps(lora.record(worker), sort_keys=True).encode())
+            with digests.open(os.path.join(path, LORA_RECORD)) as f:
+                f.write(json.dumps(lora_record(worker), sort_keys=True).encode())
     return layout
 
 
@@ -601,7 +601,7 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
 
-    lora.check_record(worker, path)
+    check_lora_record(worker, path, lora_args(worker, TRAIN))
     state = _dcp_state(worker)
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
     options = _state_options(worker, loading=True)

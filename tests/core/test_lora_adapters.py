@@ -1,5 +1,6 @@
-"""The LoRA pieces of fsdp2_train that need no process group: wrapping (and what it refuses),
-the merge that weight sync and export send, and the checkpoint's record of the base."""
+"""The LoRA pieces trainers share (``posttrain.wrap_lora`` and its neighbours) that need no
+process group: wrapping (and what it refuses), the merge that weight sync and export send, and
+the checkpoint's record of the base."""
 
 from __future__ import annotations
 
@@ -10,9 +11,22 @@ import attrs
 import pytest
 import torch
 
-from posttrain import CheckpointError, UserError
+from posttrain import (
+    LORA_ADAPTER,
+    LORA_RECORD,
+    CheckpointError,
+    UserError,
+    check_lora_record,
+    is_lora_adapter_entry,
+    lora_adapter_keys,
+    lora_args,
+    lora_layers,
+    lora_plain_name,
+    lora_record,
+    merge_lora_weight,
+    wrap_lora,
+)
 from posttrain.config.sections import LoraArgs, ModelArgs
-from posttrain_fsdp import lora
 
 
 def worker(preset: str = "preset:tiny-qwen3", **lora_kwargs):
@@ -27,6 +41,10 @@ def worker(preset: str = "preset:tiny-qwen3", **lora_kwargs):
     )
 
 
+def check(w, path: str) -> None:
+    check_lora_record(w, path, lora_args(w, "fsdp2_train"))
+
+
 def hf_model(preset: str):
     from transformers import AutoModelForCausalLM
 
@@ -38,45 +56,42 @@ def hf_model(preset: str):
 def test_merge_equals_peft_merge_and_names_are_the_base_names():
     w = worker(rank=4, alpha=8.0, target_modules=["q_proj", "up_proj", "lm_head"])
     base_names = set(hf_model("preset:tiny-qwen3").state_dict())
-    model = lora.wrap(w, hf_model("preset:tiny-qwen3"))
-    lora.forget(w)
-    layers = lora.lora_layers(model)
+    model = wrap_lora(w, hf_model("preset:tiny-qwen3"))
+    layers = lora_layers(model)
     state = model.state_dict()
     torch.manual_seed(0)
     for layer in layers.values():  # trained adapters: B is no longer zero
-        torch.nn.init.normal_(layer.lora_B[lora.ADAPTER].weight)
-    renamed = {lora.plain_name(n) for n in state if not lora.is_adapter_entry(n)}
+        torch.nn.init.normal_(layer.lora_B[LORA_ADAPTER].weight)
+    renamed = {lora_plain_name(n) for n in state if not is_lora_adapter_entry(n)}
     assert renamed == base_names
     for prefix, layer in layers.items():
-        a_key, b_key = lora.adapter_keys(prefix)
+        a_key, b_key = lora_adapter_keys(prefix)
         base = state[f"{prefix}.base_layer.weight"]
-        got = lora.merged(base, state[a_key], state[b_key], layer)
-        want = base + layer.get_delta_weight(lora.ADAPTER)
+        got = merge_lora_weight(base, state[a_key], state[b_key], layer)
+        want = base + layer.get_delta_weight(LORA_ADAPTER)
         torch.testing.assert_close(got, want, rtol=0, atol=1e-6)
         assert not torch.equal(got, base)
 
 
 def test_tied_output_layer_and_unknown_modules_are_refused():
     with pytest.raises(UserError, match="tied embeddings"):
-        lora.wrap(
+        wrap_lora(
             worker("preset:tiny-qwen2", target_modules=["lm_head"]), hf_model("preset:tiny-qwen2")
         )
     with pytest.raises(UserError, match=r"linear modules: .*q_proj"):
-        lora.wrap(worker(target_modules=["qproj"]), hf_model("preset:tiny-qwen3"))
+        wrap_lora(worker(target_modules=["qproj"]), hf_model("preset:tiny-qwen3"))
 
 
 def test_checkpoint_record_refuses_another_base_or_shape(tmp_path):
     saved = worker(rank=4)
-    (tmp_path / lora.LORA_RECORD).write_text(json.dumps(lora.record(saved)))
-    lora.check_record(saved, str(tmp_path))  # the same: accepted
+    (tmp_path / LORA_RECORD).write_text(json.dumps(lora_record(saved)))
+    check(saved, str(tmp_path))  # the same: accepted
     with pytest.raises(CheckpointError, match="base_model"):
-        lora.check_record(worker("preset:tiny-qwen2", rank=4), str(tmp_path))
+        check(worker("preset:tiny-qwen2", rank=4), str(tmp_path))
     with pytest.raises(CheckpointError, match="lora"):
-        lora.check_record(worker(rank=8), str(tmp_path))
+        check(worker(rank=8), str(tmp_path))
     full = attrs.evolve(saved.model_args, lora=None)
     with pytest.raises(CheckpointError, match=r"model_args\.lora is not set"):
-        lora.check_record(
-            types.SimpleNamespace(**{**vars(saved), "model_args": full}), str(tmp_path)
-        )
+        check(types.SimpleNamespace(**{**vars(saved), "model_args": full}), str(tmp_path))
     with pytest.raises(CheckpointError, match="full weights"):
-        lora.check_record(saved, str(tmp_path / "elsewhere"))
+        check(saved, str(tmp_path / "elsewhere"))
