@@ -36,8 +36,8 @@ class TestFSDP2TrainLoraContract(StrategyContract):
 
     # CI time: the sync parity through shared memory (rank 0 merges gathered copies, rank 1
     # walks the same gathers), and the borrowed reference below. The merge and its names are
-    # unit-tested (tests/core/test_lora_adapters.py), the LoRA resume is tests/e2e/test_lora.py's (bitwise
-    # through a SIGKILL); the rest is TestFSDP2TrainContract's, unchanged by adapters.
+    # unit-tested (tests/core/test_lora_adapters.py), the LoRA resume is tests/e2e/test_lora.py's
+    # (bitwise through a SIGKILL); the rest is TestFSDP2TrainContract's, unchanged by adapters.
     test_export_weights_equal_loaded_checkpoint = None
     test_train_then_in_process_sync_logprob_parity = None
     test_declared_capabilities_match_implemented_hooks = None
