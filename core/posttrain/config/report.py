@@ -69,6 +69,20 @@ def did_you_mean(word: str, choices: Iterable[str]) -> str:
     return ""
 
 
+def unknown_name_hint(
+    name: str, installed: Iterable[str], noun: str, providers: dict[str, str]
+) -> str:
+    """The hint for a name no installed plugin declares (a strategy, a logger): the package that
+    provides it when one is known (``providers``), or the closest installed name, then the
+    installed ``noun``."""
+    installed = sorted(set(installed))
+    hint = f"installed {noun}: {', '.join(installed) or 'none'}"
+    if name in providers:
+        return f"'{name}' is provided by {providers[name]}; {hint}"
+    close = did_you_mean(name, installed)
+    return f"{close} {hint}" if close.startswith("did you mean") else hint
+
+
 def unknown_keys(keys: Iterable[str], known: Iterable[str]) -> str:
     """``'a' (did you mean 'b'?), 'c'``: the keys, each with the closest known key if any (for
     mappings passed through to an engine, checked against what it accepts)."""

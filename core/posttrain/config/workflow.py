@@ -10,7 +10,7 @@ import attrs
 
 from posttrain.algorithms.checks import check_algorithm
 from posttrain.config.converter import structure_into
-from posttrain.config.report import ErrorReport, did_you_mean, join_path
+from posttrain.config.report import ErrorReport, did_you_mean, join_path, unknown_name_hint
 from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
@@ -202,14 +202,7 @@ def _structure_strategy_configs(
         path = join_path(role_name, "strategy_args", "strategy_name")
         spec = strategies.get(name)
         if spec is None:
-            installed = ", ".join(sorted(strategies)) or "none"
-            hint = f"installed strategies: {installed}"
-            if name in KNOWN_PROVIDERS:
-                hint = f"'{name}' is provided by {KNOWN_PROVIDERS[name]}; {hint}"
-            else:
-                close = did_you_mean(name, strategies)
-                if close.startswith("did you mean"):
-                    hint = f"{close} {hint}"
+            hint = unknown_name_hint(name, strategies, "strategies", KNOWN_PROVIDERS)
             report.error(path, f"unknown strategy '{name}'", hint)
             continue
         config_path = join_path(role_name, "strategy_args", "strategy_config")

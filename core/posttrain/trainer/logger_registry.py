@@ -11,7 +11,7 @@ from typing import Any
 import attrs
 
 from posttrain.config.converter import structure_into
-from posttrain.config.report import ErrorReport, did_you_mean, join_path
+from posttrain.config.report import ErrorReport, join_path, unknown_name_hint
 from posttrain.config.sections import Workflow
 from posttrain.errors import UserError
 from posttrain.host.plugin_host import declared_by_name
@@ -50,13 +50,7 @@ def check_loggers(wf: Workflow, hook, report: ErrorReport) -> Workflow:
     for index, name in enumerate(names):
         spec = specs.get(name)
         if spec is None:
-            hint = f"installed loggers: {', '.join(sorted(specs)) or 'none'}"
-            if name in KNOWN_PROVIDERS:
-                hint = f"'{name}' is provided by {KNOWN_PROVIDERS[name]}; {hint}"
-            else:
-                close = did_you_mean(name, specs)
-                if close.startswith("did you mean"):
-                    hint = f"{close} {hint}"
+            hint = unknown_name_hint(name, specs, "loggers", KNOWN_PROVIDERS)
             report.error(join_path("trainer", "logger", index), f"unknown logger '{name}'", hint)
         else:
             _check_factory(name, spec, join_path("trainer", "logger", index), report)
