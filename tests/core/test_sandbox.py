@@ -279,15 +279,19 @@ def test_killing_its_parent_leaves_the_caller_alive(tmp_path):
 @pytest.mark.parametrize("level", LEVELS)
 def test_a_daemonised_child_is_gone_after_return(level):
     marker = f"posttrain-daemon-{uuid.uuid4().hex}"
+    # The parent returns only once the daemon runs (it writes to a pipe after its exec): a
+    # fixed wait lost the race on a loaded machine, and no daemon was there to find.
     code = (
-        "import os, sys, time\n"
+        "import os, sys\n"
+        "r, w = os.pipe()\n"
+        "os.set_inheritable(w, True)\n"
         "if os.fork() == 0:\n"
         "    os.setsid()\n"
         "    if os.fork() == 0:\n"
-        f"        os.execv(sys.executable, [sys.executable, '-c', 'import time; time.sleep(60)', "
-        f"'{marker}'])\n"
+        "        daemon = f'import os, time; os.write({w}, b\"x\"); time.sleep(60)'\n"
+        f"        os.execv(sys.executable, [sys.executable, '-c', daemon, '{marker}'])\n"
         "    os._exit(0)\n"
-        "time.sleep(0.3)\n"
+        "os.read(r, 1)\n"
         "print('parent done')\n"
     )
     result = run_python(code, FAST, isolation=level)
