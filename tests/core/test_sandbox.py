@@ -280,14 +280,23 @@ def test_killing_its_parent_leaves_the_caller_alive(tmp_path):
 def test_a_daemonised_child_is_gone_after_return(level):
     marker = f"posttrain-daemon-{uuid.uuid4().hex}"
     # The parent returns only once the daemon runs (it writes to a pipe after its exec): a
-    # fixed wait lost the race on a loaded machine, and no daemon was there to find.
+    # fixed wait lost the race on a loaded machine. A fork may briefly find the process limit
+    # reached: without bubblewrap, runs as root share `nobody`'s count, and the fork bomb's
+    # processes before this test may still be being reaped.
     code = (
-        "import os, sys\n"
+        "import os, sys, time\n"
+        "def fork():\n"
+        "    for _ in range(100):\n"
+        "        try:\n"
+        "            return os.fork()\n"
+        "        except BlockingIOError:\n"
+        "            time.sleep(0.05)\n"
+        "    return os.fork()\n"
         "r, w = os.pipe()\n"
         "os.set_inheritable(w, True)\n"
-        "if os.fork() == 0:\n"
+        "if fork() == 0:\n"
         "    os.setsid()\n"
-        "    if os.fork() == 0:\n"
+        "    if fork() == 0:\n"
         "        daemon = f'import os, time; os.write({w}, b\"x\"); time.sleep(60)'\n"
         f"        os.execv(sys.executable, [sys.executable, '-c', daemon, '{marker}'])\n"
         "    os._exit(0)\n"
