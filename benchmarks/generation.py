@@ -1,6 +1,11 @@
 """Rollout generation speed of ``hf_infer`` in each decode mode (``strategy_config.decode``): the
 dynamic cache (transformers' ``generate`` way, the default before the fast path), the static
-cache, and the static cache with its step in a CUDA graph, in one run, against the dynamic one.
+cache, and the static cache with its step in a CUDA graph, in one run, against the first mode
+given. ``hf_generate`` is not an engine mode but the baseline users start from: transformers'
+own ``model.generate`` (sampling, dynamic cache, forced length), what TRL's GRPOTrainer runs
+without vLLM. It returns tokens only (log-probs of every step's logits would hold
+``steps x batch x vocab`` floats: 80 GB at 256 x 512 for this vocabulary), so it does less than
+the engine does.
 
 The engine runs in this process on one device (no launcher: what is timed is the engine). Every
 row: ``batch`` prompts of 16 random tokens, ``--new-tokens`` new tokens each (forced:
@@ -44,7 +49,33 @@ def make_worker(model_dir: str, device: str, dtype: str):
     return worker
 
 
-def timed_generate(worker, prompts, new_tokens: int) -> float:
+def hf_generate(worker, prompts, new_tokens: int) -> list[list[int]]:
+    """``model.generate`` of the left-padded prompts, sampled at temperature 1, forced to
+    ``new_tokens`` new tokens: the new tokens of each row."""
+    import torch
+
+    pad_id = worker.state["tokenizer"].pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p) :] = torch.tensor(p)
+        mask[i, width - len(p) :] = 1
+    out = worker.model.generate(
+        input_ids=ids.to(worker.device),
+        attention_mask=mask.to(worker.device),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        pad_token_id=pad_id,
+    )
+    return out[:, width:].tolist()
+
+
+def timed_generate(worker, prompts, new_tokens: int, mode: str) -> float:
     import torch
 
     from posttrain.backends import hf_infer
@@ -55,12 +86,15 @@ def timed_generate(worker, prompts, new_tokens: int) -> float:
     if on_gpu:
         torch.cuda.synchronize()
     start = time.perf_counter()
-    request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=1)
-    out = hf_infer.generate(worker, request)
+    if mode == "hf_generate":
+        responses = hf_generate(worker, prompts, new_tokens)
+    else:
+        request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=1)
+        responses = hf_infer.generate(worker, request).response_ids
     if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    if any(len(r) != new_tokens for r in out.response_ids):
+    if any(len(r) != new_tokens for r in responses):
         raise RuntimeError("a sample ended before its forced length")
     return seconds
 
@@ -69,17 +103,18 @@ def measure(worker, mode: str, batch: int, new_tokens: int, weight_bytes: int) -
     import attrs
     import torch
 
-    worker.config = attrs.evolve(worker.config, decode=mode, batch_size=batch)
+    engine_mode = "dynamic" if mode == "hf_generate" else mode
+    worker.config = attrs.evolve(worker.config, decode=engine_mode, batch_size=batch)
     worker.state.pop("decoders", None)
     rng = random.Random(batch)
     vocab = worker.state["tokenizer"].vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
     on_gpu = worker.device.startswith("cuda")
-    first = timed_generate(worker, prompts, new_tokens)
-    ttft = timed_generate(worker, prompts, 1)
+    first = timed_generate(worker, prompts, new_tokens, mode)
+    ttft = timed_generate(worker, prompts, 1, mode)
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    total = timed_generate(worker, prompts, new_tokens)
+    total = timed_generate(worker, prompts, new_tokens, mode)
     decode_s = max(total - ttft, 1e-9)
     steps = new_tokens - 1
     row = {
@@ -107,12 +142,15 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=None,
-        help="default: dynamic static cuda_graph on cuda, dynamic static on cpu",
+        choices=["hf_generate", "dynamic", "static", "cuda_graph"],
+        help="default: hf_generate dynamic static cuda_graph on cuda, dynamic static on cpu",
     )
     args = parser.parse_args()
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     modes = args.modes or (
-        ["dynamic", "static", "cuda_graph"] if args.device == "cuda" else ["dynamic", "static"]
+        ["hf_generate", "dynamic", "static", "cuda_graph"]
+        if args.device == "cuda"
+        else ["dynamic", "static"]
     )
     with tempfile.TemporaryDirectory() as model_dir:
         built = build_model(args.shape, model_dir, dtype=dtype)
