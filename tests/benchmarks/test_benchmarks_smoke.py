@@ -95,9 +95,15 @@ def test_megatron_train(run_benchmark):
 
 @pytest.mark.timeout(150)
 def test_quickstart(run_benchmark):
-    out = run_benchmark("quickstart.py", "--tiny", "--steps", "1", "--save-steps", "0")
+    """Against the code of HEAD (a git worktree of it): the phase table of this tree's run and
+    the code-against-code table."""
+    out = run_benchmark(
+        "quickstart.py", "--tiny", "--steps", "1", "--save-steps", "0", "--base", "HEAD"
+    )
     _, rows = table(out, "phase")
     assert column(rows)[0] == "rollout" and column(rows)[-1] == "step"
+    _, rows = table(out, "code")
+    assert column(rows) == ["base (HEAD)", "this tree", "this tree / base"]
 
 
 @pytest.mark.timeout(150)
