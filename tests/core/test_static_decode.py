@@ -27,9 +27,12 @@ def generate(worker, decode: str, prompts, sampling, seed: int):
     )
 
 
-def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_worker):
-    from posttrain.backends import hf_infer
+def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_worker, monkeypatch):
+    from posttrain.backends import hf_infer, static_decode
 
+    # Windows of 4 slots: the prefill and the steps attend to 2 or 3 growing windows, not to
+    # the whole cache of 128 (the GPU's 128-slot windows are the same code at a larger size).
+    monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
     worker = hf_infer_worker
     original = worker.config
     try:
@@ -51,3 +54,22 @@ def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_worker):
         for x, y in zip(a.response_logprobs, b.response_logprobs):
             assert x == pytest.approx(y, abs=1e-5)
     assert hf_infer.decode_mode(worker) == "dynamic"  # auto, on the CPU
+
+
+def test_batches_of_sorted_prompts_come_back_in_the_request_order(hf_infer_worker):
+    """Prompts of mixed lengths over several batches are decoded shortest first; each sample
+    is still its own prompt's, as when that prompt is generated alone (greedy)."""
+    worker = hf_infer_worker
+    original = worker.config
+    prompts = [[1, 7, 14, 8, 17, 5, 14], [1, 5, 14], [1, 13, 14, 4, 17], [1, 4, 14, 4]]
+    sampling = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
+    try:
+        worker.config = attrs.evolve(original, batch_size=2)
+        together = generate(worker, "dynamic", prompts, sampling, seed=1)
+        alone = [generate(worker, "dynamic", [p], sampling, seed=1) for p in prompts]
+    finally:
+        worker.config = original
+    assert together.prompt_ids == prompts
+    for i, single in enumerate(alone):
+        assert together.response_ids[i] == single.response_ids[0]
+        assert together.response_logprobs[i] == pytest.approx(single.response_logprobs[0], abs=1e-5)

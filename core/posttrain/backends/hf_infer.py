@@ -79,16 +79,22 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     generator = torch.Generator(device=worker.device)
     generator.manual_seed(request.seed if request.seed is not None else worker.seed)
     prompts = [list(p) for p in request.prompt_ids for _ in range(sampling.n)]
-    out = RolloutSamples(prompt_ids=[], response_ids=[], response_logprobs=[])
     step = _batch_size(worker) * sampling.n
-    for start in range(0, len(prompts), step):
-        chunk = prompts[start : start + step]
+    # Batches of prompts of similar lengths (less left padding to run through the model), when
+    # there are several; the samples go back in the request's order.
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    if len(prompts) <= step:
+        order = list(range(len(prompts)))
+    responses: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+    for start in range(0, len(order), step):
+        rows = order[start : start + step]
+        chunk = [prompts[i] for i in rows]
         decode = _start_decode(worker, chunk, sampling.max_new_tokens, tokenizer.pad_token_id)
-        responses, logprobs = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, generator)
-        out.prompt_ids += chunk
-        out.response_ids += responses
-        out.response_logprobs += logprobs
-    return out
+        tokens, token_logps = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, generator)
+        for i, ids, logps in zip(rows, tokens, token_logps):
+            responses[i], logprobs[i] = ids, logps
+    return RolloutSamples(prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs)
 
 
 def decode_mode(worker: WorkerContext) -> str:
