@@ -343,11 +343,13 @@ def _check_partial_rollout(wf: Workflow, report: ErrorReport) -> None:
     max_new_tokens = gen.max_new_tokens if gen is not None else 32
     segment = segment_tokens(algo, gen)
     if segment >= max_new_tokens:
+        # (no segment is below a max_new_tokens of 1)
+        lower = f"set it below {max_new_tokens} (null: a quarter of max_new_tokens), "
         report.error(
             "algorithm.partial_rollout_segment_tokens",
             f"{segment} is not below actor_infer.generating_args.max_new_tokens "
             f"({max_new_tokens}): every generation fits one segment and is never interrupted",
-            f"set it below {max_new_tokens} (null: a quarter of max_new_tokens), or "
+            f"{lower if max_new_tokens > 1 else ''}raise max_new_tokens, or set "
             "partial_rollout: false",
         )
 
