@@ -91,14 +91,16 @@ class RolloutSamples:
         parts = list(parts)
         masked = any(part.loss_mask is not None for part in parts)
         # Every part of a step comes from the same kind of rollout: versions in all, or none.
-        versioned = bool(parts) and all(part.policy_versions is not None for part in parts)
+        versions = [part.policy_versions for part in parts]
         return cls(
             prompt_ids=[p for part in parts for p in part.prompt_ids],
             response_ids=[r for part in parts for r in part.response_ids],
             response_logprobs=[lp for part in parts for lp in part.response_logprobs],
             loss_mask=[m for part in parts for m in part.loss_masks()] if masked else None,
             policy_versions=(
-                [v for part in parts for v in part.policy_versions] if versioned else None
+                [v for rows in versions if rows is not None for v in rows]
+                if parts and None not in versions
+                else None
             ),
         )
 
