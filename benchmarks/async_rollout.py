@@ -8,6 +8,15 @@ hour, each side's idle time per step and the final reward, and the ratios async 
         --steps 12 --rollout-batch-size 16                   # 2 GPUs, a 1.5B-shaped model
     python benchmarks/async_rollout.py --shape tiny --steps 1 --rollout-batch-size 4 \
         --set algorithm.group_size=2                         # smoke check
+    python benchmarks/async_rollout.py --max-new-tokens 8 --partial-segment 2
+                                 # also async with partial rollouts, segments of 2 tokens
+
+With ``--partial-segment N`` a third run is asynchronous with ``algorithm.partial_rollout``
+(segments of N new tokens), and the table adds the ratios partial / async. Partial rollouts
+need generations longer than a segment: set ``--max-new-tokens`` above N. hf_infer's
+``infer_batch_size`` counts prompts and a continued sample is a prompt of its own: pass
+``--set actor_infer.infer_batch_size=R`` with R the step's samples (rollout batch x group
+size), so later segments decode in one batch as the first does (a no-op for the other modes).
 
 ``--shape`` builds a randomly initialised Qwen2 of that shape (benchmarks/common.py) with the
 quickstart's tokenizer: it measures speed, not learning. Without it the quickstart's preset
@@ -24,7 +33,8 @@ from pathlib import Path
 
 from common import QUICKSTART, SHAPES, build_model, print_table, run_workflow, steady
 
-MODES = {"sync": 0, "async": 1}  # max_staleness
+# max_staleness of each mode, and its extra overrides ("partial" only with --partial-segment)
+MODES = {"sync": (0, []), "async": (1, []), "partial": (1, ["algorithm.partial_rollout=true"])}
 
 
 def overrides(args, model: str | None) -> list[str]:
@@ -64,8 +74,17 @@ def summary(metrics: list[dict]) -> dict[str, float]:
         "trainer_idle_s": statistics.mean(m["idle/trainer_s"] for m in steady_metrics),
         "rollout_idle_s": statistics.mean(m["idle/rollout_s"] for m in steady_metrics),
         "staleness": statistics.mean(m.get("async/staleness", 0.0) for m in steady_metrics),
+        "token_staleness": statistics.mean(
+            m.get("rollout/token_staleness_mean", m.get("async/staleness", 0.0))
+            for m in steady_metrics
+        ),
+        "partial_frac": statistics.mean(m.get("rollout/partial_frac", 0.0) for m in steady_metrics),
         "reward_last": statistics.mean(m["reward/mean"] for m in last),
     }
+
+
+def ratios(row: dict[str, float], base: dict[str, float]) -> dict[str, str]:
+    return {k: f"{row[k] / base[k]:.2f}" if base[k] else "nan" for k in base}
 
 
 def main() -> int:
@@ -76,6 +95,11 @@ def main() -> int:
     parser.add_argument("--shape", choices=sorted(SHAPES), help="a random model of this shape")
     parser.add_argument("--rollout-batch-size", type=int, default=32)
     parser.add_argument("--max-new-tokens", type=int, default=1)
+    parser.add_argument(
+        "--partial-segment",
+        type=int,
+        help="also run async with partial rollouts, segments of this many new tokens",
+    )
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
     args = parser.parse_args()
 
@@ -87,23 +111,30 @@ def main() -> int:
             params = build_model(args.shape, model, dtype=dtype).params
             print(f"model: {args.shape}, {params / 1e9:.2f}B parameters, random weights")
         results = {}
-        for mode, staleness in MODES.items():
-            sets = [*overrides(args, model), f"algorithm.max_staleness={staleness}"]
+        for mode, (staleness, extra) in MODES.items():
+            if mode == "partial":
+                if not args.partial_segment:
+                    continue
+                extra = [*extra, f"algorithm.partial_rollout_segment_tokens={args.partial_segment}"]
+            sets = [*overrides(args, model), f"algorithm.max_staleness={staleness}", *extra]
             results[mode] = summary(run_workflow(args.workflow, sets).metrics)
 
     print(
         f"\nasync rollout benchmark: {args.steps} steps, {args.device}, "
         f"{args.shape or 'quickstart preset'}, {args.rollout_batch_size} prompts/step, "
-        f"{args.max_new_tokens} new tokens; trainer on device 0, rollout on device 1"
+        f"{args.max_new_tokens} new tokens"
+        + (f", partial: segments of {args.partial_segment}" if args.partial_segment else "")
+        + "; trainer on device 0, rollout on device 1"
     )
-    ratios = {
-        k: results["async"][k] / results["sync"][k] if results["sync"][k] else float("nan")
-        for k in results["sync"]
-    }
+    pairs = [("async", "sync"), ("partial", "async")]
     print_table(
         [
             *({"": mode, **row} for mode, row in results.items()),
-            {"": "async / sync", **{k: f"{v:.2f}" for k, v in ratios.items()}},
+            *(
+                {"": f"{a} / {b}", **ratios(results[a], results[b])}
+                for a, b in pairs
+                if a in results
+            ),
         ]
     )
     return 0

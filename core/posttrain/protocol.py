@@ -62,6 +62,9 @@ class RolloutSamples:
     # Per response token: 1 where the policy sampled it, 0 where an environment inserted it
     # (multi-turn episodes; those tokens are not trained on). None: the policy sampled all.
     loss_mask: list[list[int]] | None = None
+    # Per response token: the policy version that sampled it (partial rollouts, whose samples
+    # may span weight syncs; see posttrain.rollout.partial). None: not recorded.
+    policy_versions: list[list[int]] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -78,17 +81,27 @@ class RolloutSamples:
             response_ids=[self.response_ids[r] for r in rows],
             response_logprobs=[self.response_logprobs[r] for r in rows],
             loss_mask=None if self.loss_mask is None else [self.loss_mask[r] for r in rows],
+            policy_versions=(
+                None if self.policy_versions is None else [self.policy_versions[r] for r in rows]
+            ),
         )
 
     @classmethod
     def concat(cls, parts: Iterable[RolloutSamples]) -> RolloutSamples:
         parts = list(parts)
         masked = any(part.loss_mask is not None for part in parts)
+        # Every part of a step comes from the same kind of rollout: versions in all, or none.
+        versions = [part.policy_versions for part in parts]
         return cls(
             prompt_ids=[p for part in parts for p in part.prompt_ids],
             response_ids=[r for part in parts for r in part.response_ids],
             response_logprobs=[lp for part in parts for lp in part.response_logprobs],
             loss_mask=[m for part in parts for m in part.loss_masks()] if masked else None,
+            policy_versions=(
+                [v for rows in versions if rows is not None for v in rows]
+                if parts and None not in versions
+                else None
+            ),
         )
 
 
@@ -184,6 +197,7 @@ def build_sequence_batch(
     response_logprobs: list[list[float]] | None = None,
     loss_mask: list[list[int]] | None = None,
     turn_rewards: list[list[float]] | None = None,
+    policy_versions: list[list[int]] | None = None,
 ) -> SequenceBatch:
     """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`.
 
@@ -193,6 +207,8 @@ def build_sequence_batch(
     tokens environments inserted count for nothing downstream (loss, KL, entropy, advantages,
     values). ``turn_rewards`` (per response token: each turn's reward on its last model token)
     become the ``turn_rewards`` tensor that token-level advantage estimators read.
+    ``policy_versions`` (partial rollouts: the version that sampled each response token)
+    become the ``policy_version`` tensor, for losses and plugins that weigh tokens by age.
     """
     import torch
 
@@ -215,6 +231,8 @@ def build_sequence_batch(
         tensors["rollout_logprobs"] = _response_tensor(prompt_ids, response_logprobs, width)
     if turn_rewards is not None:
         tensors["turn_rewards"] = _response_tensor(prompt_ids, turn_rewards, width)
+    if policy_versions is not None:
+        tensors["policy_version"] = _response_tensor(prompt_ids, policy_versions, width)
     return SequenceBatch(tensors)
 
 

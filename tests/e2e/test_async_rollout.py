@@ -14,12 +14,12 @@ from posttrain.tasks.data import PromptSampler
 
 BATCH = 8
 # actor_infer on a device of its own; the trainer and the reference share the other one.
-ASYNC = (
-    *small_run(max_steps=6, save_steps=2),
+ONE_STEP_STALE = (
     *("--set", "algorithm.max_staleness=1"),
     *("--set", "actor_train.device_mapping=[0]", "--set", "reference.device_mapping=[0]"),
     *("--set", "actor_infer.device_mapping=[1]"),
 )
+ASYNC = (*small_run(max_steps=6, save_steps=2), *ONE_STEP_STALE)
 PROMPTS = 44  # the quickstart trains on single_digit_addition's 55 problems but the 11 held out
 
 
@@ -95,3 +95,31 @@ def test_async_quickstart_with_rollout_correction_learns(tmp_path, e2e_cache):
     assert sum(m["async/staleness"] for m in metrics) >= LEARNS_STEPS // 2
     last = [m["reward/mean"] for m in metrics[-10:]]
     assert sum(last) / len(last) >= LEARNS_THRESHOLD, last
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_partial_rollout_resumes_generations_with_the_new_weights(tmp_path, e2e_cache):
+    """Generations of 12 tokens in segments of one: the weight sync after a step lands while
+    the next batch is generating, and its samples go on with the new weights."""
+    run_dir = tmp_path / "partial"
+    run_quickstart(
+        run_dir,
+        *small_run(max_steps=4, save_steps=0),
+        *ONE_STEP_STALE,
+        *("--set", "trainer.save_final=false"),
+        *("--set", "algorithm.partial_rollout=true"),
+        *("--set", "algorithm.partial_rollout_segment_tokens=1"),
+        *("--set", "actor_infer.generating_args.max_new_tokens=12"),
+        *("--set", "actor_infer.generating_args.ignore_eos=true"),
+    )
+    metrics = read_metrics(run_dir)
+    assert [m["step"] for m in metrics] == [1, 2, 3, 4]
+    for m in metrics:
+        assert m["response/length_mean"] == 12  # every sample ran its 12 segments
+        # No token is older than the batch's first segment, nor than the staleness bound.
+        assert 0 <= m["rollout/token_staleness_mean"] <= m["async/staleness"] <= 1, m
+        assert m["rollout/token_staleness_max"] == m["async/staleness"], m
+    # Step 1's batch was sampled before any update; a later one spans the sync before its step.
+    assert metrics[0]["rollout/partial_frac"] == 0
+    assert any(m["rollout/partial_frac"] > 0 for m in metrics[1:]), metrics

@@ -11,6 +11,7 @@ from posttrain.hookspecs import hookimpl
 from posttrain.host.doctor import EnvCheck
 from posttrain.launch.base import partial_overlaps
 from posttrain.paths import display_path
+from posttrain.rollout.partial import segment_tokens
 from posttrain.tasks.presets import PRESETS, is_preset
 
 # Roles every workflow has (the critic and reference depend on the algorithm's settings).
@@ -44,6 +45,8 @@ def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorRep
         _check_trainer(workflow, report)
     if not failed & {"algorithm", "actor_infer", "cluster"}:
         _check_async_rollout(workflow, report)
+    if not failed & {"algorithm", "actor_infer", "environment"}:
+        _check_partial_rollout(workflow, report)
     if "cluster" not in failed:
         _check_cluster(workflow, report)
 
@@ -305,6 +308,50 @@ def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
             "algorithm.max_staleness: 0",
         )
         return
+
+
+def _check_partial_rollout(wf: Workflow, report: ErrorReport) -> None:
+    """Segments are released to weight syncs between them: asynchronous, single-turn rollout,
+    where a generation can span more than one segment."""
+    algo = wf.algorithm
+    if not algo.partial_rollout:
+        return
+    if not algo.max_staleness:
+        report.error(
+            "algorithm.partial_rollout",
+            "true with algorithm.max_staleness 0: a synchronous loop syncs weights only between "
+            "two steps' rollouts, so no generation is ever interrupted",
+            "set algorithm.max_staleness: 1 (asynchronous rollout, actor_infer on devices of "
+            "its own), or partial_rollout: false",
+        )
+    if wf.environment.name:
+        report.error(
+            "algorithm.partial_rollout",
+            f"true with environment.name {wf.environment.name!r}: partial rollouts segment "
+            "single-turn generations; multi-turn episodes are not segmented",
+            "set algorithm.partial_rollout: false, or leave environment.name null",
+        )
+    gen = wf.actor_infer.generating_args
+    if gen is not None and gen.stop_strings:
+        report.error(
+            "actor_infer.generating_args.stop_strings",
+            f"{list(gen.stop_strings)} with algorithm.partial_rollout: an engine looks for stop "
+            "strings in the text of its own call, so one split across two segments would be "
+            "missed",
+            "end samples with stop_token_ids instead, or set algorithm.partial_rollout: false",
+        )
+    max_new_tokens = gen.max_new_tokens if gen is not None else 32
+    segment = segment_tokens(algo, gen)
+    if segment >= max_new_tokens:
+        # (no segment is below a max_new_tokens of 1)
+        lower = f"set it below {max_new_tokens} (null: a quarter of max_new_tokens), "
+        report.error(
+            "algorithm.partial_rollout_segment_tokens",
+            f"{segment} is not below actor_infer.generating_args.max_new_tokens "
+            f"({max_new_tokens}): every generation fits one segment and is never interrupted",
+            f"{lower if max_new_tokens > 1 else ''}raise max_new_tokens, or set "
+            "partial_rollout: false",
+        )
 
 
 def _check_cluster(wf: Workflow, report: ErrorReport) -> None:

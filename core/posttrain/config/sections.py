@@ -279,6 +279,14 @@ class AlgorithmConfig:
     # one update per batch the ratio's old policy is the one that sampled (old_logprobs: auto);
     # with more, the trainer's recomputed log-probs, and tis_cap corrects for the older policy.
     max_staleness: int = attrs.field(default=0, validator=at_least(0))
+    # Partial rollout (asynchronous rollout only): generate in segments of at most
+    # partial_rollout_segment_tokens new tokens, the engine released between two, so a weight
+    # sync waits for one segment instead of the batch's longest sample, and samples still
+    # running go on with the new weights. Each token keeps the version that sampled it and its
+    # behaviour log-prob, which the ratio (old_logprobs: rollout) and tis_cap use.
+    partial_rollout: bool = False
+    # null: a quarter of actor_infer.generating_args.max_new_tokens.
+    partial_rollout_segment_tokens: int | None = attrs.field(default=None, validator=at_least(1))
 
     def old_logprobs_source(self) -> str:
         if self.old_logprobs != "auto":

@@ -7,7 +7,10 @@ policy after ``v`` updates. The trainer updates with the batch of step ``s`` whi
 ``s - 1``, so a batch sampled by version ``v`` is ``s - 1 - v`` versions stale. The producer
 may start the batch of step ``j`` only while the engine's version ``v`` keeps ``j - 1 - v <=
 max_staleness``; otherwise it waits for the next weight sync. Weight syncs take the engine
-between two generations (the engine lock), never during one.
+between two generations (the engine lock), never during one. With partial rollouts
+(``partial=True``) the producer takes the engine for one segment of a generation at a time
+(:meth:`AsyncBatches.turn`) and lets a waiting weight sync go first, so a generation longer
+than a segment goes on with the new weights (see :mod:`posttrain.rollout.partial`).
 
 The data position is exact across resumes: each batch carries the prompt sampler's state right
 after its prompts were drawn, and a checkpoint saves the state of the last batch *trained on*;
@@ -20,7 +23,7 @@ import contextlib
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import attrs
@@ -43,8 +46,13 @@ class ProducedBatch:
     rank_stats: dict[str, float] = attrs.field(factory=dict)
 
 
-# produce(index, timer) -> (scored groups, sampling metrics, sampler state after its prompts)
-Produce = Callable[[int, Any], tuple[ScoredGroups, dict[str, float], dict[str, int]]]
+# produce(index, timer) -> (scored groups, sampling metrics, sampler state after its prompts);
+# with partial rollouts also ``engine_turn=``, a context manager per segment (AsyncBatches.turn).
+Produce = Callable[..., tuple[ScoredGroups, dict[str, float], dict[str, int]]]
+
+
+class _Stopped(Exception):
+    """The run closed the batch source while the producer waited for a turn."""
 
 
 class SynchronousBatches:
@@ -93,8 +101,12 @@ class AsyncBatches:
         last: int,
         make_timer: Callable[[], Any],
         rank_stats: Callable[[], dict[str, float]] = dict,
+        partial: bool = False,
     ):
         self.produce = produce
+        # Partial rollouts: produce takes the engine per segment (engine_turn), not per batch.
+        self.partial = partial
+        self._syncs_waiting = 0  # weight syncs waiting for the engine: a turn lets them first
         # Asked between two generations, from the producer's thread: the figures of the ranks
         # it drives (a call from the loop's thread would wait behind a generation under way).
         self.rank_stats = rank_stats
@@ -121,21 +133,51 @@ class AsyncBatches:
                         if self._stop.is_set():
                             return
                         self._version_changed.wait(0.1)
-                with self._engine:
-                    if self._stop.is_set():
-                        return
+                if self.partial:
                     with self._version_changed:
                         self._idle_s += time.perf_counter() - wait_start
-                        version = self.version
+                        version = self.version  # its first segment's: the batch's oldest
                     timer = self.make_timer()
-                    scored, sampling, sampler_state = self.produce(index, timer)
-                    stats = self.rank_stats()
+                    scored, sampling, sampler_state = self.produce(
+                        index, timer, engine_turn=self.turn
+                    )
+                    with self._engine:  # the ranks answer between two segments
+                        stats = self.rank_stats()
+                else:
+                    with self._engine:
+                        if self._stop.is_set():
+                            return
+                        with self._version_changed:
+                            self._idle_s += time.perf_counter() - wait_start
+                            version = self.version
+                        timer = self.make_timer()
+                        scored, sampling, sampler_state = self.produce(index, timer)
+                        stats = self.rank_stats()
                 timings = {f"async/{k.removeprefix('time/')}_s": v for k, v in timer.pop().items()}
                 self._ready.put(
                     ProducedBatch(index, scored, sampling, sampler_state, version, timings, stats)
                 )
+        except _Stopped:
+            return
         except BaseException as exc:  # handed to the loop's thread by next()
             self._ready.put(exc)
+
+    @contextlib.contextmanager
+    def turn(self) -> Iterator[int]:
+        """The engine for one segment of a partial rollout, after any weight sync waiting for
+        it (a lock is not fair: without the wait the producer could take it again at once);
+        yields the policy version the engine holds meanwhile."""
+        wait_start = time.perf_counter()
+        with self._version_changed:
+            while self._syncs_waiting and not self._stop.is_set():
+                self._version_changed.wait(0.1)
+        with self._engine:
+            with self._version_changed:
+                if self._stop.is_set():
+                    raise _Stopped
+                self._idle_s += time.perf_counter() - wait_start
+                version = self.version
+            yield version
 
     def next(self, index: int, timer) -> ProducedBatch:
         """The batch of step ``index``; waiting for it is the trainer's idle time, timed as the
@@ -162,12 +204,19 @@ class AsyncBatches:
         return {"idle/trainer_s": metrics["time/wait_rollout"], "idle/rollout_s": self._idle_last}
 
     def sync_weights(self, sync: Callable[[], dict], version: int) -> dict:
-        """Run ``sync`` between two generations, then let the producer use ``version``."""
-        with self._engine:
-            result = sync()
+        """Run ``sync`` between two generations (partial rollouts: two segments), then let the
+        producer use ``version``."""
         with self._version_changed:
-            self.version = version
-            self._version_changed.notify_all()
+            self._syncs_waiting += 1
+        try:
+            with self._engine:
+                result = sync()
+                with self._version_changed:
+                    self.version = version
+        finally:
+            with self._version_changed:
+                self._syncs_waiting -= 1
+                self._version_changed.notify_all()
         return result
 
     def close(self) -> None:

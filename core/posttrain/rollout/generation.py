@@ -18,6 +18,12 @@ from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
 from posttrain.rollout.environments.registry import environment_specs
 from posttrain.rollout.environments.runner import EpisodeRunner
 from posttrain.rollout.groups import ScoredGroups
+from posttrain.rollout.partial import (
+    EngineTurn,
+    end_token_ids,
+    generate_in_segments,
+    segment_tokens,
+)
 
 if TYPE_CHECKING:
     from posttrain.config.sections import GeneratingArgs, Workflow
@@ -100,9 +106,12 @@ class Rollout:
         self.tokenizer = tokenizer
         self.hook = hook
 
-    def __call__(self, index: int, round_: int, timer: PhaseTimer) -> ScoredGroups:
+    def __call__(
+        self, index: int, round_: int, timer: PhaseTimer, engine_turn: EngineTurn | None = None
+    ) -> ScoredGroups:
         """Draw the prompts of step ``index`` (``round_``: its dynamic-sampling round), roll
-        them out and score them."""
+        them out and score them. ``engine_turn``: partial rollouts, the engine taken per
+        segment (asynchronous rollout with ``algorithm.partial_rollout``)."""
         picked = [self.prompts[i] for i in self.sampler.next(self.algorithm.rollout_batch_size)]
         seed = rollout_seed(self.seed, index, round_)
         if self.environment.name:
@@ -113,7 +122,19 @@ class Rollout:
             sampling = attrs.evolve(
                 sampling_params(self.generating_args), n=self.algorithm.group_size
             )
-            samples = generate(self.infer, [list(p.ids) for p in picked], sampling, seed)
+            prompt_ids = [list(p.ids) for p in picked]
+            if engine_turn is None:
+                samples = generate(self.infer, prompt_ids, sampling, seed)
+            else:
+                samples = generate_in_segments(
+                    functools.partial(generate, self.infer),
+                    prompt_ids,
+                    sampling,
+                    seed,
+                    segment_tokens(self.algorithm, self.generating_args),
+                    end_token_ids(sampling, self.tokenizer.eos_token_id),
+                    engine_turn,
+                )
         with timer.phase("reward"):
             rewards, metrics = self.score(picked, samples)
         return ScoredGroups(

@@ -40,6 +40,7 @@ from posttrain.rollout.batches import AsyncBatches, ProducedBatch, SynchronousBa
 from posttrain.rollout.environments.registry import prompt_tools
 from posttrain.rollout.generation import Rollout
 from posttrain.rollout.groups import collect_groups
+from posttrain.rollout.partial import version_metrics
 from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
 from posttrain.tasks.data import PromptSampler, load_prompts
 from posttrain.trainer.call_stats import phase_call_stats, split_by_caller
@@ -232,9 +233,9 @@ class Trainer:
         runs ahead of training (see :mod:`posttrain.rollout.batches`)."""
         algo = self.wf.algorithm
 
-        def produce(index: int, timer: PhaseTimer):
+        def produce(index: int, timer: PhaseTimer, engine_turn=None):
             scored, sampling = collect_groups(
-                lambda round_: rollout(index, round_, timer),
+                lambda round_: rollout(index, round_, timer, engine_turn),
                 algo.rollout_batch_size,
                 algo.group_size,
                 algo.dynamic_sampling,
@@ -257,6 +258,7 @@ class Trainer:
             last=self.wf.trainer.max_steps,
             make_timer=lambda: PhaseTimer(self.console, 0, 0, show=False),
             rank_stats=lambda: phase_call_stats(producers),
+            partial=algo.partial_rollout,
         )
 
     def _close(self) -> None:
@@ -367,6 +369,7 @@ class Trainer:
             samples.response_logprobs,
             loss_mask=samples.loss_mask,
             turn_rewards=scored.turn_rewards,
+            policy_versions=samples.policy_versions,
         )
         with timer.phase("logprobs"):
             batch, kl_metrics = old_and_reference_logprobs(batch, algo, groups, self.sharing)
@@ -401,6 +404,7 @@ class Trainer:
             **produced.timings,
             **produced.rank_stats,
             **staleness(self.state.step, produced, algo.max_staleness),
+            **version_metrics(samples, self.state.step),
             **kl_metrics,
             **adv_metrics,
             **train_metrics,
