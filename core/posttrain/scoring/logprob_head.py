@@ -73,8 +73,8 @@ def _head_logprobs(hidden, head, input_ids, attention_mask, chunk_tokens, with_e
         # None and backward skips the entropy term.
         entropy = entropy.detach()
     values = torch.stack((logp, entropy), dim=-1)
-    out = values.new_zeros((batch * length, 2)).index_copy(0, rows + 1, values)
-    return out.view(batch, length, 2)
+    # Out of place and not a view: FSDP2 hooks the root's output for backward.
+    return values.new_zeros((batch, length, 2)).index_put((pos[:, 0], pos[:, 1] + 1), values)
 
 
 @contextlib.contextmanager
