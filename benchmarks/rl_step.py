@@ -16,6 +16,8 @@ two forward passes (old policy, reference) over every token, the update one trai
     python benchmarks/rl_step.py --device cuda --shape qwen2-1.5b --workload long \
         --layout disaggregated --trainer megatron_train --profile  # 2 GPUs, profiles written
     python benchmarks/rl_step.py --shape tiny --workload tiny --steps 2   # CPU smoke check
+    python benchmarks/rl_step.py --device cuda --shape qwen2-1.5b --logprob-chunk-tokens 0
+                                        # full-vocabulary logits, to compare with the default
 
 Workloads: ``short`` (16 prompts x 8, 16-token prompts, 64 new tokens), ``long`` (32 prompts x
 8, 256-token prompts, 1024 new tokens) and ``tiny`` (2 prompts x 2, 8 + 4 tokens). Layouts:
@@ -88,6 +90,12 @@ def workflow(args, model: str, data: Path) -> dict:
         if args.micro_batch
         else {"use_dynamic_batch_size": True, "max_tokens_per_micro_batch": args.max_tokens}
     )
+    # Chunked log-probs (fsdp2 / deepspeed strategies) unless the flag says otherwise.
+    chunking = (
+        {}
+        if args.logprob_chunk_tokens is None
+        else {"logprob_chunk_tokens": args.logprob_chunk_tokens}
+    )
     return {
         "model_args": {
             "model_name_or_path": model,
@@ -110,7 +118,7 @@ def workflow(args, model: str, data: Path) -> dict:
             "old_logprobs": "recompute",
         },
         "actor_train": {
-            "strategy_args": {"strategy_name": args.trainer, "strategy_config": {}},
+            "strategy_args": {"strategy_name": args.trainer, "strategy_config": chunking},
             "device_mapping": train_devices,
             "training_args": {"learning_rate": 1e-6, **batching},
         },
@@ -121,7 +129,10 @@ def workflow(args, model: str, data: Path) -> dict:
             "generating_args": {"max_new_tokens": new_tokens, "ignore_eos": True},
         },
         "reference": {
-            "strategy_args": {"strategy_name": args.reference or INFER_OF[args.trainer]},
+            "strategy_args": {
+                "strategy_name": args.reference or INFER_OF[args.trainer],
+                "strategy_config": dict(chunking),
+            },
             "device_mapping": train_devices,
             "infer_batch_size": args.micro_batch or rows,
         },
@@ -218,8 +229,16 @@ def main() -> int:
     parser.add_argument("--micro-batch", type=int, help="rows per micro-batch instead of tokens")
     parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
     parser.add_argument("--profile", action="store_true", help="torch.profiler of each phase")
+    parser.add_argument(
+        "--logprob-chunk-tokens",
+        type=int,
+        help="strategy_config.logprob_chunk_tokens of the trainer and the reference (fsdp2 and "
+        "deepspeed strategies; 0: full-vocabulary logits); default: the strategies' own",
+    )
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
     args = parser.parse_args()
+    if args.logprob_chunk_tokens is not None and "megatron" in args.trainer + str(args.reference):
+        parser.error("--logprob-chunk-tokens: megatron strategies compute log-probs their own way")
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)

@@ -608,3 +608,22 @@ def test_async_rollout_needs_its_own_devices_and_a_correction(fake_train_host, m
     _, report = _build(raw, fake_train_host, tmp_path)
     assert report.errors == []
     assert raw["algorithm"]["max_staleness"] == 1
+
+
+def test_logprob_chunk_tokens_zero_is_off_and_negative_is_an_error(
+    fake_train_host, model_dir, tmp_path
+):
+    raw = _valid_raw(str(model_dir))
+    infer = {"strategy_name": "hf_infer", "strategy_config": {"logprob_chunk_tokens": 0}}
+    raw["actor_infer"]["strategy_args"] = infer
+    workflow, report = _build(raw, fake_train_host, tmp_path)
+    assert report.errors == []
+    assert workflow.actor_infer.strategy_args.strategy_config.logprob_chunk_tokens == 0
+    infer["strategy_config"] = {"logprob_chunk_tokens": -4}
+    errors = _errors(_build(raw, fake_train_host, tmp_path)[1])
+    assert errors == {
+        "actor_infer.strategy_args.strategy_config.logprob_chunk_tokens": [
+            "actor_infer.strategy_args.strategy_config.logprob_chunk_tokens: -4 is out of range; "
+            "allowed: >= 1, or 0 (off: full logits) (e.g. 1024, the default)"
+        ]
+    }

@@ -103,3 +103,18 @@ def test_release_tags_map_to_deepspeed_offload_states(runs):
         "lp_params",
         "optim_states",
     ]
+
+
+def test_chunked_logprobs_match_full_logits(runs, stage):
+    """logprob_chunk_tokens 7 (several chunks per micro-batch, through the engine's own forward,
+    ZeRO-3's gathers included) gives the full logits' old log-probs, and the same train step."""
+    chunks = load(runs["w2"], "chunked.pt")
+    full, chunked = chunks[0], chunks[7]
+    assert full["head_calls"] == 0
+    assert chunked["head_calls"] > 0 and chunked["head_rows"] > 7 * chunked["head_calls"] / 2
+    diff = float((chunked["logprobs"] - full["logprobs"]).abs().max())
+    print(f"ZeRO-{stage}: max |logprobs(chunk 7) - logprobs(full)|: {diff:.3e}")
+    assert diff < 1e-5
+    assert full["metrics"].keys() == chunked["metrics"].keys()
+    for key, value in full["metrics"].items():
+        assert chunked["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

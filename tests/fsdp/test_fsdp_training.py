@@ -100,3 +100,18 @@ def test_fsdp2_infer_logprobs_match_hf(resume_run):
     got = load(resume_run, "ref_logprobs_rank0.pt")
     assert got.shape == batch.input_ids.shape and got.dtype == torch.float32
     assert float((got - expected).abs().max()) < 1e-5
+
+
+def test_chunked_logprobs_match_full_logits(dp2_run):
+    """logprob_chunk_tokens 7 (several chunks per micro-batch, through the sharded model's own
+    forward) gives the full logits' old log-probs, and the same train step."""
+    runs = load(dp2_run, "chunked.pt")
+    full, chunked = runs[0], runs[7]
+    assert full["head_calls"] == 0
+    assert chunked["head_calls"] > 0 and chunked["head_rows"] > 7 * chunked["head_calls"] / 2
+    diff = float((chunked["logprobs"] - full["logprobs"]).abs().max())
+    print(f"max |logprobs(chunk 7) - logprobs(full)|: {diff:.3e}")
+    assert diff < 1e-5
+    assert full["metrics"].keys() == chunked["metrics"].keys()
+    for key, value in full["metrics"].items():
+        assert chunked["metrics"][key] == pytest.approx(value, rel=1e-5, abs=1e-6), key

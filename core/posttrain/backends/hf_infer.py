@@ -28,6 +28,7 @@ from posttrain.protocol import (
     WeightBucket,
     stop_string_start,
 )
+from posttrain.scoring.logprob_head import TokenLogprobs, logprob_forward
 from posttrain.scoring.modeling import sequence_scores, shifted_token_logprobs
 
 if TYPE_CHECKING:
@@ -266,9 +267,14 @@ def _in_chunks(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tens
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
+    forward = logprob_forward(worker, worker.model, train=False)
+
     def logprobs(ids, mask):
-        logits = worker.model(input_ids=ids, attention_mask=mask).logits
-        return shifted_token_logprobs(logits, ids) * mask
+        rows = SequenceBatch({"input_ids": ids, "attention_mask": mask})
+        out = forward(rows)
+        if isinstance(out, TokenLogprobs):
+            return out.logprobs * mask
+        return shifted_token_logprobs(out, ids) * mask
 
     return _in_chunks(worker, batch, logprobs)
 

@@ -33,6 +33,11 @@ class HFInferConfig:
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.
     param_offload: bool = False
+    # Log-probs from the output head this many tokens at a time (forward and backward), never
+    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
+    logprob_chunk_tokens: int = attrs.field(
+        default=1024, validator=at_least(1, also={0: "off: full logits"})
+    )
 
 
 class HFInferPlugin(EngineHooks):

@@ -16,6 +16,7 @@ import torch
 from posttrain.backends.distributed import agree_max
 from posttrain.backends.plumbing import rank_device
 from posttrain.protocol import SequenceBatch
+from posttrain.scoring.logprob_head import TokenLogprobs
 from posttrain.scoring.modeling import shifted_entropy, shifted_token_logprobs, shifted_values
 from posttrain.training.micro_batching import fixed_micro_batches, token_budget_micro_batches
 
@@ -99,12 +100,18 @@ def micro_batches(
 
 
 def _loss_inputs(
-    worker: WorkerContext, logits: torch.Tensor, mb: SequenceBatch, entropy_grad: bool
+    worker: WorkerContext,
+    logits: torch.Tensor | TokenLogprobs,
+    mb: SequenceBatch,
+    entropy_grad: bool,
 ):
     """What the loss takes from the model's output: values for a value head, else log-probs
-    and entropy."""
+    and entropy (computed from logits, or already computed by a chunked head)."""
     if worker.head == "value":
         return shifted_values(logits), None
+    if isinstance(logits, TokenLogprobs):
+        # The chunked head detached the entropy already when its gradient is not needed.
+        return logits.logprobs, logits.entropy
     logprobs = shifted_token_logprobs(logits, mb.input_ids)
     if entropy_grad:
         return logprobs, shifted_entropy(logits)
@@ -115,7 +122,8 @@ def _loss_inputs(
 def accumulate_gradients(
     worker: WorkerContext, batch: SequenceBatch, forward, backward, loss_fn
 ) -> dict[str, float]:
-    """Forward ``forward(mb) -> logits`` (a value head's ``[B, T, 1]`` for a critic), the core's
+    """Forward ``forward(mb) -> logits`` (a value head's ``[B, T, 1]`` for a critic; or the
+    :class:`~posttrain.scoring.logprob_head.TokenLogprobs` of ``logprob_forward``), the core's
     loss and ``backward(loss)`` over every micro-batch of this rank's plan (fillers with zero
     weight, so every rank runs as many); returns the real ones' summed loss metrics."""
     entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
@@ -150,16 +158,16 @@ def score_tokens(batch: SequenceBatch, groups, count, device, forward, per_token
     return out
 
 
+def _token_logprobs(out: torch.Tensor | TokenLogprobs, mb: SequenceBatch) -> torch.Tensor:
+    if isinstance(out, TokenLogprobs):
+        return out.logprobs
+    return shifted_token_logprobs(out, mb.input_ids)
+
+
 def score_logprobs(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
-    """Per-token log-probs of this rank's rows; ``forward(mb)`` returns logits."""
-    return score_tokens(
-        batch,
-        groups,
-        count,
-        device,
-        forward,
-        lambda out, mb: shifted_token_logprobs(out, mb.input_ids),
-    )
+    """Per-token log-probs of this rank's rows; ``forward(mb)`` returns logits (or
+    :class:`~posttrain.scoring.logprob_head.TokenLogprobs`, see ``logprob_forward``)."""
+    return score_tokens(batch, groups, count, device, forward, _token_logprobs)
 
 
 def score_values(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:

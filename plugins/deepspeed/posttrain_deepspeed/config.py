@@ -41,6 +41,11 @@ class DeepSpeedZeroConfig:
     # another role on the same GPUs runs (DeepSpeed's offload_states); off, they stay on the
     # device: faster, when memory allows.
     release_when_idle: bool = False
+    # Log-probs from the output head this many tokens at a time (forward and backward), never
+    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
+    logprob_chunk_tokens: int = attrs.field(
+        default=1024, validator=at_least(1, also={0: "off: full logits"})
+    )
     # Any other DeepSpeed config keys, merged over what the plugin builds (nested dicts merge).
     ds_config: dict[str, Any] = attrs.field(factory=dict)
 

@@ -46,6 +46,7 @@ from posttrain import (
     is_rank0,
     load_causal_lm,
     log_once,
+    logprob_forward,
     lora_adapter_keys,
     lora_args,
     lora_base_model,
@@ -401,7 +402,13 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     metrics = accumulate_gradients(
         worker,
         batch,
-        forward=lambda mb: forward_logits(engine, mb).float(),
+        forward=logprob_forward(
+            worker,
+            engine,
+            train=True,
+            hf_model=engine.module,
+            logits_forward=lambda mb: forward_logits(engine, mb).float(),
+        ),
         # The core's loss is already normalised over the whole step: no 1/accumulation scaling.
         backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
         loss_fn=loss_fn,
@@ -425,7 +432,13 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     engine = worker.model
     train = worker.strategy_name == TRAIN
-    forward = lambda mb: forward_logits(engine, mb).float()  # noqa: E731
+    forward = logprob_forward(
+        worker,
+        engine,
+        train=False,
+        hf_model=engine.module,
+        logits_forward=lambda mb: forward_logits(engine, mb).float(),
+    )
     return score_rows(worker, batch, engine, score_logprobs, forward, train)
 
 

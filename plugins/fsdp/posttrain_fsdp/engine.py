@@ -49,6 +49,7 @@ from posttrain import (
     is_rank0,
     load_model_with_head,
     log_once,
+    logprob_forward,
     lora_adapter_keys,
     lora_args,
     lora_base_model,
@@ -203,7 +204,7 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     metrics = accumulate_gradients(
         worker,
         batch,
-        forward=lambda mb: forward_logits(model, mb),
+        forward=logprob_forward(worker, model, train=True),
         backward=lambda loss: loss.backward(),
         loss_fn=loss_fn,
     )
@@ -244,10 +245,11 @@ def _score(worker: WorkerContext, batch: SequenceBatch, score, forward) -> torch
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     actor = worker.state.get("lender")
+    forward = logprob_forward(worker, worker.model, train=False)
     if actor is None:
-        return _score(worker, batch, score_logprobs, lambda mb: forward_logits(worker.model, mb))
+        return _score(worker, batch, score_logprobs, forward)
     with _resident(actor), worker.model.disable_adapter():
-        return _score(worker, batch, score_logprobs, lambda mb: forward_logits(worker.model, mb))
+        return _score(worker, batch, score_logprobs, forward)
 
 
 @contextlib.contextmanager

@@ -47,6 +47,11 @@ class FSDP2TrainConfig:
     micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Rows per forward pass when computing log-probs; None: micro_batch_size.
     logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    # Log-probs from the output head this many tokens at a time (forward and backward), never
+    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
+    logprob_chunk_tokens: int = attrs.field(
+        default=1024, validator=at_least(1, also={0: "off: full logits"})
+    )
 
 
 @attrs.frozen(kw_only=True)
@@ -61,6 +66,11 @@ class FSDP2InferConfig:
     cpu_offload: bool = False
     # Move the weights to host memory while another role on the same GPUs runs.
     param_offload: bool = False
+    # Log-probs from the output head this many tokens at a time (forward and backward), never
+    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
+    logprob_chunk_tokens: int = attrs.field(
+        default=1024, validator=at_least(1, also={0: "off: full logits"})
+    )
 
 
 class FSDPPlugin(EngineHooks):
