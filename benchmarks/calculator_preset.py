@@ -1,11 +1,15 @@
-"""Build ``preset:tiny-qwen2-calculator`` from scratch and measure what RL starts from: the build
-time, the tool-call rate at temperature 1, and the accuracy with and without a tool call.
+"""Build ``preset:tiny-qwen2-calculator`` (or ``--preset tiny-qwen2-python``) from scratch and
+measure what RL starts from: the build time, the tool-call rate at temperature 1, and the
+accuracy with and without a tool call.
 
 Sampling is plain transformers ``generate`` and a hand loop: generation stops at ``</call>`` or
-``<eos>``; after ``</call>`` the loop appends ``<result>VALUE</result>`` and generates on. The
+``<eos>``; after ``</call>`` the loop appends ``<result>VALUE</result>`` and generates on. VALUE is
+the calculator's: for tiny-qwen2-python's calls (sums) it is what the python tool prints with
+``echo_last_expression``, except for a malformed call, "" here and a traceback there. The
 answer is the text after the last ``</result>``, or the whole response without a call.
 
     python benchmarks/calculator_preset.py [--prompts 256] [--samples 4] [--seed 0]
+    python benchmarks/calculator_preset.py --preset tiny-qwen2-python
     python benchmarks/calculator_preset.py --prompts 4 --samples 1 --warm-start-steps 2  # smoke
 """
 
@@ -17,6 +21,8 @@ import re
 import tempfile
 import time
 
+# preset -> its synthetic task (posttrain.tasks.data.SYNTHETIC_TASKS)
+TASKS = {"tiny-qwen2-calculator": "multi_digit_arithmetic", "tiny-qwen2-python": "long_sum"}
 EXPR = re.compile(r"\d+(?:[+\-*]\d+)*")
 
 
@@ -68,7 +74,7 @@ def rollout(model, tokenizer, prompts: list[str]) -> list[tuple[str, str | None]
     call_id, end_call_id = tokenizer.convert_tokens_to_ids([CALL, END_CALL])
     eos = tokenizer.eos_token_id
     prompt_ids = [tokenizer.encode(p, add_special_tokens=False) for p in prompts]
-    first = generate(model, tokenizer, prompt_ids, [eos, end_call_id], 16)
+    first = generate(model, tokenizer, prompt_ids, [eos, end_call_id], 28)
     responses, exprs, pending = list(first), [None] * len(prompts), []
     for i, resp in enumerate(first):
         if resp and resp[-1] == end_call_id and call_id in resp:
@@ -97,6 +103,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=256, help="first N problems of the task")
     parser.add_argument("--samples", type=int, default=4, help="samples per prompt")
     parser.add_argument("--seed", type=int, default=0, help="sampling seed")
+    parser.add_argument("--preset", choices=sorted(TASKS), default="tiny-qwen2-calculator")
     parser.add_argument(
         "--warm-start-steps",
         type=int,
@@ -112,26 +119,31 @@ def main() -> None:
     import attrs
 
     from posttrain import ModelArgs, load_causal_lm, load_tokenizer
-    from posttrain.tasks.data import synthetic_multi_digit_arithmetic
+    from posttrain.config.sections import SyntheticData
+    from posttrain.tasks.data import SYNTHETIC_TASKS
+    from posttrain.tasks.presets import PRESETS
     from posttrain.tasks.warm_start import RECIPES
+
+    recipe = str(PRESETS[args.preset].warm_start)
 
     if args.warm_start_steps is not None:
         # The preset's builder reads its recipe from RECIPES (a fresh cache below: nothing else
         # sees the shorter build).
-        RECIPES["calculator"] = attrs.evolve(RECIPES["calculator"], steps=args.warm_start_steps)
+        RECIPES[recipe] = attrs.evolve(RECIPES[recipe], steps=args.warm_start_steps)
 
     with tempfile.TemporaryDirectory() as cache:
         os.environ["POSTTRAIN_CACHE"] = cache  # a fresh build, timed
         from posttrain.tasks.presets import preset_path
 
         start = time.perf_counter()
-        path = preset_path("preset:tiny-qwen2-calculator")
+        path = preset_path(f"preset:{args.preset}")
         build_s = time.perf_counter() - start
         model_args = ModelArgs(model_name_or_path=path)
         tokenizer, model = load_tokenizer(model_args), load_causal_lm(model_args)
     params = sum(p.numel() for p in model.parameters())
 
-    records = synthetic_multi_digit_arithmetic()[: args.prompts]
+    task = TASKS[args.preset]
+    records = SYNTHETIC_TASKS[task](SyntheticData(task=task))[: args.prompts]
     records = [r for r in records for _ in range(args.samples)]
     torch.manual_seed(args.seed)
     with torch.no_grad():

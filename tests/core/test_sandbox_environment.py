@@ -91,6 +91,19 @@ def test_a_compact_call_runs_the_code_and_answers_its_output():
 
 
 @needs_prlimit
+def test_echo_last_expression_shows_a_bare_expressions_value_from_the_sandbox():
+    # What the tiny vocabulary can write (digits and + - * =) is a program whose value is shown.
+    env = python_sandbox_environment(
+        PythonSandboxConfig(isolation=LEVEL, echo_last_expression=True)
+    )
+    step = env.step(turn("<call>12+345+67+89+10</call>"))
+    assert (step.observation, step.tool_calls) == ("<result>523</result>", 1)
+    # Off (the default), a script's bare expression prints nothing, as Python runs a file.
+    plain = python_sandbox_environment(PythonSandboxConfig(isolation=LEVEL))
+    assert plain.step(turn("<call>12+345</call>")).observation == "<result></result>"
+
+
+@needs_prlimit
 def test_a_hermes_call_and_the_observation_limit():
     config = PythonSandboxConfig(syntax="hermes", isolation=LEVEL, max_observation_chars=40)
     env = python_sandbox_environment(config)

@@ -32,6 +32,8 @@ def answer(api_status, **run):
 # What the stub answers to a program, by its code.
 ANSWERS = {
     "print(7)": answer("Success", stdout="7\n"),
+    # 3+4 with echo_last_expression: the service gets the rewritten program.
+    "__import__('sys').displayhook((3+4))": answer("Success", stdout="7\n"),
     "1/0": answer("Failed", code=1, stderr="ZeroDivisionError"),
     "while True: pass": answer("Failed", status="TimeLimitExceeded", code=None),
     "print('x' * 10**4)": answer("Success", stdout="x" * 10**4),
@@ -128,3 +130,11 @@ def test_the_environment_runs_its_calls_on_the_service(service):
         )
     )
     assert (step.observation, step.tool_calls, step.role) == ("7", 1, "tool")
+
+
+def test_echo_last_expression_sends_the_rewritten_program(service):
+    config = PythonSandboxConfig(backend="remote", url=service, echo_last_expression=True)
+    step = python_sandbox_environment(config).step(
+        ModelTurn(text="<call>3+4</call>", ids=(), index=0)
+    )
+    assert step.observation == "<result>7</result>"

@@ -139,7 +139,10 @@ class RoleConfig:
 
 @attrs.frozen(kw_only=True)
 class SyntheticData:
-    task: Literal["single_digit_addition", "multi_digit_arithmetic"] = "single_digit_addition"
+    # multi_digit_arithmetic: "37*48=" or "512+347="; long_sum: "12+345+67+89+10=" (5-6 terms).
+    task: Literal["single_digit_addition", "multi_digit_arithmetic", "long_sum"] = (
+        "single_digit_addition"
+    )
     max_sum: int = attrs.field(default=9, validator=at_least(0))
     # default: every problem of the task once per epoch
     num_prompts: int | None = attrs.field(default=None, validator=at_least(1))

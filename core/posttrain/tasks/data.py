@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import attrs
@@ -44,20 +44,38 @@ def multi_digit_problem(rng: random.Random) -> dict[str, str]:
     return {"prompt": f"{a}+{b}=", "answer": str(a + b)}
 
 
-def synthetic_multi_digit_arithmetic(count: int = 1024, seed: int = 0) -> list[dict[str, str]]:
-    """``count`` distinct problems of ``multi_digit_problem``, the same ones on every machine."""
+def long_sum_problem(rng: random.Random) -> dict[str, str]:
+    """A sum of 5 or 6 numbers of 2 or 3 digits (``12+345+67+89+10=``): too many carries for a
+    tiny model to add up, short enough to copy into a ``python`` call; answers have 3-4 digits."""
+    count = rng.choice((5, 6))
+    terms = [
+        rng.randint(10, 99) if rng.random() < 0.5 else rng.randint(100, 999) for _ in range(count)
+    ]
+    return {"prompt": "+".join(map(str, terms)) + "=", "answer": str(sum(terms))}
+
+
+def distinct_problems(
+    problem: Callable[[random.Random], dict[str, str]], count: int = 1024, seed: int = 0
+) -> list[dict[str, str]]:
+    """``count`` distinct problems drawn by ``problem``, the same ones on every machine."""
     rng = random.Random(seed)
     records: dict[str, dict[str, str]] = {}
     while len(records) < count:
-        record = multi_digit_problem(rng)
+        record = problem(rng)
         records.setdefault(record["prompt"], record)
     return list(records.values())
+
+
+def synthetic_multi_digit_arithmetic(count: int = 1024, seed: int = 0) -> list[dict[str, str]]:
+    """``count`` distinct problems of ``multi_digit_problem``, the same ones on every machine."""
+    return distinct_problems(multi_digit_problem, count, seed)
 
 
 # task name -> records, given the data.synthetic section
 SYNTHETIC_TASKS = {
     "single_digit_addition": lambda synthetic: synthetic_single_digit_addition(synthetic.max_sum),
     "multi_digit_arithmetic": lambda synthetic: synthetic_multi_digit_arithmetic(),
+    "long_sum": lambda synthetic: distinct_problems(long_sum_problem),
 }
 
 

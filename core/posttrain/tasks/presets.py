@@ -96,6 +96,18 @@ PRESETS: dict[str, Preset] = {
             "call the calculator in about 1 answer of 4 and copy its result"
         ),
     ),
+    # The calculator preset's geometry and tags, warm-started on long sums whose call is the
+    # sum itself: python_sandbox with echo_last_expression runs it (examples/python_tool.yaml).
+    "tiny-qwen2-python": Preset(
+        hidden_size=64,
+        num_hidden_layers=2,
+        added_tokens=TOOL_TAGS,
+        warm_start="python_long_sum",
+        description=(
+            "Qwen2, hidden 64, 2 layers, arithmetic alphabet and call tags, warm-started to "
+            "send a long sum to the python tool in about 1 answer of 4 and copy its output"
+        ),
+    ),
     # The calculator preset for vLLM, whose CPU attention has no kernel for head size 16: the
     # head-32 geometry, warm-started by the same recipe (tests/vllm/test_vllm_multiturn.py).
     "tiny-qwen2-head32-calculator": Preset(

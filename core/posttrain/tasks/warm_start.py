@@ -8,13 +8,14 @@ one machine writes the same weights.
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 
 import attrs
 
-from posttrain.tasks.data import multi_digit_problem
+from posttrain.tasks.data import long_sum_problem, multi_digit_problem
 
-# The calculator tool's ``compact`` call syntax: the model writes <call>EXPR</call>, the
-# environment appends <result>VALUE</result>, the model writes its answer.
+# The ``compact`` call syntax of the calculator and of python_sandbox: the model writes
+# <call>EXPR</call>, the environment appends <result>VALUE</result>, the model writes its answer.
 CALL, END_CALL, RESULT, END_RESULT = "<call>", "</call>", "<result>", "</result>"
 TOOL_TAGS = (CALL, END_CALL, RESULT, END_RESULT)
 
@@ -22,32 +23,46 @@ Row = tuple[list[int], list[int]]  # token ids, and 1 where the loss applies
 
 
 @attrs.frozen(kw_only=True)
-class CalculatorRecipe:
-    """Episodes of ``multi_digit_arithmetic`` where a minority calls the calculator.
+class ToolCallRecipe:
+    """Episodes of ``problem`` where a minority calls a tool with the prompt's expression.
 
     The rest answer at once with a wrong number near the answer, so the warm-started model calls
     the tool at about ``call_rate``, copies the tool's result when it does, and is wrong when it
-    does not: what RL then has to learn is to call the tool.
+    does not: what RL then has to learn is to call the tool. The call is the expression itself,
+    which the calculator evaluates and python_sandbox runs as code (``echo_last_expression``).
     """
 
     # Bump when the recipe or the problems it draws change, so cached presets are rebuilt.
     version: str = "1"
+    # How often the warm-started model calls: the share of episodes whose first token, the
+    # decision to call or not, is trained to be a call.
     call_rate: float = 0.25
+    # The share of episodes that call (None: call_rate). Above call_rate, more episodes teach
+    # the copying while the decision is trained in only enough of them to keep call_rate.
+    call_share: float | None = None
     # 1000 steps copy the result right in ~97% of calls; 700 in ~85%. ~40 s on one core.
     steps: int = 1000
     batch_size: int = 64
     learning_rate: float = 3e-3
     warmup_steps: int = 100
     seed: int = 0
+    # rng -> {"prompt": "EXPR=", "answer": ...}: a problem of a synthetic task (tasks/data.py).
+    problem: Callable[[random.Random], dict[str, str]] = multi_digit_problem
 
     def episode(self, rng: random.Random) -> list[tuple[str, bool]]:
         """(text, trained) segments: the prompt and the tool's result are not the model's."""
-        problem = multi_digit_problem(rng)
+        problem = self.problem(rng)
         prompt, answer = problem["prompt"], problem["answer"]
-        if rng.random() < self.call_rate:
+        share = self.call_rate if self.call_share is None else self.call_share
+        if rng.random() < share:
+            # Trained in a fraction w of the calls, the decision's odds are share * w : 1 - share,
+            # which w makes call_rate : 1 - call_rate.
+            w = self.call_rate * (1 - share) / (share * (1 - self.call_rate))
+            decided = w >= 1 or rng.random() < w
             return [
                 (prompt, False),
-                (f"{CALL}{prompt.removesuffix('=')}{END_CALL}", True),
+                (CALL, decided),
+                (f"{prompt.removesuffix('=')}{END_CALL}", True),
                 (f"{RESULT}{answer}{END_RESULT}", False),
                 (answer, True),
             ]
@@ -97,11 +112,19 @@ class CalculatorRecipe:
         return [*ids, tokenizer.eos_token_id], [*mask, 1]
 
 
-RECIPES = {"calculator": CalculatorRecipe()}
+RECIPES = {
+    "calculator": ToolCallRecipe(),
+    # Calls of ~18 characters to copy (the calculator's ~6), which 1000 steps at the
+    # calculator's 1 call in 4 copy right in 0% of calls: 9 episodes in 10 call, teaching the
+    # copy, and 600 steps copy right in ~85% (benchmarks/calculator_preset.py).
+    "python_long_sum": ToolCallRecipe(
+        problem=long_sum_problem, call_share=0.9, steps=600, warmup_steps=60
+    ),
+}
 
 
 def _near_miss(answer: int, rng: random.Random) -> str:
-    """A wrong number within about 10% of the answer (answers are >= 100, so it stays positive)."""
+    """A wrong number within about 10% of the answer (answers are >= 50, so it stays positive)."""
     offset = rng.randint(1, max(answer // 10, 10)) * rng.choice((-1, 1))
     return str(answer + offset)
 

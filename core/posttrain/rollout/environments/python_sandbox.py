@@ -1,7 +1,9 @@
 """The ``python_sandbox`` environment: one tool, ``python``, that runs the model's code in a
 sandbox and answers with what it printed.
 
-Each call is a fresh program: nothing carries over between calls of an episode. The observation
+Each call is a fresh program: nothing carries over between calls of an episode; with
+``echo_last_expression`` a final bare expression's value is shown, as in a notebook cell
+(:mod:`posttrain.sandbox.repl`). The observation
 is its stdout, then its stderr, then a line when a limit ended it, cut to
 ``max_observation_chars``. The local backend runs it under :mod:`posttrain.sandbox.local`; the
 remote one posts it to a SandboxFusion service (:mod:`posttrain.sandbox.remote`). A sandbox that
@@ -17,6 +19,7 @@ import attrs
 
 from posttrain.config.ranges import at_least
 from posttrain.rollout.environments.tools import Tool, ToolEnvironment, ToolError
+from posttrain.sandbox.repl import echo_last_expression
 from posttrain.sandbox.result import SandboxLimits, SandboxResult, truncate
 
 
@@ -45,6 +48,10 @@ class PythonSandboxConfig:
     max_observation_chars: int = attrs.field(default=1024, validator=at_least(16))
     # Longest program the tool runs, in characters; longer ones get an error result.
     max_code_chars: int = attrs.field(default=8192, validator=at_least(1))
+    # Notebook-cell semantics: a final bare expression's value is printed (its repr, unless
+    # None), as Jupyter and Python's interactive mode show it, so `<call>12+345</call>` answers
+    # `<result>357</result>`. The code still runs only in the sandbox (docs/sandbox.md).
+    echo_last_expression: bool = False
     # Append the call syntax and the tool's documentation to the prompt.
     announce: bool = False
 
@@ -83,6 +90,8 @@ def observation(result: SandboxResult, limit: int) -> str:
 
 
 def run_sandboxed(config: PythonSandboxConfig, code: str) -> SandboxResult:
+    if config.echo_last_expression:
+        code = echo_last_expression(code)
     if config.backend == "remote":
         from posttrain.sandbox.remote import run_remote
 
