@@ -28,8 +28,15 @@ NOT_HERE = (
     "quickstart_megatron",
     "quickstart_deepspeed",
 )
-# The asynchronous run trains for the quickstart's 400 steps; 20 show the same.
-SHORTER = {"quickstart_async": ("--set", "trainer.max_steps=20", "--set", "trainer.save_steps=10")}
+# The asynchronous runs train for the quickstart's 400 steps; 20 show the same, and 10 without
+# checkpoints show partial rollouts run (the plain asynchronous run's checkpoints are exported).
+SHORTER = {
+    "quickstart_async": ("--set", "trainer.max_steps=20", "--set", "trainer.save_steps=10"),
+    "quickstart_partial": (
+        *("--set", "trainer.max_steps=10", "--set", "trainer.save_steps=0"),
+        *("--set", "trainer.save_final=false"),
+    ),
+}
 
 
 def readme_commands() -> list[list[str]]:
