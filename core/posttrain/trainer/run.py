@@ -325,13 +325,16 @@ class Trainer:
                 # live copy).
                 self._history_log.append(metrics)
                 self.steps_run += 1
-                if self.checkpoints.due(self.state.step):
-                    with timer.phase("checkpoint"):
-                        self.checkpoints.save(self.state.step, attrs.asdict(self.state))
-                    self._time_step(metrics, timer, step_start, calls_before, tokens)
-                self.host.hook.posttrain_log_metrics(
-                    step=self.state.step, metrics=metrics, run_dir=self.run_dir
-                )
+                try:
+                    if self.checkpoints.due(self.state.step):
+                        with timer.phase("checkpoint"):
+                            self.checkpoints.save(self.state.step, attrs.asdict(self.state))
+                        self._time_step(metrics, timer, step_start, calls_before, tokens)
+                finally:
+                    # Also when Ctrl-C stops the save: the step ran, and the loggers say so.
+                    self.host.hook.posttrain_log_metrics(
+                        step=self.state.step, metrics=metrics, run_dir=self.run_dir
+                    )
         finally:
             timer.stop()
 
