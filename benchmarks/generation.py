@@ -1,9 +1,10 @@
 """Rollout generation speed of ``hf_infer`` in each decode mode (``strategy_config.decode``): the
 dynamic cache (transformers' ``generate`` way, the default before the fast path), the static
-cache, and the static cache with its step in a CUDA graph, in one run, against the first mode
-given. ``hf_generate`` is not an engine mode but the baseline users start from: transformers'
-own ``model.generate`` (sampling, dynamic cache, forced length), what TRL's GRPOTrainer runs
-without vLLM. It returns tokens only (log-probs of every step's logits would hold
+cache, the static cache with its step in a CUDA graph, and that step compiled (``compiled``:
+its first call includes the compile), in one run, against the first mode given.
+``hf_generate`` is not an engine mode but the baseline users start from: transformers' own
+``model.generate`` (sampling, dynamic cache, forced length), what TRL's GRPOTrainer runs without
+vLLM. It returns tokens only (log-probs of every step's logits would hold
 ``steps x batch x vocab`` floats: 80 GB at 256 x 512 for this vocabulary), so it does less than
 the engine does.
 
@@ -142,13 +143,13 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=None,
-        choices=["hf_generate", "dynamic", "static", "cuda_graph"],
-        help="default: hf_generate dynamic static cuda_graph on cuda, dynamic static on cpu",
+        choices=["hf_generate", "dynamic", "static", "cuda_graph", "compiled"],
+        help="default: hf_generate dynamic cuda_graph compiled on cuda, dynamic static on cpu",
     )
     args = parser.parse_args()
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     modes = args.modes or (
-        ["hf_generate", "dynamic", "static", "cuda_graph"]
+        ["hf_generate", "dynamic", "cuda_graph", "compiled"]
         if args.device == "cuda"
         else ["dynamic", "static"]
     )

@@ -22,9 +22,10 @@ from posttrain.testing.expected import reference_logprobs
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
 
-@pytest.fixture(scope="module", params=["dynamic", "static"])
+@pytest.fixture(scope="module", params=["dynamic", "static", "compiled"])
 def engine(hf_infer_worker, request):
-    """The engine in each decode mode (``cuda_graph`` is ``static`` on the CPU)."""
+    """The engine in each decode mode (``cuda_graph`` is ``static`` on the CPU; ``compiled``
+    runs its compiled step and fused sampling there too)."""
     worker = hf_infer_worker
     original = worker.config
     worker.config = attrs.evolve(original, decode=request.param)

@@ -28,3 +28,10 @@ class TestHFInferCudaGraphContractCUDA(StrategyContract):
     strategy_config = {"decode": "cuda_graph"}
     device = "cuda"
     supports_checkpoint = False  # no decoding in it: the dynamic class runs it
+
+
+class TestHFInferCompiledContractCUDA(StrategyContract):
+    strategy = "hf_infer"
+    strategy_config = {"decode": "compiled"}
+    device = "cuda"
+    supports_checkpoint = False  # no decoding in it: the dynamic class runs it

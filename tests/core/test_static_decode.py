@@ -73,3 +73,52 @@ def test_batches_of_sorted_prompts_come_back_in_the_request_order(hf_infer_worke
     for i, single in enumerate(alone):
         assert together.response_ids[i] == single.response_ids[0]
         assert together.response_logprobs[i] == pytest.approx(single.response_logprobs[0], abs=1e-5)
+
+
+class TestHFInferCompiledDecodeContract(StrategyContract):
+    strategy = "hf_infer"
+    strategy_config = {"decode": "compiled"}
+    supports_checkpoint = False  # no decoding in it: test_hf_infer_contract.py runs it
+
+
+def test_compiled_decode_decodes_what_the_static_decode_decodes(hf_infer_worker, monkeypatch):
+    """Greedy, so the compiled mode's fused sampling is not in play (the kit above checks its
+    log-probs): the compiled step gives the eager step's tokens and log-probs across windows."""
+    from posttrain.backends import static_decode
+
+    monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
+    worker = hf_infer_worker
+    original = worker.config
+    sampling = SamplingParams(n=2, max_new_tokens=9, temperature=0.0)
+    try:
+        static = generate(worker, "static", PROMPTS[:3], sampling, seed=1)
+        compiled = generate(worker, "compiled", PROMPTS[:3], sampling, seed=1)
+    finally:
+        worker.config = original
+        worker.state.pop("decoders", None)
+    assert compiled.response_ids == static.response_ids
+    for x, y in zip(compiled.response_logprobs, static.response_logprobs):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_worker, monkeypatch, caplog):
+    import torch
+
+    from posttrain.backends import static_decode
+
+    def untraceable(*args):
+        raise torch._dynamo.exc.Unsupported("a model torch.compile cannot trace")
+
+    monkeypatch.setattr(static_decode, "compiled_forward", lambda: untraceable)
+    worker = hf_infer_worker
+    original = worker.config
+    sampling = SamplingParams(n=1, max_new_tokens=5, temperature=0.0)
+    try:
+        static = generate(worker, "static", PROMPTS[:2], sampling, seed=1)
+        fallback = generate(worker, "compiled", PROMPTS[:2], sampling, seed=1)
+    finally:
+        worker.config = original
+        worker.state.pop("decoders", None)
+    assert "does not compile" in caplog.text
+    assert fallback.response_ids == static.response_ids
+    assert fallback.response_logprobs == static.response_logprobs

@@ -21,6 +21,7 @@ from posttrain.backends.static_decode import (
     supports_static,
 )
 from posttrain.backends.tensors import unshare_storage
+from posttrain.backends.token_sampling import draw, gumbel_draw, is_plain
 from posttrain.protocol import (
     GenerationRequest,
     RolloutSamples,
@@ -53,23 +54,6 @@ def _batch_size(worker: WorkerContext) -> int:
     return worker.state.get("infer_batch_size") or worker.config.batch_size
 
 
-def _filter_logits(
-    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
-) -> torch.Tensor:
-    logits = logits / max(temperature, 1e-6)
-    if 0 < top_k < logits.shape[-1]:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, descending=True, dim=-1)
-        probs = torch.softmax(sorted_logits, dim=-1)
-        # Drop a token when the mass before it already reaches top_p (keeps at least one).
-        drop = probs.cumsum(-1) - probs >= top_p
-        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-        logits = torch.full_like(logits, float("-inf")).scatter(-1, order, sorted_logits)
-    return logits
-
-
 @torch.no_grad()
 def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
     sampling = request.sampling
@@ -88,23 +72,26 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
         order = list(range(len(prompts)))
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
+    mode = decode_mode(worker)
+    draw = _drawer(mode, sampling, generator)
     for start in range(0, len(order), step):
         rows = order[start : start + step]
         chunk = [prompts[i] for i in rows]
-        decode = _start_decode(worker, chunk, sampling.max_new_tokens, tokenizer.pad_token_id)
-        tokens, token_logps = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, generator)
+        decode = _start_decode(worker, mode, chunk, sampling.max_new_tokens, tokenizer.pad_token_id)
+        tokens, token_logps = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, draw)
         for i, ids, logps in zip(rows, tokens, token_logps):
             responses[i], logprobs[i] = ids, logps
     return RolloutSamples(prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs)
 
 
 def decode_mode(worker: WorkerContext) -> str:
-    """``strategy_config.decode`` resolved: ``auto`` is ``cuda_graph`` on a GPU, ``dynamic``
+    """``strategy_config.decode`` resolved: ``auto`` is ``compiled`` on a GPU, ``dynamic``
     on the CPU; a model with other than full-attention layers decodes dynamically."""
     mode = worker.config.decode
+    on_gpu = str(worker.device).startswith("cuda")
     if mode == "auto":
-        mode = "cuda_graph" if str(worker.device).startswith("cuda") else "dynamic"
-    if mode == "cuda_graph" and not str(worker.device).startswith("cuda"):
+        mode = "compiled" if on_gpu else "dynamic"
+    if mode == "cuda_graph" and not on_gpu:
         mode = "static"  # CUDA graphs need a GPU; the same fixed-shape step runs eagerly
     if mode != "dynamic" and not supports_static(worker.model):
         log_once(
@@ -129,14 +116,23 @@ def _left_padded(prompts: list[list[int]], rows: int, pad_id: int, device):
     return input_ids, attention
 
 
-def _start_decode(worker: WorkerContext, prompts, max_new_tokens: int, pad_id: int):
-    mode = decode_mode(worker)
+def _drawer(mode: str, sampling, generator):
+    """The step's sampling: fused (:func:`gumbel_draw`) in the compiled decode where the
+    sampling is plain, else the general :func:`draw`."""
+    if mode == "compiled" and is_plain(sampling):
+        return lambda logits: gumbel_draw(logits, sampling.temperature, generator)
+    return lambda logits: draw(logits, sampling, generator)
+
+
+def _start_decode(worker: WorkerContext, mode: str, prompts, max_new_tokens: int, pad_id: int):
     if mode == "dynamic":
         input_ids, attention = _left_padded(prompts, len(prompts), pad_id, worker.device)
         return DynamicDecode(worker.model, input_ids, attention)
+    on_gpu = str(worker.device).startswith("cuda")
+    graph, compiled = mode in ("cuda_graph", "compiled") and on_gpu, mode == "compiled"
     decoders = worker.state.get("decoders")
-    if decoders is None or decoders.graph != (mode == "cuda_graph"):
-        decoders = worker.state["decoders"] = StaticDecoders(graph=mode == "cuda_graph")
+    if decoders is None or (decoders.graph, decoders.compiled) != (graph, compiled):
+        decoders = worker.state["decoders"] = StaticDecoders(graph=graph, compiled=compiled)
     width = max(len(p) for p in prompts)
     decoder = decoders.get(worker.model, len(prompts), width + max_new_tokens, worker.device)
     input_ids, attention = _left_padded(prompts, decoder.rows, pad_id, worker.device)
@@ -191,7 +187,7 @@ class StaticDecode:
 SYNC_EVERY = 8
 
 
-def _sample(decode, batch: int, sampling, stop_ids, tokenizer, generator):
+def _sample(decode, batch: int, sampling, stop_ids, tokenizer, draw):
     """Sample up to ``max_new_tokens`` for the ``batch`` prompts ``decode`` started. Tokens and
     log-probs stay on the device until the end; a row's length counts its tokens up to and
     including the one that stopped it."""
@@ -206,7 +202,7 @@ def _sample(decode, batch: int, sampling, stop_ids, tokenizer, generator):
     every = 1 if sampling.stop or device.type == "cpu" else SYNC_EVERY
     next_logits = decode.first
     for t in range(steps):
-        token, token_logp = _draw(next_logits[:batch], sampling, generator)
+        token, token_logp = draw(next_logits[:batch])
         tokens[:, t] = token
         logps[:, t] = token_logp
         lengths += ~finished
@@ -221,20 +217,6 @@ def _sample(decode, batch: int, sampling, stop_ids, tokenizer, generator):
     responses = [row[:n] for row, n in zip(tokens.tolist(), counts)]
     logprobs = [row[:n] for row, n in zip(logps.tolist(), counts)]
     return responses, logprobs
-
-
-def _draw(logits: torch.Tensor, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token per row from ``logits`` (temperature, top-k, top-p; greedy at temperature 0)
-    and its log-probability under the unfiltered distribution (what a forward pass scores)."""
-    logits = logits.float()
-    raw_logp = torch.log_softmax(logits, dim=-1)
-    filtered = _filter_logits(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    if sampling.temperature <= 0:
-        token = filtered.argmax(-1)
-    else:
-        probs = torch.softmax(filtered, dim=-1)
-        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return token, raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
 def _stop_strings_reached(tokens, lengths, finished, stop: tuple[str, ...], tokenizer):
