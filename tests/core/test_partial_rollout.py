@@ -7,6 +7,7 @@ and the workflow's mistakes are reported."""
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 
@@ -31,23 +32,17 @@ ENDS_EARLY, RUNS_LONG = 3, 1
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_model_path):
-    """hf_infer's engine on its own weights (the session's shared engine keeps the preset's)."""
-    from posttrain.backends import hf_infer
-    from posttrain.backends.hf_infer_plugin import HFInferConfig
-    from posttrain.config.sections import ModelArgs
-    from posttrain.launch.worker import WorkerContext
+def engine(hf_infer_worker, tiny_model_path):
+    """The session's hf_infer engine, given seeded weights by the tests here: at the module's end
+    it gets the preset's weights back (an exact copy), as the other tests expect them."""
+    from safetensors.torch import load_file
 
-    worker = WorkerContext(
-        role="actor_infer",
-        strategy_name="hf_infer",
-        config=HFInferConfig(),
-        model_args=ModelArgs(model_name_or_path=tiny_model_path),
-    )
-    worker.model = hf_infer.load_model(worker)
+    worker = hf_infer_worker
     tokenizer = worker.state["tokenizer"]
     worker.state["prompts"] = [tokenizer(t)["input_ids"] for t in PROMPTS]
-    return worker
+    yield worker
+    worker.state.pop("prompts")
+    load(worker, load_file(os.path.join(tiny_model_path, "model.safetensors")))
 
 
 def load(worker, state: dict) -> None:

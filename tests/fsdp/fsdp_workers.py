@@ -113,39 +113,6 @@ def full_optim(runtime) -> dict:
     )
 
 
-def chunked_vs_full(rank: int, world_size: int, config_for, vocab_of) -> dict:
-    """``{chunk: ...}`` for ``logprob_chunk_tokens`` 0 (full logits) and 7 (several chunks per
-    micro-batch), each from a fresh model: step 0's old log-probs (``compute_logprobs``), one
-    train step's metrics, and how many calls (and rows) the chunked head made."""
-    import posttrain.scoring.logprob_head as head
-
-    original = head.chunked_token_logprobs
-    rows: list[int] = []
-
-    def counted(hidden, *args, **kwargs):
-        rows.append(hidden.shape[0])
-        return original(hidden, *args, **kwargs)
-
-    head.chunked_token_logprobs = counted
-    out = {}
-    try:
-        for chunk in (0, 7):
-            rows.clear()
-            rt = make_runtime(rank, world_size, config=config_for(chunk))
-            share = rank_share(step_batch(0, vocab_of(rt)), rank, world_size)
-            logprobs = rt.compute_logprobs(share)
-            metrics = train_one(rt, 0, rank, world_size)
-            out[chunk] = {
-                "logprobs": logprobs,
-                "metrics": metrics,
-                "head_calls": len(rows),
-                "head_rows": sum(rows),
-            }
-    finally:
-        head.chunked_token_logprobs = original
-    return out
-
-
 def probe_batch(vocab: int):
     import torch
 
@@ -229,13 +196,20 @@ def scenario_train(rank: int, world_size: int, out_dir: str, extras: bool = Fals
     save(full_params(uneven), "params_uneven.pt")
 
     # Chunked log-probs against the full logits, from fresh models.
-    def chunk_config(chunk):
-        return FSDP2TrainConfig(micro_batch_size=3, logprob_chunk_tokens=chunk)
+    from posttrain.testing.logprob_chunks import chunked_vs_full
 
-    save(
-        chunked_vs_full(rank, world_size, chunk_config, lambda rt: rt.ctx.model.config.vocab_size),
-        "chunked.pt",
+    chunked = chunked_vs_full(
+        start=lambda chunk: make_runtime(
+            rank,
+            world_size,
+            config=FSDP2TrainConfig(micro_batch_size=3, logprob_chunk_tokens=chunk),
+        ),
+        share_of=lambda rt: rank_share(
+            step_batch(0, rt.ctx.model.config.vocab_size), rank, world_size
+        ),
+        train=lambda rt: train_one(rt, 0, rank, world_size),
     )
+    save(chunked, "chunked.pt")
 
 
 def scenario_resume(rank: int, world_size: int, out_dir: str):

@@ -19,7 +19,7 @@ import json
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -402,13 +402,7 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     metrics = accumulate_gradients(
         worker,
         batch,
-        forward=logprob_forward(
-            worker,
-            engine,
-            train=True,
-            hf_model=engine.module,
-            logits_forward=lambda mb: forward_logits(engine, mb).float(),
-        ),
+        forward=_logprob_forward(worker, train=True),
         # The core's loss is already normalised over the whole step: no 1/accumulation scaling.
         backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
         loss_fn=loss_fn,
@@ -430,16 +424,22 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    engine = worker.model
     train = worker.strategy_name == TRAIN
-    forward = logprob_forward(
+    forward = _logprob_forward(worker, train=False)
+    return score_rows(worker, batch, worker.model, score_logprobs, forward, train)
+
+
+def _logprob_forward(worker: WorkerContext, train: bool) -> Callable[[SequenceBatch], Any]:
+    """The micro-batch forward of a train step (``train``) or of scoring: the chunked head reads
+    the HF model inside the DeepSpeed engine; full logits come through the engine, in fp32."""
+    engine = worker.model
+    return logprob_forward(
         worker,
         engine,
-        train=False,
+        train=train,
         hf_model=engine.module,
         logits_forward=lambda mb: forward_logits(engine, mb).float(),
     )
-    return score_rows(worker, batch, engine, score_logprobs, forward, train)
 
 
 # --------------------------------------------------------------------------------------------
