@@ -119,7 +119,7 @@ def main() -> None:
     import attrs
 
     from posttrain import ModelArgs, load_causal_lm, load_tokenizer
-    from posttrain.config.sections import SyntheticData
+    from posttrain.config.data_sections import SyntheticData
     from posttrain.tasks.data import SYNTHETIC_TASKS
     from posttrain.tasks.presets import PRESETS
     from posttrain.tasks.warm_start import RECIPES

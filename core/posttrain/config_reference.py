@@ -1,4 +1,5 @@
-"""Generate docs/config-reference.md from the attrs classes of :mod:`posttrain.config.sections`.
+"""Generate docs/config-reference.md from the attrs classes of :mod:`posttrain.config.sections`
+(and :mod:`posttrain.config.data_sections`, where the prompt sections live).
 
 Run ``python -m posttrain.config_reference > docs/config-reference.md``; a test checks that the
 committed file equals this output. A field's description is its ``metadata["help"]`` if set,
@@ -19,7 +20,7 @@ from typing import Any
 import attrs
 
 from posttrain.backends.hf_infer_plugin import HFInferConfig
-from posttrain.config import sections
+from posttrain.config import data_sections, sections
 from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
 from posttrain.rollout.environments.calculator import CalculatorConfig
@@ -55,6 +56,11 @@ a string YAML would read otherwise (`--set 'key="-"'`). A relative path given wi
 
 # Fields that are not YAML keys.
 _INTERNAL = {(Workflow, "base_dir")}
+
+
+# The modules of the workflow's sections: their classes' docstrings describe sections (other
+# attrs classes reachable from Workflow, such as strategy configs, document themselves).
+SECTION_MODULES = {sections.__name__, data_sections.__name__}
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -198,7 +204,7 @@ def _nested_classes(tp: Any) -> list[type]:
 def _summary(classes: list[type]) -> str:
     """The first line of a section class's docstring: the description of a field of that type."""
     doc = inspect.getdoc(classes[0]) if len(classes) == 1 else None
-    if not doc or classes[0].__module__ != sections.__name__:
+    if not doc or classes[0].__module__ not in SECTION_MODULES:
         return ""
     return doc.splitlines()[0].replace("``", "`")
 
@@ -233,7 +239,7 @@ def generate() -> str:
         lines.append(f"\n## {cls.__name__}\n")
         lines.append("YAML path: " + ", ".join(f"`{p}`" for p in paths) + "\n")
         doc = inspect.getdoc(cls)
-        if doc and cls.__module__ == sections.__name__:
+        if doc and cls.__module__ in SECTION_MODULES:
             lines.append(doc.replace("``", "`") + "\n")
         lines += _class_table(cls)
     lines.append("\n## Strategy configs\n")

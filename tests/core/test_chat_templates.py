@@ -12,7 +12,8 @@ from pathlib import Path
 import attrs
 import pytest
 
-from posttrain.config.sections import DataConfig, EnvironmentConfig
+from posttrain.config.data_sections import DataConfig
+from posttrain.config.sections import EnvironmentConfig
 from posttrain.protocol import RolloutSamples, SamplingParams
 from posttrain.rollout.environments.builtin import posttrain_add_environments
 from posttrain.rollout.environments.calculator import CalculatorConfig, calculator_environment

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import attrs
 
-from posttrain.config import sections
+from posttrain.config import data_sections, sections
 from posttrain.config_reference import _walk, generate
 
 DOC = Path(__file__).resolve().parents[2] / "docs" / "config-reference.md"
@@ -34,8 +34,9 @@ def test_every_section_and_field_is_documented():
     text = generate()
     classes = [
         obj
-        for obj in vars(sections).values()
-        if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == sections.__name__
+        for module in (sections, data_sections)
+        for obj in vars(module).values()
+        if isinstance(obj, type) and attrs.has(obj) and obj.__module__ == module.__name__
     ]
     assert set(_walk()) | {sections.Workflow} == set(classes)  # every section class is reachable
     for cls in classes:

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from posttrain.config.sections import DataConfig, SyntheticData
+from posttrain.config.data_sections import DataConfig, SyntheticData
 from posttrain.errors import UserError
 from posttrain.tasks.data import (
     PromptSampler,

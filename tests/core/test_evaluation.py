@@ -14,8 +14,8 @@ import time
 import pytest
 
 from posttrain.cli import EXIT_USER, main
+from posttrain.config.data_sections import DataConfig, SyntheticData
 from posttrain.config.report import ErrorReport
-from posttrain.config.sections import DataConfig, SyntheticData
 from posttrain.config.workflow import build_workflow
 from posttrain.evaluation.pass_at_k import group_metrics, k_values, pass_at_k
 from posttrain.evaluation.phase import evaluates_after

@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 import statistics
 
-from posttrain.config.sections import SyntheticData
+from posttrain.config.data_sections import SyntheticData
 from posttrain.tasks import presets
 from posttrain.tasks.data import SYNTHETIC_TASKS
 from posttrain.tasks.warm_start import CALL, RECIPES, TOOL_TAGS

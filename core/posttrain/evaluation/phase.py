@@ -22,7 +22,8 @@ from posttrain.rollout.generation import generate, sampling_params
 from posttrain.tasks.data import PromptSampler, load_prompts
 
 if TYPE_CHECKING:
-    from posttrain.config.sections import EvalDataset, Workflow
+    from posttrain.config.data_sections import EvalDataset
+    from posttrain.config.sections import Workflow
     from posttrain.launch.base import WorkerGroup
     from posttrain.launch.placement import TimeSharing
     from posttrain.rewards.pool import RuleRewards

@@ -10,7 +10,7 @@ from typing import Any
 
 import attrs
 
-from posttrain.config.sections import DataConfig
+from posttrain.config.data_sections import DataConfig
 from posttrain.errors import UserError
 
 
