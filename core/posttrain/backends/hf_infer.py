@@ -14,7 +14,7 @@ import torch
 
 from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.backends.models import load_model_with_head, load_tokenizer
-from posttrain.backends.plumbing import log_once, memory_tags
+from posttrain.backends.plumbing import is_cuda, log_once, memory_tags
 from posttrain.backends.static_decode import (
     StaticDecoders,
     cache_argument,
@@ -73,12 +73,12 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
     mode = decode_mode(worker)
-    draw = _drawer(mode, sampling, generator)
+    draw_token = _drawer(mode, sampling, generator)
     for start in range(0, len(order), step):
         rows = order[start : start + step]
         chunk = [prompts[i] for i in rows]
         decode = _start_decode(worker, mode, chunk, sampling.max_new_tokens, tokenizer.pad_token_id)
-        tokens, token_logps = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, draw)
+        tokens, token_logps = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, draw_token)
         for i, ids, logps in zip(rows, tokens, token_logps):
             responses[i], logprobs[i] = ids, logps
     return RolloutSamples(prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs)
@@ -88,7 +88,7 @@ def decode_mode(worker: WorkerContext) -> str:
     """``strategy_config.decode`` resolved: ``auto`` is ``compiled`` on a GPU, ``dynamic``
     on the CPU; a model with other than full-attention layers decodes dynamically."""
     mode = worker.config.decode
-    on_gpu = str(worker.device).startswith("cuda")
+    on_gpu = is_cuda(worker)
     if mode == "auto":
         mode = "compiled" if on_gpu else "dynamic"
     if mode == "cuda_graph" and not on_gpu:
@@ -128,7 +128,7 @@ def _start_decode(worker: WorkerContext, mode: str, prompts, max_new_tokens: int
     if mode == "dynamic":
         input_ids, attention = _left_padded(prompts, len(prompts), pad_id, worker.device)
         return DynamicDecode(worker.model, input_ids, attention)
-    on_gpu = str(worker.device).startswith("cuda")
+    on_gpu = is_cuda(worker)
     graph, compiled = mode in ("cuda_graph", "compiled") and on_gpu, mode == "compiled"
     decoders = worker.state.get("decoders")
     if decoders is None or (decoders.graph, decoders.compiled) != (graph, compiled):
