@@ -1,5 +1,5 @@
-"""Generate docs/config-reference.md from the attrs classes of :mod:`posttrain.config.sections`
-(and :mod:`posttrain.config.data_sections`, where the prompt sections live).
+"""Generate docs/config-reference.md from the attrs classes of the workflow's sections: the
+:class:`~posttrain.config.sections.Workflow` class and every attrs class reachable from its fields.
 
 Run ``python -m posttrain.config_reference > docs/config-reference.md``; a test checks that the
 committed file equals this output. A field's description is its ``metadata["help"]`` if set,
@@ -20,7 +20,6 @@ from typing import Any
 import attrs
 
 from posttrain.backends.hf_infer_plugin import HFInferConfig
-from posttrain.config import data_sections, sections
 from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
 from posttrain.rollout.environments.calculator import CalculatorConfig
@@ -56,11 +55,6 @@ a string YAML would read otherwise (`--set 'key="-"'`). A relative path given wi
 
 # Fields that are not YAML keys.
 _INTERNAL = {(Workflow, "base_dir")}
-
-
-# The modules of the workflow's sections: their classes' docstrings describe sections (other
-# attrs classes reachable from Workflow, such as strategy configs, document themselves).
-SECTION_MODULES = {sections.__name__, data_sections.__name__}
 
 
 def _field_comments(cls: type) -> dict[str, str]:
@@ -229,6 +223,14 @@ def _walk() -> dict[type, list[str]]:
                     paths.append(path)
                     queue.append((child, path))
     return found
+
+
+# The modules of the workflow's sections, whose classes' docstrings describe sections (strategy
+# and environment configs document themselves): the posttrain.config modules of Workflow and of
+# the classes reachable from it. Derived, so sections moved to a further module stay described.
+SECTION_MODULES = frozenset(
+    cls.__module__ for cls in (Workflow, *_walk()) if cls.__module__.startswith("posttrain.config.")
+)
 
 
 def generate() -> str:

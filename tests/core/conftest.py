@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import textwrap
 
@@ -100,3 +101,24 @@ def hf_infer_worker(tiny_model_path):
     )
     worker.model = hf_infer.load_model(worker)
     return worker
+
+
+@pytest.fixture(scope="session")
+def hf_infer_settings(hf_infer_worker):
+    """A context manager over the session's hf_infer engine: it applies ``changes`` to the
+    worker's strategy config (a test may change it further inside), yields the worker, and on the
+    way out puts the config back and drops the decoders kept for the changed settings, so the
+    tests that follow find the engine as loaded. Session-scoped, for module-scoped fixtures too."""
+
+    @contextlib.contextmanager
+    def settings(**changes):
+        worker = hf_infer_worker
+        original = worker.config
+        worker.config = attrs.evolve(original, **changes)
+        try:
+            yield worker
+        finally:
+            worker.config = original
+            worker.state.pop("decoders", None)
+
+    return settings

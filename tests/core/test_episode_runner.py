@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 
-import attrs
 import pytest
 import torch
 from env_support import HANGS, RAISES, RELEASE_HUNG, SPECS
@@ -23,15 +22,11 @@ SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
 
 @pytest.fixture(scope="module", params=["dynamic", "static", "compiled"])
-def engine(hf_infer_worker, request):
+def engine(hf_infer_settings, request):
     """The engine in each decode mode (``cuda_graph`` is ``static`` on the CPU; ``compiled``
     runs its compiled step and fused sampling there too)."""
-    worker = hf_infer_worker
-    original = worker.config
-    worker.config = attrs.evolve(original, decode=request.param)
-    yield worker
-    worker.config = original
-    worker.state.pop("decoders", None)
+    with hf_infer_settings(decode=request.param) as worker:
+        yield worker
 
 
 class Recorder:

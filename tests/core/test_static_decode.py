@@ -27,15 +27,13 @@ def generate(worker, decode: str, prompts, sampling, seed: int):
     )
 
 
-def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_worker, monkeypatch):
+def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_settings, monkeypatch):
     from posttrain.backends import hf_infer, static_decode
 
     # Windows of 4 slots: the prefill and the steps attend to 2 or 3 growing windows, not to
     # the whole cache of 128 (the GPU's 128-slot windows are the same code at a larger size).
     monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
-    worker = hf_infer_worker
-    original = worker.config
-    try:
+    with hf_infer_settings() as worker:
         # 3 prompts x 3 samples: 9 rows in a decoder of 16; prompts of different lengths.
         sampling = SamplingParams(n=3, max_new_tokens=7)
         dynamic = generate(worker, "dynamic", PROMPTS[:3], sampling, seed=4)
@@ -46,9 +44,6 @@ def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_worker, m
         other = generate(worker, "static", PROMPTS[1:3], fewer, seed=9)
         other_dynamic = generate(worker, "dynamic", PROMPTS[1:3], fewer, seed=9)
         assert sorted(worker.state["decoders"]._decoders) == [(8, 128), (16, 128)]
-    finally:
-        worker.config = original
-        worker.state.pop("decoders", None)
     for a, b in ((dynamic, static), (static, again), (other_dynamic, other)):
         assert a.response_ids == b.response_ids
         for x, y in zip(a.response_logprobs, b.response_logprobs):
@@ -56,19 +51,14 @@ def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_worker, m
     assert hf_infer.decode_mode(worker) == "dynamic"  # auto, on the CPU
 
 
-def test_batches_of_sorted_prompts_come_back_in_the_request_order(hf_infer_worker):
+def test_batches_of_sorted_prompts_come_back_in_the_request_order(hf_infer_settings):
     """Prompts of mixed lengths over several batches are decoded shortest first; each sample
     is still its own prompt's, as when that prompt is generated alone (greedy)."""
-    worker = hf_infer_worker
-    original = worker.config
     prompts = [[1, 7, 14, 8, 17, 5, 14], [1, 5, 14], [1, 13, 14, 4, 17], [1, 4, 14, 4]]
     sampling = SamplingParams(n=1, max_new_tokens=4, temperature=0.0)
-    try:
-        worker.config = attrs.evolve(original, batch_size=2)
+    with hf_infer_settings(batch_size=2) as worker:
         together = generate(worker, "dynamic", prompts, sampling, seed=1)
         alone = [generate(worker, "dynamic", [p], sampling, seed=1) for p in prompts]
-    finally:
-        worker.config = original
     assert together.prompt_ids == prompts
     for i, single in enumerate(alone):
         assert together.response_ids[i] == single.response_ids[0]
@@ -81,27 +71,22 @@ class TestHFInferCompiledDecodeContract(StrategyContract):
     supports_checkpoint = False  # no decoding in it: test_hf_infer_contract.py runs it
 
 
-def test_compiled_decode_decodes_what_the_static_decode_decodes(hf_infer_worker, monkeypatch):
+def test_compiled_decode_decodes_what_the_static_decode_decodes(hf_infer_settings, monkeypatch):
     """Greedy, so the compiled mode's fused sampling is not in play (the kit above checks its
     log-probs): the compiled step gives the eager step's tokens and log-probs across windows."""
     from posttrain.backends import static_decode
 
     monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
-    worker = hf_infer_worker
-    original = worker.config
     sampling = SamplingParams(n=2, max_new_tokens=9, temperature=0.0)
-    try:
+    with hf_infer_settings() as worker:
         static = generate(worker, "static", PROMPTS[:3], sampling, seed=1)
         compiled = generate(worker, "compiled", PROMPTS[:3], sampling, seed=1)
-    finally:
-        worker.config = original
-        worker.state.pop("decoders", None)
     assert compiled.response_ids == static.response_ids
     for x, y in zip(compiled.response_logprobs, static.response_logprobs):
         assert x == pytest.approx(y, abs=1e-5)
 
 
-def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_worker, monkeypatch, caplog):
+def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_settings, monkeypatch, caplog):
     import torch
 
     from posttrain.backends import static_decode
@@ -110,15 +95,10 @@ def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_worker, monkeypat
         raise torch._dynamo.exc.Unsupported("a model torch.compile cannot trace")
 
     monkeypatch.setattr(static_decode, "compiled_forward", lambda: untraceable)
-    worker = hf_infer_worker
-    original = worker.config
     sampling = SamplingParams(n=1, max_new_tokens=5, temperature=0.0)
-    try:
+    with hf_infer_settings() as worker:
         static = generate(worker, "static", PROMPTS[:2], sampling, seed=1)
         fallback = generate(worker, "compiled", PROMPTS[:2], sampling, seed=1)
-    finally:
-        worker.config = original
-        worker.state.pop("decoders", None)
     assert "does not compile" in caplog.text
     assert fallback.response_ids == static.response_ids
     assert fallback.response_logprobs == static.response_logprobs

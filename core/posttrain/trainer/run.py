@@ -39,11 +39,10 @@ from posttrain.rewards.scoring import RewardScorer, make_rule_rewards, reward_to
 from posttrain.rollout.batches import AsyncBatches, ProducedBatch, SynchronousBatches
 from posttrain.rollout.environments.registry import prompt_tools
 from posttrain.rollout.generation import Rollout
-from posttrain.rollout.groups import collect_groups
 from posttrain.rollout.partial import version_metrics
 from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
 from posttrain.tasks.data import PromptSampler, load_prompts
-from posttrain.trainer.call_stats import phase_call_stats, split_by_caller
+from posttrain.trainer.batch_source import batch_source
 from posttrain.trainer.logger_registry import make_loggers
 from posttrain.trainer.phase_timer import PhaseTimer
 from posttrain.trainer.plugin_metrics import contributed_metrics
@@ -199,7 +198,9 @@ class Trainer:
             self._resume(checkpoint, sampler)
         if not loop:
             return
-        self.batches = self._batch_source(rollout, sampler)
+        self.batches, self._stats_groups = batch_source(
+            wf, rollout, sampler, self.groups, self.state.step, self.console
+        )
 
     def _start_loggers(self) -> None:
         for name, logger in make_loggers(
@@ -224,41 +225,6 @@ class Trainer:
         self._sync_weights()
         self.console.print(
             f"resumed from {display_path(checkpoint.path)} at step {self.state.step}"
-        )
-
-    def _batch_source(
-        self, rollout: Rollout, sampler: PromptSampler
-    ) -> SynchronousBatches | AsyncBatches:
-        """Batches made when a step asks (``max_staleness: 0``) or by a producer thread that
-        runs ahead of training (see :mod:`posttrain.rollout.batches`)."""
-        algo = self.wf.algorithm
-
-        def produce(index: int, timer: PhaseTimer, engine_turn=None):
-            scored, sampling = collect_groups(
-                lambda round_: rollout(index, round_, timer, engine_turn),
-                algo.rollout_batch_size,
-                algo.group_size,
-                algo.dynamic_sampling,
-                algo.max_sampling_rounds,
-            )
-            return scored, sampling, sampler.state()
-
-        version = self.state.step  # the policy the rollout engine holds now
-        if not algo.max_staleness:
-            self._stats_groups = self.groups
-            return SynchronousBatches(produce, version)
-        # The producer's thread alone calls the rollout (and reward) processes: it also asks
-        # them for their figures, the loop's thread asks the others.
-        self._stats_groups, producers = split_by_caller(self.groups)
-        return AsyncBatches(
-            produce,
-            version,
-            algo.max_staleness,
-            first=self.state.step + 1,
-            last=self.wf.trainer.max_steps,
-            make_timer=lambda: PhaseTimer(self.console, 0, 0, show=False),
-            rank_stats=lambda: phase_call_stats(producers),
-            partial=algo.partial_rollout,
         )
 
     def _close(self) -> None:
