@@ -4,9 +4,9 @@ under the model's own distribution (temperature 1, before top-k/top-p: what a fo
 :func:`draw` is the general path (temperature, top-k, top-p, greedy at temperature 0).
 :func:`gumbel_draw` serves the plain sampling RL runs most (temperature only) in the ``compiled``
 decode: ``argmax(logits / T + Gumbel noise)`` samples the softmax of ``logits / T`` exactly (the
-Gumbel-max trick), and under ``torch.compile`` it is one pass over the logits instead of the
-general path's half-dozen (``float``, log-softmax, scaling, softmax, multinomial, gather: 0.9 ms
-of a 7 ms graphed 1.5B step at 256 rows on an H200).
+Gumbel-max trick) in one pass over the logits instead of the general path's half-dozen
+(``float``, log-softmax, scaling, softmax, multinomial, gather: 0.9 ms of a 7 ms graphed 1.5B
+step at 256 rows on an H200).
 """
 
 from __future__ import annotations
@@ -61,7 +61,13 @@ _compiled_choice = None
 
 
 def gumbel_draw(logits: torch.Tensor, temperature: float, generator):
-    """:func:`gumbel_choice` compiled (one fused kernel), its noise drawn from ``generator``."""
+    """:func:`gumbel_choice` as one kernel, its noise drawn from ``generator``: on a GPU the
+    Triton kernel of :mod:`~posttrain.backends.gumbel_kernel` (uniforms drawn in registers),
+    elsewhere the compiled function reading uniforms ``torch.rand`` wrote."""
+    if logits.is_cuda:
+        from posttrain.backends.gumbel_kernel import gumbel_max
+
+        return gumbel_max(logits, temperature, generator)
     global _compiled_choice
     if _compiled_choice is None:
         _compiled_choice = torch.compile(gumbel_choice, fullgraph=True)
