@@ -194,6 +194,14 @@ def test_rl_step(run_benchmark):
     assert "## profile: train_step.actor_train.rank0" in out
 
 
+def test_token_sampling(run_benchmark):
+    out = run_benchmark(
+        "token_sampling.py", "--rows", "4", "--vocab", "1000", "--calls", "2", "--modes", "general"
+    )
+    header, rows = table(out, "mode")
+    assert "us per draw" in header and column(rows) == ["general"]
+
+
 @pytest.mark.timeout(150)
 def test_generation(run_benchmark):
     out = run_benchmark(
