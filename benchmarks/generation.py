@@ -14,7 +14,8 @@ row: ``batch`` prompts of 16 random tokens, ``--new-tokens`` new tokens each (fo
 the shape, or warms the kernels up) and then a timed call; time to first token (the prefill and
 the first sample: a call with one new token), decode tokens/s over the rest, the GB/s of weights
 read by the decode steps (each step reads every weight once: the decode's memory-bound floor),
-and the peak device memory of the timed call.
+the decode's TFLOP/s (2 x params a token, plus attention over the context) and its fraction of
+the GPU's dense bf16 peak, and the peak device memory of the timed call.
 
     python3 benchmarks/generation.py --device cuda --shape qwen2-1.5b   # 64, 256, 512 x 512
     python benchmarks/generation.py --shape tiny --device cpu --batches 4 --new-tokens 8
@@ -28,7 +29,7 @@ import random
 import tempfile
 import time
 
-from common import build_model, device_name, print_table
+from common import build_model, device_name, flops_per_token, peak_bf16_tflops, print_table
 
 PROMPT_TOKENS = 16
 
@@ -100,7 +101,7 @@ def timed_generate(worker, prompts, new_tokens: int, mode: str) -> float:
     return seconds
 
 
-def measure(worker, mode: str, batch: int, new_tokens: int, weight_bytes: int) -> dict:
+def measure(worker, mode: str, batch: int, new_tokens: int, shape: str, built) -> dict:
     import attrs
     import torch
 
@@ -118,6 +119,9 @@ def measure(worker, mode: str, batch: int, new_tokens: int, weight_bytes: int) -
     total = timed_generate(worker, prompts, new_tokens, mode)
     decode_s = max(total - ttft, 1e-9)
     steps = new_tokens - 1
+    per_token = flops_per_token(shape, built.params, PROMPT_TOKENS + new_tokens, training=False)
+    tflops = per_token * batch * steps / decode_s / 1e12
+    peak = peak_bf16_tflops(device_name(worker.device))
     row = {
         "mode": mode,
         "batch": batch,
@@ -125,7 +129,9 @@ def measure(worker, mode: str, batch: int, new_tokens: int, weight_bytes: int) -
         "TTFT s": ttft,
         "total s": total,
         "decode tok/s": batch * steps / decode_s,
-        "weights GB/s": weight_bytes * steps / decode_s / 1e9,
+        "weights GB/s": built.nbytes * steps / decode_s / 1e9,
+        "TFLOP/s": tflops,
+        "% of peak": 100 * tflops / peak if peak else None,
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
     }
     worker.state.pop("decoders", None)
@@ -160,7 +166,7 @@ def main() -> None:
         for batch in args.batches:
             baseline = None
             for mode in modes:
-                row = measure(worker, mode, batch, args.new_tokens, built.nbytes)
+                row = measure(worker, mode, batch, args.new_tokens, args.shape, built)
                 baseline = baseline or row["decode tok/s"]
                 row[f"vs {modes[0]}"] = row["decode tok/s"] / baseline
                 rows.append(row)
@@ -170,7 +176,13 @@ def main() -> None:
         f"hf_infer generation: {args.shape} ({built.params / 1e9:.2f}B params, {dtype}) on "
         f"{device_name(args.device)}; {PROMPT_TOKENS} prompt + {args.new_tokens} new tokens "
         f"(forced), temperature 1",
-        formats={"decode tok/s": ",.0f", "weights GB/s": ",.1f", f"vs {modes[0]}": ".2f"},
+        formats={
+            "decode tok/s": ",.0f",
+            "weights GB/s": ",.1f",
+            "TFLOP/s": ",.1f",
+            "% of peak": ".1f",
+            f"vs {modes[0]}": ".2f",
+        },
         text_columns=1,
     )
 
