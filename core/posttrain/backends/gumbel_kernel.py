@@ -24,7 +24,7 @@ CHUNK = 4 * BLOCK  # logits of a row one program reads
 def _update(x, uniform, columns, inv_temperature, best, best_index, best_logit, top, total):
     """One quarter-block's logits into each lane's running best noised logit (and its column
     and logit) and running log-sum-exp (``top``, ``total``)."""
-    # inv_temperature is a float64 where inductor launches the kernel: keep float32
+    # float32 whatever type the launcher gave the scalar (the loop-carried values are float32)
     noised = (x * inv_temperature).to(tl.float32) - tl.log(-tl.log(uniform))
     better = noised > best
     best = tl.where(better, noised, best)
@@ -49,6 +49,7 @@ def _chunk_kernel(
     stride_row,
     inv_temperature,
     QUARTER: tl.constexpr,
+    BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
 ):
     row, chunk = tl.program_id(0), tl.program_id(1)
@@ -63,7 +64,7 @@ def _chunk_kernel(
     total = tl.zeros([QUARTER], tl.float32)
     # Philox counters: one per lane per block, distinct across rows, chunks and blocks.
     counter = (row * chunks + chunk).to(tl.int64) * (CHUNK // 4) + lanes
-    for block in range(0, CHUNK, 4 * QUARTER):
+    for block in range(0, CHUNK, BLOCK):
         start = chunk * CHUNK + block
         u0, u1, u2, u3 = tl.rand4x(key, counter + block // 4)
         for quarter in tl.static_range(4):
@@ -111,11 +112,11 @@ def _merge_kernel(
     CHUNKS: tl.constexpr,
 ):
     row = tl.program_id(0)
-    at = row * chunks + tl.arange(0, CHUNKS)
-    used = tl.arange(0, CHUNKS) < chunks
+    lanes = tl.arange(0, CHUNKS)
+    at = row * chunks + lanes
+    used = lanes < chunks
     best = tl.load(chunk_best + at, mask=used, other=float("-inf"))
     winner = tl.argmax(best, 0)
-    lanes = tl.arange(0, CHUNKS)
     index = tl.load(chunk_index + at, mask=used, other=0)
     logit = tl.load(chunk_logit + at, mask=used, other=0.0)
     top = tl.load(chunk_top + at, mask=used, other=float("-inf"))
@@ -151,6 +152,7 @@ def gumbel_max(logits: torch.Tensor, temperature: float, generator: torch.Genera
         logits.stride(0),
         1.0 / temperature,
         QUARTER=QUARTER,
+        BLOCK=BLOCK,
         CHUNK=CHUNK,
     )
     _merge_kernel[(rows,)](
