@@ -84,10 +84,7 @@ def write_workflow(tmp_path):
     return write
 
 
-@pytest.fixture(scope="session")
-def hf_infer_worker(tiny_model_path):
-    """hf_infer's rollout engine on preset:tiny-qwen2, loaded in this process once: for tests
-    that call the engine's functions directly."""
+def load_hf_infer_worker(model_path: str, device: str = "cpu"):
     from posttrain.backends import hf_infer
     from posttrain.backends.hf_infer_plugin import HFInferConfig
     from posttrain.config.sections import ModelArgs
@@ -97,22 +94,21 @@ def hf_infer_worker(tiny_model_path):
         role="actor_infer",
         strategy_name="hf_infer",
         config=HFInferConfig(),
-        model_args=ModelArgs(model_name_or_path=tiny_model_path),
+        model_args=ModelArgs(model_name_or_path=model_path),
+        device=device,
     )
     worker.model = hf_infer.load_model(worker)
     return worker
 
 
-@pytest.fixture(scope="session")
-def hf_infer_settings(hf_infer_worker):
-    """A context manager over the session's hf_infer engine: it applies ``changes`` to the
-    worker's strategy config (a test may change it further inside), yields the worker, and on the
-    way out puts the config back and drops the decoders kept for the changed settings, so the
-    tests that follow find the engine as loaded. Session-scoped, for module-scoped fixtures too."""
+def settings_of(worker):
+    """A context manager over ``worker``: it applies ``changes`` to the worker's strategy
+    config (a test may change it further inside), yields the worker, and on the way out puts
+    the config back and drops the decoders kept for the changed settings, so the tests that
+    follow find the engine as loaded."""
 
     @contextlib.contextmanager
     def settings(**changes):
-        worker = hf_infer_worker
         original = worker.config
         worker.config = attrs.evolve(original, **changes)
         try:
@@ -122,3 +118,23 @@ def hf_infer_settings(hf_infer_worker):
             worker.state.pop("decoders", None)
 
     return settings
+
+
+@pytest.fixture(scope="session")
+def hf_infer_worker(tiny_model_path):
+    """hf_infer's rollout engine on preset:tiny-qwen2, loaded in this process once: for tests
+    that call the engine's functions directly."""
+    return load_hf_infer_worker(tiny_model_path)
+
+
+@pytest.fixture(scope="session")
+def hf_infer_settings(hf_infer_worker):
+    """:func:`settings_of` the session's hf_infer engine. Session-scoped, for module-scoped
+    fixtures too."""
+    return settings_of(hf_infer_worker)
+
+
+@pytest.fixture(scope="session")
+def hf_infer_cuda_settings(tiny_model_path):
+    """:func:`settings_of` the same engine on a CUDA GPU (for tests marked ``gpu``)."""
+    return settings_of(load_hf_infer_worker(tiny_model_path, "cuda"))

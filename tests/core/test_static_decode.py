@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import attrs
 import pytest
+import torch
 
 from posttrain.protocol import GenerationRequest, SamplingParams
 from posttrain.testing import StrategyContract
@@ -87,8 +88,6 @@ def test_compiled_decode_decodes_what_the_static_decode_decodes(hf_infer_setting
 
 
 def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_settings, monkeypatch, caplog):
-    import torch
-
     from posttrain.backends import static_decode
 
     def untraceable(*args):
@@ -102,3 +101,47 @@ def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_settings, monkeyp
     assert "does not compile" in caplog.text
     assert fallback.response_ids == static.response_ids
     assert fallback.response_logprobs == static.response_logprobs
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
+
+
+@pytest.mark.parametrize(
+    "decode, settings",
+    [
+        ("static", "hf_infer_settings"),
+        ("compiled", "hf_infer_settings"),
+        pytest.param("compiled", "hf_infer_cuda_settings", marks=ON_GPU, id="compiled-cuda"),
+    ],
+)
+def test_refilled_rows_score_what_a_forward_pass_scores(request, monkeypatch, decode, settings):
+    """Two rows for four prompts of mixed lengths: each row that ends takes the next prompt
+    while the other goes on (the prompt's keys and values copied into the row; its own slots and
+    windows). Greedy, and the tiny model repeats one token per prompt, so with 14 a stop token
+    the rows end after 1 or 12 tokens; every sample's log-probs are what a forward pass over its
+    prompt and response gives, the refilled rows' included (on a GPU: the compiled step in its
+    CUDA graphs)."""
+    from posttrain.backends import decode_loop, static_decode
+
+    monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
+    refilled = []
+    refill = decode_loop.StaticDecode.refill
+
+    def counted(self, rows, prompts):
+        refilled.extend(prompts)
+        return refill(self, rows, prompts)
+
+    monkeypatch.setattr(decode_loop.StaticDecode, "refill", counted)
+    # Taken shortest first: [1, 5, 14] ends at once and its row takes [1, 13, 14, 4, 17].
+    prompts = [[1, 7, 14, 8, 17, 5, 14], [1, 5, 14], [1, 13, 14, 4, 17], [1, 4, 14, 4]]
+    sampling = SamplingParams(n=1, max_new_tokens=12, temperature=0.0, stop_token_ids=(14,))
+    with request.getfixturevalue(settings)(batch_size=2) as worker:
+        out = generate(worker, decode, prompts, sampling, seed=3)
+        model = worker.model
+        for prompt, response, logps in zip(prompts, out.response_ids, out.response_logprobs):
+            ids = torch.tensor([prompt + response], device=worker.device)
+            forward = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+            scored = forward.gather(-1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
+            assert logps == pytest.approx(scored.tolist(), abs=1e-4)
+    assert [len(r) for r in out.response_ids] == [1, 1, 12, 12]
+    assert refilled == [[1, 13, 14, 4, 17], [1, 7, 14, 8, 17, 5, 14]]

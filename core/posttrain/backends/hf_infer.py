@@ -12,14 +12,11 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from posttrain.backends.decode_loop import DynamicDecode, StaticDecode, sample_rows
 from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.backends.models import load_model_with_head, load_tokenizer
 from posttrain.backends.plumbing import is_cuda, log_once, memory_tags
-from posttrain.backends.static_decode import (
-    StaticDecoders,
-    cache_argument,
-    supports_static,
-)
+from posttrain.backends.static_decode import StaticDecoders, supports_static
 from posttrain.backends.tensors import unshare_storage
 from posttrain.backends.token_sampling import draw, gumbel_draw, is_plain
 from posttrain.protocol import (
@@ -27,7 +24,6 @@ from posttrain.protocol import (
     RolloutSamples,
     SequenceBatch,
     WeightBucket,
-    stop_string_start,
 )
 from posttrain.scoring.logprob_head import TokenLogprobs, logprob_forward
 from posttrain.scoring.modeling import sequence_scores, shifted_token_logprobs
@@ -64,23 +60,25 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     generator = torch.Generator(device=worker.device)
     generator.manual_seed(request.seed if request.seed is not None else worker.seed)
     prompts = [list(p) for p in request.prompt_ids for _ in range(sampling.n)]
-    step = _batch_size(worker) * sampling.n
-    # Batches of prompts of similar lengths (less left padding to run through the model), when
-    # there are several; the samples go back in the request's order.
+    pool = _batch_size(worker) * sampling.n
+    # Prompts taken shortest first (less left padding to run through the model), when they
+    # do not all fit at once; the samples go back in the request's order.
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    if len(prompts) <= step:
+    if len(prompts) <= pool:
         order = list(range(len(prompts)))
-    responses: list[list[int]] = [[] for _ in prompts]
-    logprobs: list[list[float]] = [[] for _ in prompts]
     mode = decode_mode(worker)
-    draw_token = _drawer(mode, sampling, generator)
-    for start in range(0, len(order), step):
-        rows = order[start : start + step]
-        chunk = [prompts[i] for i in rows]
-        decode = _start_decode(worker, mode, chunk, sampling.max_new_tokens, tokenizer.pad_token_id)
-        tokens, token_logps = _sample(decode, len(chunk), sampling, stop_ids, tokenizer, draw_token)
-        for i, ids, logps in zip(rows, tokens, token_logps):
-            responses[i], logprobs[i] = ids, logps
+    decode = _decode(worker, mode, prompts, pool, sampling.max_new_tokens, tokenizer.pad_token_id)
+    responses, logprobs = sample_rows(
+        decode,
+        prompts,
+        order,
+        pool,
+        sampling,
+        stop_ids,
+        tokenizer,
+        _drawer(mode, sampling, generator),
+        refill=worker.config.continuous_batching,
+    )
     return RolloutSamples(prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs)
 
 
@@ -104,18 +102,6 @@ def decode_mode(worker: WorkerContext) -> str:
     return mode
 
 
-def _left_padded(prompts: list[list[int]], rows: int, pad_id: int, device):
-    """``[rows, width]`` token ids and attention mask, the prompts right-aligned (rows past
-    the prompts are all padding)."""
-    width = max(len(p) for p in prompts)
-    input_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
-    attention = torch.zeros((rows, width), dtype=torch.long, device=device)
-    for i, p in enumerate(prompts):
-        input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
-        attention[i, width - len(p) :] = 1
-    return input_ids, attention
-
-
 def _drawer(mode: str, sampling, generator):
     """The step's sampling: fused (:func:`gumbel_draw`) in the compiled decode where the
     sampling is plain, else the general :func:`draw`."""
@@ -124,116 +110,19 @@ def _drawer(mode: str, sampling, generator):
     return lambda logits: draw(logits, sampling, generator)
 
 
-def _start_decode(worker: WorkerContext, mode: str, prompts, max_new_tokens: int, pad_id: int):
+def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: int, pad_id: int):
     if mode == "dynamic":
-        input_ids, attention = _left_padded(prompts, len(prompts), pad_id, worker.device)
-        return DynamicDecode(worker.model, input_ids, attention)
+        return DynamicDecode(worker.model, pad_id, worker.device)
     on_gpu = is_cuda(worker)
     graph, compiled = mode in ("cuda_graph", "compiled") and on_gpu, mode == "compiled"
     decoders = worker.state.get("decoders")
     if decoders is None or (decoders.graph, decoders.compiled) != (graph, compiled):
         decoders = worker.state["decoders"] = StaticDecoders(graph=graph, compiled=compiled)
+    # Any prompt may come into any row: the cache holds the longest with its new tokens.
     width = max(len(p) for p in prompts)
-    decoder = decoders.get(worker.model, len(prompts), width + max_new_tokens, worker.device)
-    input_ids, attention = _left_padded(prompts, decoder.rows, pad_id, worker.device)
-    return StaticDecode(decoder, input_ids, attention, pad_id)
-
-
-class DynamicDecode:
-    """transformers' growing cache (as ``generate``): each step's shapes differ."""
-
-    def __init__(self, model, input_ids: torch.Tensor, attention: torch.Tensor):
-        from transformers import DynamicCache
-
-        self.model = model
-        self.cache = {cache_argument(model): DynamicCache(config=model.config)}
-        self.attention = attention
-        self.position = (attention.cumsum(-1) - 1).clamp(min=0)
-        self.first = self._forward(input_ids)
-
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(
-            input_ids=ids,
-            attention_mask=self.attention,
-            position_ids=self.position,
-            use_cache=True,
-            logits_to_keep=1,
-            **self.cache,
-        )
-        return out.logits[:, -1]
-
-    def step(self, token: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
-        self.position = self.position[:, -1:] + 1
-        self.attention = torch.cat([self.attention, (~finished).long().unsqueeze(-1)], dim=-1)
-        return self._forward(token.unsqueeze(-1))
-
-
-class StaticDecode:
-    """One generation on a :class:`~posttrain.backends.static_decode.StaticDecoder` (its rows
-    past the prompts decode padding, never read)."""
-
-    def __init__(self, decoder, input_ids: torch.Tensor, attention: torch.Tensor, pad_id: int):
-        self.decoder = decoder
-        self.tokens = torch.full((decoder.rows,), pad_id, dtype=torch.long, device=input_ids.device)
-        self.first = decoder.prefill(input_ids, attention)
-
-    def step(self, token: torch.Tensor, finished: torch.Tensor) -> torch.Tensor:
-        self.tokens[: len(token)] = token
-        return self.decoder.step(self.tokens)
-
-
-# On a GPU, steps between the host's looks at which rows finished: in between it queues the next
-# steps' kernels while the GPU runs the last ones (a look waits for the GPU to drain).
-SYNC_EVERY = 8
-
-
-def _sample(decode, batch: int, sampling, stop_ids, tokenizer, draw):
-    """Sample up to ``max_new_tokens`` for the ``batch`` prompts ``decode`` started. Tokens and
-    log-probs stay on the device until the end; a row's length counts its tokens up to and
-    including the one that stopped it."""
-    device = decode.first.device
-    steps, pad_id = sampling.max_new_tokens, tokenizer.pad_token_id
-    tokens = torch.full((batch, steps), pad_id, dtype=torch.long, device=device)
-    logps = torch.zeros((batch, steps), dtype=torch.float32, device=device)
-    lengths = torch.zeros(batch, dtype=torch.long, device=device)
-    finished = torch.zeros(batch, dtype=torch.bool, device=device)
-    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device) if stop_ids else None
-    # Every step where the text must be read (stop strings) or looking costs nothing (the CPU).
-    every = 1 if sampling.stop or device.type == "cpu" else SYNC_EVERY
-    next_logits = decode.first
-    for t in range(steps):
-        token, token_logp = draw(next_logits[:batch])
-        tokens[:, t] = token
-        logps[:, t] = token_logp
-        lengths += ~finished
-        if stops is not None:
-            finished |= torch.isin(token, stops)
-        if sampling.stop:
-            finished |= _stop_strings_reached(tokens, lengths, finished, sampling.stop, tokenizer)
-        if t + 1 == steps or ((t + 1) % every == 0 and bool(finished.all())):
-            break
-        next_logits = decode.step(torch.where(finished, pad_id, token), finished)
-    counts = lengths.tolist()
-    responses = [row[:n] for row, n in zip(tokens.tolist(), counts)]
-    logprobs = [row[:n] for row, n in zip(logps.tolist(), counts)]
-    return responses, logprobs
-
-
-def _stop_strings_reached(tokens, lengths, finished, stop: tuple[str, ...], tokenizer):
-    """The rows still running whose text now contains a stop string. As vLLM: the text without
-    special tokens; the token completing a stop string is the sample's last one. (Whole
-    responses are decoded each step: simple, and cheap next to the forward pass at the lengths
-    hf_infer serves.)"""
-    running = [i for i, done in enumerate(finished.tolist()) if not done]
-    counts, rows = lengths.tolist(), tokens.tolist()
-    texts = tokenizer.batch_decode(
-        [rows[i][: counts[i]] for i in running], skip_special_tokens=True
-    )
-    reached = torch.zeros_like(finished)
-    for i, text in zip(running, texts):
-        if stop_string_start(text, stop) is not None:
-            reached[i] = True
-    return reached
+    rows = min(pool, len(prompts))
+    decoder = decoders.get(worker.model, rows, width + new_tokens, worker.device)
+    return StaticDecode(decoder, pad_id, worker.device)
 
 
 @torch.no_grad()

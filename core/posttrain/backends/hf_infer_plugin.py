@@ -32,6 +32,10 @@ class HFInferConfig:
     # torch.compile first and plain sampling fused: the fastest, after a compile at the first
     # generation, 2 minutes at 1.5B). "auto": compiled on a GPU, dynamic on the CPU.
     decode: Literal["auto", "dynamic", "static", "cuda_graph", "compiled"] = "auto"
+    # In the fixed-shape modes (static, cuda_graph, compiled), a row whose sample ended takes
+    # the next prompt while the others go on (continuous batching); off, or with "dynamic",
+    # a batch of rows runs until its longest sample ends.
+    continuous_batching: bool = True
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.
     param_offload: bool = False

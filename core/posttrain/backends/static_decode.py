@@ -13,7 +13,12 @@ occupies ``0 .. width - 1``, the i-th new token ``width + i``): a key is visible
 it is the prompt's (not padding) or a new token, and not after the query. Every query also sees
 itself, so a padding row never attends to nothing (which would put NaN into the cache).
 
-A step attends to the cache's first slots only, up to the query's rounded up to
+Each row writes its next token at a slot of its own (:func:`row_slot_layer`): a row that
+ended stops there, and an ended row is refilled with another prompt (prefilled on its own, its
+keys and values copied into the row's slots) while the other rows go on decoding (continuous
+batching: :mod:`~posttrain.backends.decode_loop` decides when).
+
+A step attends to the cache's first slots only, up to the latest row's query rounded up to
 ``WINDOW_BUCKET``: reading the whole cache at every step (a 512-token generation fills half of
 it on average) was a quarter of a graphed 1.5B step at 256 rows on an H200. Each window is a
 shape of its own, so the graphed step keeps one graph per window (captured the first time a
@@ -111,11 +116,12 @@ def supports_static(model) -> bool:
 
 
 def decode_forward(model, cache: dict, visible, slots, ids, positions, queries, window: int):
-    """The logits ``[rows, vocab]`` after the tokens ``ids`` at cache slots ``queries``: the
-    mask of those queries over the cache's first ``window`` slots (a key is visible when
-    ``visible`` and not after the query; each query sees itself), then the model's forward."""
+    """The logits ``[rows, vocab]`` after the tokens ``ids`` at cache slots ``queries``
+    (``[1, q]``, the same for every row, or ``[rows, q]``): the mask of those queries over the
+    cache's first ``window`` slots (a key is visible when ``visible`` and not after the query;
+    each query sees itself), then the model's forward."""
     keys = slots[None, None, :window]
-    at = queries[None, :, None]
+    at = queries[:, :, None]
     seen = (visible[:, None, :window] & (keys <= at)) | (keys == at)
     dtype = model.get_input_embeddings().weight.dtype
     mask = torch.where(seen, 0.0, torch.finfo(dtype).min).to(dtype)[:, None]
@@ -142,26 +148,72 @@ def compiled_forward():
     return _compiled_forward
 
 
+_row_slot_layer = None
+
+
+def row_slot_layer(max_cache_len: int, write_slots: torch.Tensor):
+    """A transformers ``StaticLayer`` whose one-token steps write each row's keys and values at
+    that row's slot ``write_slots[row]`` (transformers' layer writes every row at one shared
+    slot); a longer input (the prefill) fills the first slots of every row. One class for
+    every decoder: the compiled step is shape-generic, and a class of its own per decoder
+    would compile it again."""
+    global _row_slot_layer
+    if _row_slot_layer is None:
+        from transformers.cache_utils import StaticLayer
+
+        class RowSlotLayer(StaticLayer):
+            def update(self, key_states, value_states, *args, **kwargs):
+                if not self.is_initialized:
+                    self.lazy_initialization(key_states, value_states)
+                length = key_states.shape[-2]
+                if length == 1:
+                    # An index_put (not a scatter): inductor writes it in place, where a
+                    # scatter_ compiled to a copy of the whole cache at every layer and step
+                    # (the step at half speed: 1.5B, 256 rows, H200).
+                    rows = torch.arange(key_states.shape[0], device=key_states.device)
+                    slots = self.write_slots.view(-1)
+                    self.keys[rows, :, slots] = key_states[:, :, 0]
+                    self.values[rows, :, slots] = value_states[:, :, 0]
+                else:
+                    self.keys[:, :, :length] = key_states
+                    self.values[:, :, :length] = value_states
+                return self.keys, self.values
+
+        _row_slot_layer = RowSlotLayer
+    layer = _row_slot_layer(max_cache_len=max_cache_len)
+    layer.write_slots = write_slots
+    return layer
+
+
+def row_slot_cache(model, length: int, write_slots: torch.Tensor):
+    from transformers import Cache
+
+    layers = model.config.get_text_config(decoder=True).num_hidden_layers
+    return Cache(layers=[row_slot_layer(length, write_slots) for _ in range(layers)])
+
+
 class StaticDecoder:
     """A static KV cache of ``rows x length`` tokens and the step's fixed-address inputs; with
     ``graph``, the one-token step captured in a CUDA graph at its first call."""
 
     def __init__(self, model, rows: int, length: int, device, graph: bool, compiled: bool):
-        from transformers import StaticCache
-
         _register_attention()
         self.model = model
         self.rows, self.length = rows, length
-        self.cache = StaticCache(config=model.config, max_cache_len=length)
+        # Each row's query slot: where its next token's keys and values go.
+        self.current = torch.zeros(rows, 1, dtype=torch.long, device=device)
+        self.cache = row_slot_cache(model, length, self.current)
         self.cache_argument = cache_argument(model)
         self.visible = torch.zeros(rows, length, dtype=torch.bool, device=device)
         self.token = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
-        self.current = torch.zeros(1, dtype=torch.long, device=device)  # the query's cache slot
+        self.advance = torch.zeros(rows, 1, dtype=torch.long, device=device)  # 1: running
         self.slots = torch.arange(length, device=device)
         self.use_graph = graph
         self.step_forward = compiled_forward() if compiled else decode_forward
-        self.slot = 0  # the current query's cache slot, on the host (it picks the window)
+        # On the host: each row's query slot or later (exact after :meth:`observe`); the
+        # latest picks the window without waiting for the GPU.
+        self.slot_bound = [0] * rows
         # Per window: the captured step and its output buffer.
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -190,21 +242,58 @@ class StaticDecoder:
         self.visible[:, :width] = attention.bool()
         self.visible[:, width:] = True
         positions = (attention.cumsum(-1) - 1).clamp(min=0)
-        queries, window = self.slots[:width], self.window(width - 1)
+        queries, window = self.slots[None, :width], self.window(width - 1)
         logits = self._forward(input_ids, positions, queries, window, decode_forward)
         self.position.copy_(positions[:, -1:])
         self.current.fill_(width - 1)
-        self.slot = width - 1
+        self.slot_bound = [width - 1] * self.rows
         return logits
 
-    def step(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Feed one token per row (``[rows]``); the next logits ``[rows, vocab]`` (with a graph,
-        the graph's output buffer: read it before the next step)."""
+    def refill(self, rows: list[int], input_ids: torch.Tensor, attention: torch.Tensor):
+        """Put the left-padded prompts ``[len(rows), width]`` into ``rows`` of the running cache
+        (the other rows untouched): they run through the model on their own, with the model's
+        own attention and a growing cache, and their keys and values are copied into the rows'
+        first slots. The logits of their last position ``[len(rows), vocab]``."""
+        from transformers import DynamicCache
+
+        width = input_ids.shape[1]
+        own = DynamicCache(config=self.model.config)
+        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attention,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{self.cache_argument: own},
+        )
+        index = torch.tensor(rows, device=input_ids.device)
+        for layer, prefilled in zip(self.cache.layers, own.layers):
+            layer.keys[index, :, :width] = prefilled.keys
+            layer.values[index, :, :width] = prefilled.values
+        self.visible[index, :width] = attention.bool()
+        self.visible[index, width:] = True
+        self.position[index] = positions[:, -1:]
+        self.current[index] = width - 1
+        for row in rows:
+            self.slot_bound[row] = width - 1
+        return out.logits[:, -1]
+
+    def observe(self, slots: list[int]) -> None:
+        """The rows' query slots, read from the device at a sync point."""
+        self.slot_bound = list(slots)
+
+    def step(self, tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        """Feed one token per row (``[rows]``); the rows ``running`` (``[rows]`` bool) move to
+        their next slot, the others stay where they stopped (what they compute there is not
+        read). The next logits ``[rows, vocab]`` (with a graph, the graph's output buffer: read
+        it before the next step)."""
         self.token.copy_(tokens.view(-1, 1))
-        self.position.add_(1)
-        self.current.add_(1)
-        self.slot += 1
-        window = self.window(self.slot)
+        self.advance.copy_(running.view(-1, 1))
+        self.position.add_(self.advance)
+        self.current.add_(self.advance)
+        self.slot_bound = [min(slot + 1, self.length - 1) for slot in self.slot_bound]
+        window = self.window(max(self.slot_bound))
         if not self.use_graph:
             return self._step_forward(window)
         if window not in self.graphs:

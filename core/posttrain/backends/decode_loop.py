@@ -1,0 +1,231 @@
+"""``hf_infer``'s generation loop: a fixed number of rows in flight, each drawing one token per
+step, with per-token log-probs.
+
+Rows are filled from a queue of prompts (shortest first). With the fixed-shape decoders of
+:mod:`~posttrain.backends.static_decode`, a row whose sample ended is refilled with the next
+prompt while the other rows go on (continuous batching): a batch no longer runs as long as its
+longest sample with its finished rows decoding padding. The dynamic cache (as ``generate``)
+cannot take a new prompt into one row: its rows are refilled together, once all have ended.
+
+Tokens and log-probs stay on the device; the host looks at which rows ended only every
+``SYNC_EVERY`` steps on a GPU (a look waits for the GPU to drain) and then collects and refills
+them.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from posttrain.protocol import stop_string_start
+
+# On a GPU, steps between the host's looks at which rows ended: in between it queues the next
+# steps' kernels while the GPU runs the last ones.
+SYNC_EVERY = 8
+# Rows are refilled once this share of them (1/N) is free, or all the prompts left fit: each
+# refill is a prefill of its own, run eagerly, so many one-row refills would cost more than
+# the steps they save.
+REFILL_SHARE = 8
+
+
+def left_padded(prompts: list[list[int]], rows: int, pad_id: int, device):
+    """``[rows, width]`` token ids and attention mask, the prompts right-aligned (rows past
+    the prompts are all padding)."""
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((rows, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((rows, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        attention[i, width - len(p) :] = 1
+    return input_ids, attention
+
+
+class DynamicDecode:
+    """transformers' growing cache (as ``generate``): each step's shapes differ, and its rows
+    are only refilled all together (a new cache)."""
+
+    refills_rows = False
+
+    def __init__(self, model, pad_id: int, device):
+        from posttrain.backends.static_decode import cache_argument
+
+        self.model, self.pad_id, self.device = model, pad_id, device
+        self.cache_argument = cache_argument(model)
+
+    def start(self, prompts: list[list[int]]) -> torch.Tensor:
+        from transformers import DynamicCache
+
+        input_ids, self.attention = left_padded(prompts, len(prompts), self.pad_id, self.device)
+        self.cache = {self.cache_argument: DynamicCache(config=self.model.config)}
+        self.position = (self.attention.cumsum(-1) - 1).clamp(min=0)
+        return self._forward(input_ids)
+
+    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(
+            input_ids=ids,
+            attention_mask=self.attention,
+            position_ids=self.position,
+            use_cache=True,
+            logits_to_keep=1,
+            **self.cache,
+        )
+        return out.logits[:, -1]
+
+    def step(self, token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        self.position = self.position[:, -1:] + 1
+        self.attention = torch.cat([self.attention, running.long().unsqueeze(-1)], dim=-1)
+        return self._forward(token.unsqueeze(-1))
+
+    def observe(self) -> None:
+        pass
+
+
+class StaticDecode:
+    """Generations on a :class:`~posttrain.backends.static_decode.StaticDecoder` (its rows past
+    those in flight decode padding, never read)."""
+
+    refills_rows = True
+
+    def __init__(self, decoder, pad_id: int, device):
+        self.decoder, self.pad_id, self.device = decoder, pad_id, device
+        self.tokens = torch.full((decoder.rows,), pad_id, dtype=torch.long, device=device)
+        self.running = torch.zeros(decoder.rows, dtype=torch.bool, device=device)
+
+    def start(self, prompts: list[list[int]]) -> torch.Tensor:
+        input_ids, attention = left_padded(prompts, self.decoder.rows, self.pad_id, self.device)
+        self.running.zero_()
+        return self.decoder.prefill(input_ids, attention)
+
+    def refill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
+        input_ids, attention = left_padded(prompts, len(prompts), self.pad_id, self.device)
+        return self.decoder.refill(rows, input_ids, attention)
+
+    def step(self, token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
+        self.tokens[: len(token)] = token
+        self.running[: len(running)] = running
+        return self.decoder.step(self.tokens, self.running)
+
+    def observe(self) -> None:
+        self.decoder.observe(self.decoder.current.view(-1).tolist())
+
+
+class Rows:
+    """The rows in flight: which prompt each holds (host), and their tokens, log-probs, lengths
+    and whether they still run (device). One spare column: a row that ended goes on drawing
+    (its draws land past its end, never read)."""
+
+    def __init__(self, owners: list[int], steps: int, pad_id: int, device):
+        count = len(owners)
+        self.owner: list[int | None] = list(owners)
+        self.age = [0] * count  # steps since each row was filled (host)
+        self.tokens = torch.full((count, steps + 1), pad_id, dtype=torch.long, device=device)
+        self.logps = torch.zeros((count, steps + 1), dtype=torch.float32, device=device)
+        self.lengths = torch.zeros(count, dtype=torch.long, device=device)
+        self.running = torch.ones(count, dtype=torch.bool, device=device)
+
+    def __len__(self) -> int:
+        return len(self.owner)
+
+    def record(self, token: torch.Tensor, logp: torch.Tensor) -> None:
+        at = self.lengths.unsqueeze(-1)
+        self.tokens.scatter_(1, at, token.unsqueeze(-1))
+        self.logps.scatter_(1, at, logp.unsqueeze(-1))
+        self.lengths += self.running
+        self.age = [age + 1 for age in self.age]
+
+    def all_ended_surely(self, steps: int) -> bool:
+        """Every row holding a prompt has drawn ``steps`` tokens: ended, without a look."""
+        return all(age >= steps for age, owner in zip(self.age, self.owner) if owner is not None)
+
+    def collect_ended(self, responses: list, logprobs: list) -> list[int]:
+        """Hand the samples of the rows that ended to their prompts' places; the free rows."""
+        ended = [
+            (row, owner)
+            for row, (live, owner) in enumerate(zip(self.running.tolist(), self.owner))
+            if not live and owner is not None
+        ]
+        if ended:
+            index = torch.tensor([row for row, _ in ended], device=self.lengths.device)
+            counts = self.lengths[index].tolist()
+            tokens, logps = self.tokens[index].tolist(), self.logps[index].tolist()
+            for (row, owner), n, ids, lps in zip(ended, counts, tokens, logps):
+                responses[owner], logprobs[owner] = ids[:n], lps[:n]
+                self.owner[row] = None
+        return [row for row, owner in enumerate(self.owner) if owner is None]
+
+    def fill(self, rows: list[int], owners: list[int]) -> None:
+        index = torch.tensor(rows, device=self.lengths.device)
+        self.lengths[index] = 0
+        self.running[index] = True
+        for row, owner in zip(rows, owners):
+            self.owner[row], self.age[row] = owner, 0
+
+
+def sample_rows(decode, prompts, order, pool: int, sampling, stop_ids, tokenizer, draw, refill):
+    """Sample up to ``max_new_tokens`` for each of ``prompts``, taken in ``order`` into at most
+    ``pool`` rows at a time; ``refill``: rows are refilled as they end (where ``decode`` can).
+    The responses and their per-token log-probs, in the prompts' order; a response counts its
+    tokens up to and including the one that stopped it."""
+    steps, pad_id = sampling.max_new_tokens, tokenizer.pad_token_id
+    device = torch.device(decode.device)
+    stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device) if stop_ids else None
+    # Every step where the text must be read (stop strings) or looking costs nothing (the CPU).
+    every = 1 if sampling.stop or device.type == "cpu" else SYNC_EVERY
+    refill = refill and decode.refills_rows
+    queue = deque(order)
+    responses: list[list[int]] = [[] for _ in prompts]
+    logprobs: list[list[float]] = [[] for _ in prompts]
+
+    def start() -> tuple[Rows, torch.Tensor]:
+        owners = [queue.popleft() for _ in range(min(pool, len(queue)))]
+        return Rows(owners, steps, pad_id, device), decode.start([prompts[i] for i in owners])
+
+    rows, logits = start()
+    tick = 0
+    while True:
+        token, token_logp = draw(logits[: len(rows)])
+        rows.record(token, token_logp)
+        if stops is not None:
+            rows.running &= ~torch.isin(token, stops)
+        rows.running &= rows.lengths < steps
+        if sampling.stop:
+            rows.running &= ~stop_strings_reached(rows, sampling.stop, tokenizer)
+        tick += 1
+        fed = torch.where(rows.running, token, pad_id)
+        if tick % every and not rows.all_ended_surely(steps):
+            logits = decode.step(fed, rows.running)
+            continue
+        free = rows.collect_ended(responses, logprobs)
+        if len(free) == len(rows):
+            if not queue:
+                return responses, logprobs
+            rows, logits = start()
+            continue
+        decode.observe()
+        logits = decode.step(fed, rows.running)
+        if refill and queue and len(free) >= min(len(queue), max(1, len(rows) // REFILL_SHARE)):
+            # After the step: the refilled rows' prefill overwrites what the step wrote into
+            # them (they stood still in it), and their first logits replace the step's.
+            free = free[: len(queue)]
+            owners = [queue.popleft() for _ in free]
+            first = decode.refill(free, [prompts[i] for i in owners])
+            logits[torch.tensor(free, device=device)] = first
+            rows.fill(free, owners)
+
+
+def stop_strings_reached(rows: Rows, stop: tuple[str, ...], tokenizer) -> torch.Tensor:
+    """The rows still running whose text now contains a stop string. As vLLM: the text without
+    special tokens; the token completing a stop string is the sample's last one. (Whole
+    responses are decoded each step: simple, and cheap next to the forward pass at the lengths
+    hf_infer serves.)"""
+    running = [i for i, live in enumerate(rows.running.tolist()) if live]
+    counts, tokens = rows.lengths.tolist(), rows.tokens.tolist()
+    texts = tokenizer.batch_decode(
+        [tokens[i][: counts[i]] for i in running], skip_special_tokens=True
+    )
+    reached = torch.zeros_like(rows.running)
+    for i, text in zip(running, texts):
+        if stop_string_start(text, stop) is not None:
+            reached[i] = True
+    return reached
