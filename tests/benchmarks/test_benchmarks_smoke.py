@@ -210,3 +210,12 @@ def test_generation(run_benchmark):
     )  # fmt: skip
     header, rows = table(out, "mode")
     assert "decode tok/s" in header and column(rows) == ["dynamic", "static"]
+
+
+def test_continuous_batching(run_benchmark):
+    out = run_benchmark(
+        "continuous_batching.py", "--shape", "tiny", "--device", "cpu", "--prompts", "12",
+        "--rows", "4", "--new-tokens", "16", "--mean-length", "6",
+    )  # fmt: skip
+    header, rows = table(out, "mode")
+    assert "tok/s" in header and column(rows) == ["dynamic", "batched", "continuous"]

@@ -1,0 +1,131 @@
+"""Continuous batching in ``hf_infer``: generation throughput when samples end at different
+lengths, with more prompts than rows in flight. In one run, against the first mode given:
+
+- ``dynamic``: transformers' growing cache (the path before the fast one), rows in batches;
+- ``batched``: the fixed-shape decode (``--decode``: ``compiled`` on cuda, ``static`` on cpu)
+  with ``continuous_batching: false``, where a batch of rows runs until its longest sample ends;
+- ``continuous``: the same decode, each row refilled with the next prompt once its sample ends.
+
+Every mode: ``--prompts`` prompts of 16 to ``--max-prompt`` random tokens, ``--rows`` in flight,
+temperature 1, up to ``--new-tokens`` new tokens. Samples end on stop tokens, a random
+``vocab / --mean-length`` of the vocabulary. The model's final norm is zeroed, so every logit is
+0: the next token is uniform (the compute is unchanged), and the lengths are geometric with that
+mean, capped at ``--new-tokens`` (the long tail of RL responses). The first call warms up
+(captures graphs, compiles); the second is timed. Tokens/s counts the generated tokens.
+
+    python3 benchmarks/continuous_batching.py --device cuda --shape qwen2-1.5b
+    python benchmarks/continuous_batching.py --shape tiny --device cpu --prompts 12 --rows 4 \\
+        --new-tokens 16 --mean-length 6                                   # its smallest setting
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import tempfile
+import time
+
+from common import build_model, device_name, print_table
+from generation import make_worker
+
+MODES = ("dynamic", "batched", "continuous")
+
+
+def workload(vocab: int, args) -> tuple[list[list[int]], tuple[int, ...]]:
+    rng = random.Random(0)
+    prompts = [
+        [rng.randrange(3, vocab) for _ in range(rng.randint(16, args.max_prompt))]
+        for _ in range(args.prompts)
+    ]
+    stops = tuple(rng.sample(range(3, vocab), max(1, vocab // args.mean_length)))
+    return prompts, stops
+
+
+def timed(worker, prompts, sampling) -> tuple[float, list[list[int]]]:
+    import torch
+
+    from posttrain.backends import hf_infer
+    from posttrain.protocol import GenerationRequest
+
+    on_gpu = worker.device.startswith("cuda")
+    if on_gpu:
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=1)
+    responses = hf_infer.generate(worker, request).response_ids
+    if on_gpu:
+        torch.cuda.synchronize()
+    return time.perf_counter() - start, responses
+
+
+def measure(worker, mode: str, decode: str, prompts, stops, args) -> dict:
+    import attrs
+
+    from posttrain.protocol import SamplingParams
+
+    worker.config = attrs.evolve(
+        worker.config,
+        decode="dynamic" if mode == "dynamic" else decode,
+        continuous_batching=mode == "continuous",
+        batch_size=args.rows,
+    )
+    worker.state.pop("decoders", None)
+    sampling = SamplingParams(
+        n=1, max_new_tokens=args.new_tokens, ignore_eos=True, stop_token_ids=stops
+    )
+    first, _ = timed(worker, prompts, sampling)
+    seconds, responses = timed(worker, prompts, sampling)
+    lengths = [len(r) for r in responses]
+    worker.state.pop("decoders", None)
+    return {
+        "mode": mode,
+        "first call s": first,
+        "s": seconds,
+        "new tokens": sum(lengths),
+        "mean length": statistics.mean(lengths),
+        "longest": max(lengths),
+        "tok/s": sum(lengths) / seconds,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default="tiny")
+    parser.add_argument("--dtype", default=None, help="default: bf16 on cuda, fp32 on cpu")
+    parser.add_argument("--decode", default=None, choices=["static", "cuda_graph", "compiled"])
+    parser.add_argument("--prompts", type=int, default=1024)
+    parser.add_argument("--rows", type=int, default=256)
+    parser.add_argument("--max-prompt", type=int, default=128)
+    parser.add_argument("--new-tokens", type=int, default=512)
+    parser.add_argument("--mean-length", type=int, default=128)
+    parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    args = parser.parse_args()
+    dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
+    decode = args.decode or ("compiled" if args.device == "cuda" else "static")
+    with tempfile.TemporaryDirectory() as model_dir:
+        built = build_model(args.shape, model_dir, dtype=dtype)
+        worker = make_worker(model_dir, args.device, dtype)
+        worker.model.model.norm.weight.data.zero_()  # every logit 0: see the docstring
+        prompts, stops = workload(worker.model.config.vocab_size, args)
+        rows, baseline = [], None
+        for mode in args.modes:
+            row = measure(worker, mode, decode, prompts, stops, args)
+            baseline = baseline or row["tok/s"]
+            row[f"vs {args.modes[0]}"] = row["tok/s"] / baseline
+            rows.append(row)
+            print(f"{mode}: {row['tok/s']:,.0f} tok/s", flush=True)
+    print_table(
+        rows,
+        f"hf_infer, samples of different lengths: {args.shape} ({built.params / 1e9:.2f}B, "
+        f"{dtype}) on {device_name(args.device)}; {args.prompts} prompts of 16-{args.max_prompt} "
+        f"tokens, {args.rows} rows, up to {args.new_tokens} new tokens (stop tokens for a mean "
+        f"of ~{args.mean_length}); {decode} decode",
+        formats={"tok/s": ",.0f", "mean length": ".1f", f"vs {args.modes[0]}": ".2f"},
+        text_columns=1,
+    )
+
+
+if __name__ == "__main__":
+    main()
