@@ -115,33 +115,56 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), rea
     ],
 )
 def test_refilled_rows_score_what_a_forward_pass_scores(request, monkeypatch, decode, settings):
-    """Two rows for four prompts of mixed lengths: each row that ends takes the next prompt
-    while the other goes on (the prompt's keys and values copied into the row; its own slots and
-    windows). Greedy, and the tiny model repeats one token per prompt, so with 14 a stop token
-    the rows end after 1 or 12 tokens; every sample's log-probs are what a forward pass over its
-    prompt and response gives, the refilled rows' included (on a GPU: the compiled step in its
+    """Three rows for six prompts, the host looking every 3 steps: rows that ended stand still
+    until a look collects them, two are refilled at once (prompts of different lengths, left-
+    padded), and a refilled row decodes at other slots than its neighbours (its own windows,
+    stale keys of the row's last sample past its slot). Greedy; the tiny model repeats a
+    prompt's last token, so with 2 a stop token a sample ends after 1 or 12 tokens. Every
+    sample's log-probs are what a forward pass over its prompt and response gives, and the
+    samples are those of batches of rows run to their end (on a GPU: the compiled step in its
     CUDA graphs)."""
     from posttrain.backends import decode_loop, static_decode
 
     monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
-    refilled = []
+    monkeypatch.setattr(decode_loop, "look_interval", lambda device, sampling: 3)
+    refills = []
     refill = decode_loop.StaticDecode.refill
 
     def counted(self, rows, prompts):
-        refilled.extend(prompts)
+        refills.append(prompts)
         return refill(self, rows, prompts)
 
     monkeypatch.setattr(decode_loop.StaticDecode, "refill", counted)
-    # Taken shortest first: [1, 5, 14] ends at once and its row takes [1, 13, 14, 4, 17].
-    prompts = [[1, 7, 14, 8, 17, 5, 14], [1, 5, 14], [1, 13, 14, 4, 17], [1, 4, 14, 4]]
-    sampling = SamplingParams(n=1, max_new_tokens=12, temperature=0.0, stop_token_ids=(14,))
-    with request.getfixturevalue(settings)(batch_size=2) as worker:
+    ends = [[1, 18, 10, 3, 2], [1, 5, 17, 12, 8, 9, 2]]
+    runs = [[1, 14, 15], [1, 7, 5, 17, 8, 3, 2, 15], [1, 6, 10, 12, 12, 13, 4, 12, 3, 3, 10]]
+    last = [1, 12, 7, 6, 16, 13, 18, 14, 18, 18, 3, 4, 18]
+    prompts = [*ends, *runs, last]
+    sampling = SamplingParams(
+        n=1, max_new_tokens=12, temperature=0.0, stop_token_ids=(2,), ignore_eos=True
+    )
+    with request.getfixturevalue(settings)(batch_size=3) as worker:
+        # Rows 6 (the first two end), 9 (the third, 3 steps on); refilled with widths 11 at
+        # slot 10 (both) and, once the third ends, 13 at slot 12 while the others are at 19.
         out = generate(worker, decode, prompts, sampling, seed=3)
+        worker.config = attrs.evolve(worker.config, continuous_batching=False)
+        batched = generate(worker, decode, prompts, sampling, seed=3)
         model = worker.model
         for prompt, response, logps in zip(prompts, out.response_ids, out.response_logprobs):
             ids = torch.tensor([prompt + response], device=worker.device)
             forward = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
             scored = forward.gather(-1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
             assert logps == pytest.approx(scored.tolist(), abs=1e-4)
-    assert [len(r) for r in out.response_ids] == [1, 1, 12, 12]
-    assert refilled == [[1, 13, 14, 4, 17], [1, 7, 14, 8, 17, 5, 14]]
+    assert refills == [runs[1:], [last]]
+    assert [len(r) for r in out.response_ids] == [1, 1, 12, 12, 12, 12]
+    assert out.response_ids == batched.response_ids
+    for x, y in zip(out.response_logprobs, batched.response_logprobs):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_an_empty_share_decodes_nothing(hf_infer_settings):
+    """A rank's share of a small batch can be empty: no prompts, no samples, in every mode."""
+    sampling = SamplingParams(n=2, max_new_tokens=4)
+    with hf_infer_settings() as worker:
+        for decode in ("dynamic", "static"):
+            out = generate(worker, decode, [], sampling, seed=1)
+            assert (out.prompt_ids, out.response_ids, out.response_logprobs) == ([], [], [])

@@ -1,11 +1,12 @@
 """``hf_infer``'s generation loop: a fixed number of rows in flight, each drawing one token per
 step, with per-token log-probs.
 
-Rows are filled from a queue of prompts (shortest first). With the fixed-shape decoders of
-:mod:`~posttrain.backends.static_decode`, a row whose sample ended is refilled with the next
-prompt while the other rows go on (continuous batching): a batch no longer runs as long as its
-longest sample with its finished rows decoding padding. The dynamic cache (as ``generate``)
-cannot take a new prompt into one row: its rows are refilled together, once all have ended.
+Rows are filled from a queue of prompts (shortest first, when they do not all fit at once).
+With the fixed-shape decoders of :mod:`~posttrain.backends.static_decode`, a row whose sample
+ended is refilled with the next prompt while the other rows go on (continuous batching): a
+batch no longer runs as long as its longest sample with its ended rows decoding padding. The
+dynamic cache (as ``generate``) cannot take a new prompt into one row: its rows are refilled
+together, once all have ended.
 
 Tokens and log-probs stay on the device; the host looks at which rows ended only every
 ``SYNC_EVERY`` steps on a GPU (a look waits for the GPU to drain) and then collects and refills
@@ -107,7 +108,7 @@ class StaticDecode:
         return self.decoder.step(self.tokens, self.running)
 
     def observe(self) -> None:
-        self.decoder.observe(self.decoder.current.view(-1).tolist())
+        self.decoder.observe(self.decoder.current.view(-1).tolist(), self.running.tolist())
 
 
 class Rows:
@@ -162,6 +163,12 @@ class Rows:
             self.owner[row], self.age[row] = owner, 0
 
 
+def look_interval(device: torch.device, sampling) -> int:
+    """Steps between the host's looks at the rows: every step where the text must be read (stop
+    strings) or looking costs nothing (the CPU), else ``SYNC_EVERY``."""
+    return 1 if sampling.stop or device.type == "cpu" else SYNC_EVERY
+
+
 def sample_rows(decode, prompts, order, pool: int, sampling, stop_ids, tokenizer, draw, refill):
     """Sample up to ``max_new_tokens`` for each of ``prompts``, taken in ``order`` into at most
     ``pool`` rows at a time; ``refill``: rows are refilled as they end (where ``decode`` can).
@@ -170,8 +177,7 @@ def sample_rows(decode, prompts, order, pool: int, sampling, stop_ids, tokenizer
     steps, pad_id = sampling.max_new_tokens, tokenizer.pad_token_id
     device = torch.device(decode.device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device) if stop_ids else None
-    # Every step where the text must be read (stop strings) or looking costs nothing (the CPU).
-    every = 1 if sampling.stop or device.type == "cpu" else SYNC_EVERY
+    every = look_interval(device, sampling)
     refill = refill and decode.refills_rows
     queue = deque(order)
     responses: list[list[int]] = [[] for _ in prompts]

@@ -60,6 +60,10 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     generator = torch.Generator(device=worker.device)
     generator.manual_seed(request.seed if request.seed is not None else worker.seed)
     prompts = [list(p) for p in request.prompt_ids for _ in range(sampling.n)]
+    if not prompts or sampling.max_new_tokens < 1:
+        # A rank's share of a small batch can be empty; nothing to decode either way.
+        empty: list[list] = [[] for _ in prompts]
+        return RolloutSamples(prompt_ids=prompts, response_ids=empty, response_logprobs=empty)
     pool = _batch_size(worker) * sampling.n
     # Prompts taken shortest first (less left padding to run through the model), when they
     # do not all fit at once; the samples go back in the request's order.

@@ -8,9 +8,10 @@ shape buckets (rows rounded up to a multiple of 8, lengths to 128) so that the b
 steps reuse them. Weight syncs copy into the parameters in place: the captured graph reads the
 new weights. Moving the weights (offload) invalidates it: the engine then drops its decoders.
 
-The attention mask is built here, in the cache's coordinates (a prompt left-padded to ``width``
-occupies ``0 .. width - 1``, the i-th new token ``width + i``): a key is visible to a query when
-it is the prompt's (not padding) or a new token, and not after the query. Every query also sees
+The attention mask is built here, in the cache's coordinates (a prompt left-padded to ``width``,
+the width of the prompts it was prefilled with, occupies ``0 .. width - 1`` of its row, the i-th
+new token ``width + i``): a key is visible to a query when it is the prompt's (not padding) or a
+new token, and not after the query. Every query also sees
 itself, so a padding row never attends to nothing (which would put NaN into the cache).
 
 Each row writes its next token at a slot of its own (:func:`row_slot_layer`): a row that
@@ -279,9 +280,12 @@ class StaticDecoder:
             self.slot_bound[row] = width - 1
         return out.logits[:, -1]
 
-    def observe(self, slots: list[int]) -> None:
-        """The rows' query slots, read from the device at a sync point."""
-        self.slot_bound = list(slots)
+    def observe(self, slots: list[int], running: list[bool]) -> None:
+        """The rows' query slots and which rows run, read from the device at a sync point. A
+        row that stopped no longer holds the window open: what it computes is not read (its
+        query still sees its own visible slots, or with none in the window, the mask's finite
+        minimum everywhere: no NaN)."""
+        self.slot_bound = [slot if live else 0 for slot, live in zip(slots, running)]
 
     def step(self, tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``[rows]``); the rows ``running`` (``[rows]`` bool) move to
