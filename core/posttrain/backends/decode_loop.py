@@ -78,7 +78,7 @@ class DynamicDecode:
         self.attention = torch.cat([self.attention, running.long().unsqueeze(-1)], dim=-1)
         return self._forward(token.unsqueeze(-1))
 
-    def observe(self) -> None:
+    def observe(self, running: torch.Tensor) -> None:
         pass
 
 
@@ -107,8 +107,11 @@ class StaticDecode:
         self.running[: len(running)] = running
         return self.decoder.step(self.tokens, self.running)
 
-    def observe(self) -> None:
-        self.decoder.observe(self.decoder.current.view(-1).tolist(), self.running.tolist())
+    def observe(self, running: torch.Tensor) -> None:
+        """Tell the decoder where its rows are, ``running`` the rows in flight that still run
+        (the decoder's other rows never do)."""
+        live = running.tolist() + [False] * (self.decoder.rows - len(running))
+        self.decoder.observe(self.decoder.current.view(-1).tolist(), live)
 
 
 class Rows:
@@ -208,7 +211,7 @@ def sample_rows(decode, prompts, order, pool: int, sampling, stop_ids, tokenizer
                 return responses, logprobs
             rows, logits = start()
             continue
-        decode.observe()
+        decode.observe(rows.running)
         logits = decode.step(fed, rows.running)
         if refill and queue and len(free) >= min(len(queue), max(1, len(rows) // REFILL_SHARE)):
             # After the step: the refilled rows' prefill overwrites what the step wrote into
