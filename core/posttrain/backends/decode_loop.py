@@ -19,6 +19,7 @@ from collections import deque
 
 import torch
 
+from posttrain.backends.static_decode import cache_argument, prompt_positions
 from posttrain.protocol import stop_string_start
 
 # On a GPU, steps between the host's looks at which rows ended: in between it queues the next
@@ -49,8 +50,6 @@ class DynamicDecode:
     refills_rows = False
 
     def __init__(self, model, pad_id: int, device):
-        from posttrain.backends.static_decode import cache_argument
-
         self.model, self.pad_id, self.device = model, pad_id, device
         self.cache_argument = cache_argument(model)
 
@@ -59,7 +58,7 @@ class DynamicDecode:
 
         input_ids, self.attention = left_padded(prompts, len(prompts), self.pad_id, self.device)
         self.cache = {self.cache_argument: DynamicCache(config=self.model.config)}
-        self.position = (self.attention.cumsum(-1) - 1).clamp(min=0)
+        self.position = prompt_positions(self.attention)
         return self._forward(input_ids)
 
     def _forward(self, ids: torch.Tensor) -> torch.Tensor:

@@ -116,6 +116,12 @@ def supports_static(model) -> bool:
     return all(kind == "full_attention" for kind in layer_types)
 
 
+def prompt_positions(attention: torch.Tensor) -> torch.Tensor:
+    """Position ids of left-padded prompts: each row counts from 0 at its first real token
+    (padding at 0 too: it is masked)."""
+    return (attention.cumsum(-1) - 1).clamp(min=0)
+
+
 def decode_forward(model, cache: dict, visible, slots, ids, positions, queries, window: int):
     """The logits ``[rows, vocab]`` after the tokens ``ids`` at cache slots ``queries``
     (``[1, q]``, the same for every row, or ``[rows, q]``): the mask of those queries over the
@@ -242,7 +248,7 @@ class StaticDecoder:
         self.cache.reset()
         self.visible[:, :width] = attention.bool()
         self.visible[:, width:] = True
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        positions = prompt_positions(attention)
         queries, window = self.slots[None, :width], self.window(width - 1)
         logits = self._forward(input_ids, positions, queries, window, decode_forward)
         self.position.copy_(positions[:, -1:])
@@ -259,7 +265,7 @@ class StaticDecoder:
 
         width = input_ids.shape[1]
         own = DynamicCache(config=self.model.config)
-        positions = (attention.cumsum(-1) - 1).clamp(min=0)
+        positions = prompt_positions(attention)
         out = self.model(
             input_ids=input_ids,
             attention_mask=attention,
