@@ -88,15 +88,21 @@ def drain(buckets: Iterable[Any]) -> bool:
 
 
 def adamw(parameters: Iterable[Any], args: TrainingArgs) -> torch.optim.Optimizer:
-    """AdamW with the role's ``training_args`` (learning rate, betas, epsilon, weight decay)."""
+    """AdamW with the role's ``training_args`` (learning rate, betas, epsilon, weight decay).
+    Parameters all on a GPU take the fused implementation (one kernel over many tensors, as
+    transformers' Trainer defaults to): the multi-tensor one took 31 ms of a 1.5B step on an
+    H200, three times what its 43 GB of reads and writes need."""
     import torch
 
+    params = list(parameters)
+    on_gpu = bool(params) and all(p.is_cuda for p in params)
     return torch.optim.AdamW(
-        list(parameters),
+        params,
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
         weight_decay=args.weight_decay,
+        fused=True if on_gpu else None,  # None: torch's default for the device
     )
 
 
