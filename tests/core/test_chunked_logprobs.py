@@ -159,3 +159,26 @@ def test_models_that_transform_logits_keep_the_full_path():
     model.forward = scaled.__get__(model)
     with pytest.raises(RuntimeError, match="logprob_chunk_tokens: 0"):
         forward_token_logprobs(model, _padded_batch(), 4)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_the_fused_chunks_compute_what_the_eager_ones_do(temperature):
+    """The compiled element-wise work (a GPU's default) against the eager in-place one: values,
+    and gradients with the log-probs' term alone, the entropy's alone and both. Compiled here
+    on the CPU (inductor's C++); test_chunked_logprobs_gpu.py runs it in Triton."""
+    hidden, weight, bias, targets = _inputs(torch.float32, bias=True)
+    outputs = {
+        fused: chunked_token_logprobs(hidden, weight, bias, targets, 7, temperature, fused=fused)
+        for fused in (False, True)
+    }
+    for got, want in zip(outputs[True], outputs[False]):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+    g = torch.Generator().manual_seed(4)
+    g_logp, g_ent = torch.randn(N, generator=g), torch.randn(N, generator=g)
+    for weights in ((g_logp, None), (None, g_ent), (g_logp, g_ent)):
+        grads = {}
+        for fused, (logp, ent) in outputs.items():
+            loss = sum((out * w).sum() for out, w in zip((logp, ent), weights) if w is not None)
+            grads[fused] = torch.autograd.grad(loss, (hidden, weight, bias), retain_graph=True)
+        for got, want in zip(grads[True], grads[False]):
+            torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)

@@ -6,9 +6,17 @@ logits exist ``chunk_tokens`` rows at a time, in forward and again (recomputed) 
 Liger's fused linear cross-entropy. Each chunk's logits are the same matrix product ``lm_head``
 computes (in the model's dtype), then float32, so the log-probs equal the unchunked path's within
 float32 rounding.
+
+On a GPU the work on each chunk's logits after that product (log-sum-exp, the target's log-prob,
+the entropy; in backward the logits' gradient) is compiled into a few fused kernels that read the
+logits in the model's dtype: run eagerly, those passes over float32 ``[chunk, vocab]`` tensors cost
+as much as the matrix products (1.5B, 10k tokens, H200: 21 ms of log-sum-exp alone in a 84 ms
+reference forward). Elsewhere they run eagerly, in place, to keep memory low.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 
@@ -21,16 +29,20 @@ def chunked_token_logprobs(
     chunk_tokens: int,
     temperature: float = 1.0,
     with_entropy: bool = True,
+    fused: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logp, entropy)``, float32 ``[N]``: ``logp[i] = log_softmax(z_i)[targets[i]]`` and the
     entropy of ``softmax(z_i)``, where ``z_i = (hidden[i] @ weight.T + bias).float() /
     temperature``; ``hidden`` is ``[N, H]``, ``weight`` ``[V, H]``, ``targets`` ``[N]``.
     Without ``with_entropy`` the entropy is zeros (and costs nothing). Differentiable with
-    respect to ``hidden``, ``weight`` and ``bias``."""
+    respect to ``hidden``, ``weight`` and ``bias``. ``fused``: the chunks' element-wise work
+    compiled (default: on a GPU)."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    if fused is None:
+        fused = hidden.is_cuda
     return _ChunkedLogprobs.apply(
-        hidden, weight, bias, targets, float(temperature), int(chunk_tokens), with_entropy
+        hidden, weight, bias, targets, float(temperature), int(chunk_tokens), with_entropy, fused
     )
 
 
@@ -39,11 +51,46 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _scaled_logits(h, weight, bias, temperature: float) -> torch.Tensor:
-    """One chunk's logits as ``lm_head`` gives them (model dtype), then float32 / temperature."""
-    z = torch.nn.functional.linear(h, weight, bias)
+def chunk_stats(z, targets, temperature: float, with_entropy: bool):
+    """Log-sum-exp, the target's log-prob and the entropy (zeros without ``with_entropy``) of
+    one chunk's logits ``z`` as the head gives them, each float32 ``[n]``. Out of place: what
+    :func:`compiled_once` compiles (:func:`_stats` computes the same eagerly, in place)."""
     z = z.to(_float_dtype(z.dtype))
-    return z / temperature if temperature != 1.0 else z
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return lse, logp, torch.zeros_like(lse)
+    lp = z - lse[:, None]
+    return lse, logp, -(lp.exp() * lp).sum(-1)
+
+
+def chunk_logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature: float):
+    """The gradient of one chunk's logits ``z`` (in their dtype) from the outputs' gradients
+    (either may be None); :func:`_logit_grad` computes the same eagerly, in place."""
+    scaled = z.to(_float_dtype(z.dtype))
+    if temperature != 1.0:
+        scaled = scaled / temperature
+    lp = scaled - lse[:, None]
+    p = lp.exp()
+    grad = torch.zeros_like(lp)
+    if grad_entropy is not None:
+        grad = (lp + entropy[:, None]) * p * -grad_entropy[:, None]
+    if grad_logp is not None:
+        grad = grad - p * grad_logp[:, None]
+        vocab = torch.arange(z.shape[-1], device=z.device)
+        grad = torch.where(vocab == targets[:, None], grad + grad_logp[:, None], grad)
+    if temperature != 1.0:
+        grad = grad / temperature
+    return grad.to(z.dtype)
+
+
+@functools.cache
+def compiled_once(function):
+    """``function`` through ``torch.compile``, shape-generic: one compile for every chunk,
+    vocabulary and model."""
+    return torch.compile(function, dynamic=True, fullgraph=True)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -56,26 +103,22 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy):
+    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, fused):
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=_float_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
         entropy = torch.zeros_like(logp)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            z = _scaled_logits(hidden[start:end], weight, bias, temperature)
-            chunk_lse = torch.logsumexp(z, dim=-1)
-            lse[start:end] = chunk_lse
-            picked = z.gather(-1, targets[start:end, None]).squeeze(-1)
-            logp[start:end] = picked - chunk_lse
-            if with_entropy:
-                lp = z.sub_(chunk_lse[:, None])
-                entropy[start:end] = -(lp.exp() * lp).sum(-1)
+            z = torch.nn.functional.linear(hidden[start:end], weight, bias)
+            stats = _stats(z, targets[start:end], temperature, with_entropy, fused)
+            lse[start:end], logp[start:end], entropy[start:end] = stats
             del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk = chunk
         ctx.with_entropy = with_entropy
+        ctx.fused = fused
         # An output whose gradient nobody asks for comes in as None: no entropy term then.
         ctx.set_materialize_grads(False)
         return logp, entropy
@@ -87,7 +130,7 @@ class _ChunkedLogprobs(torch.autograd.Function):
         if not ctx.with_entropy:
             grad_entropy = None
         if grad_logp is None and grad_entropy is None:
-            return (None,) * 7
+            return (None,) * 8
         temperature, n = ctx.temperature, hidden.shape[0]
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # Summed over chunks in float32, cast once: a low-precision running sum would round at
@@ -101,23 +144,16 @@ class _ChunkedLogprobs(torch.autograd.Function):
         for start in range(0, n, ctx.chunk):
             end = min(start + ctx.chunk, n)
             h = hidden[start:end]
-            lp = _scaled_logits(h, weight, bias, temperature).sub_(lse[start:end, None])
-            p = lp.exp()
-            if grad_entropy is not None:
-                # -p * (lp + H), times the entropy's gradient.
-                grad_z = lp.add_(entropy[start:end, None]).mul_(p)
-                grad_z.mul_(-grad_entropy[start:end, None])
-                if grad_logp is not None:
-                    grad_z.sub_(p.mul_(grad_logp[start:end, None]))
-            else:
-                grad_z = p.mul_(-grad_logp[start:end, None])
-            if grad_logp is not None:
-                grad_z.scatter_add_(-1, targets[start:end, None], grad_logp[start:end, None])
-            del lp, p
-            if temperature != 1.0:
-                grad_z.div_(temperature)
-            grad_logits = grad_z.to(hidden.dtype)
-            del grad_z
+            grad_logits = _logit_grad(
+                torch.nn.functional.linear(h, weight, bias),
+                lse[start:end],
+                entropy[start:end],
+                targets[start:end],
+                None if grad_logp is None else grad_logp[start:end],
+                None if grad_entropy is None else grad_entropy[start:end],
+                temperature,
+                ctx.fused,
+            )
             if grad_hidden is not None:
                 grad_hidden[start:end] = grad_logits @ weight
             if grad_weight is not None:
@@ -136,4 +172,47 @@ class _ChunkedLogprobs(torch.autograd.Function):
             None,
             None,
             None,
+            None,
         )
+
+
+def _stats(z, targets, temperature: float, with_entropy: bool, fused: bool):
+    """:func:`chunk_stats`, compiled, or computed eagerly with the float32 logits' buffer
+    reused."""
+    if fused:
+        return compiled_once(chunk_stats)(z, targets, temperature, with_entropy)
+    z = z.to(_float_dtype(z.dtype))
+    if temperature != 1.0:
+        z = z / temperature
+    lse = torch.logsumexp(z, dim=-1)
+    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
+    if not with_entropy:
+        return lse, logp, torch.zeros_like(lse)
+    lp = z.sub_(lse[:, None])
+    return lse, logp, -(lp.exp() * lp).sum(-1)
+
+
+def _logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature, fused):
+    """:func:`chunk_logit_grad`, compiled, or computed eagerly in place (the float32 logits'
+    buffer reused: no more than two chunk-sized float32 tensors at once)."""
+    if fused:
+        args = z, lse, entropy, targets, grad_logp, grad_entropy, temperature
+        return compiled_once(chunk_logit_grad)(*args)
+    lp = z.to(_float_dtype(z.dtype))
+    if temperature != 1.0:
+        lp = lp.div_(temperature)
+    lp = lp.sub_(lse[:, None])
+    p = lp.exp()
+    if grad_entropy is not None:
+        # -p * (lp + H), times the entropy's gradient.
+        grad_z = lp.add_(entropy[:, None]).mul_(p)
+        grad_z.mul_(-grad_entropy[:, None])
+        if grad_logp is not None:
+            grad_z.sub_(p.mul_(grad_logp[:, None]))
+    else:
+        grad_z = p.mul_(-grad_logp[:, None])
+    if grad_logp is not None:
+        grad_z.scatter_add_(-1, targets[:, None], grad_logp[:, None])
+    if temperature != 1.0:
+        grad_z.div_(temperature)
+    return grad_z.to(z.dtype)
