@@ -90,8 +90,8 @@ def drain(buckets: Iterable[Any]) -> bool:
 def adamw(parameters: Iterable[Any], args: TrainingArgs) -> torch.optim.Optimizer:
     """AdamW with the role's ``training_args`` (learning rate, betas, epsilon, weight decay).
     Parameters all on a GPU take the fused implementation (one kernel over many tensors, as
-    transformers' Trainer defaults to): the multi-tensor one took 31 ms of a 1.5B step on an
-    H200, three times what its 43 GB of reads and writes need."""
+    transformers' Trainer defaults to): a 1.5B model's optimizer step on an H200 took 31.5 ms
+    with the multi-tensor one, 25.8 ms with it."""
     import torch
 
     params = list(parameters)
