@@ -99,6 +99,7 @@ def run_posttrain(work: Path, workflow: Path, overrides: list[str]) -> dict:
                 "end": arrived,
                 "own": m["time/step"],
                 "length": m["response/length_mean"],
+                "phases": {k: v for k, v in m.items() if k.startswith("time/")},
             }
         )
     return {"launch": launch, "done": done, "rows": rows, "cmd": cmd}

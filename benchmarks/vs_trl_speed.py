@@ -161,7 +161,16 @@ def measures(result: dict) -> dict:
     tokens = PROMPTS_PER_STEP * GROUP_SIZE * (PROMPT_TOKENS + out["length"])
     out["tokens_per_s"] = tokens / out["step"]
     out["wall"] = result["done"] - result["launch"]
+    steady = [r["phases"] for r in result["rows"][WARMUP_STEPS:] if "phases" in r]
+    if steady:
+        out["phases"] = {k: statistics.median(p[k] for p in steady) for k in steady[0]}
     return out
+
+
+def print_phases(phases: dict[str, float]) -> None:
+    """posttrain's step by the loop's phases (``time/<phase>`` of its metrics), medians."""
+    parts = [f"{key.removeprefix('time/')} {value:.3f}" for key, value in phases.items()]
+    print(f"posttrain's step by phase, medians (s): {' | '.join(parts)}")
 
 
 def print_speed(totals: dict[str, dict], steps: int) -> None:
@@ -239,5 +248,7 @@ def run(args) -> int:
     if args.set:
         print(f"posttrain overrides: {' '.join(args.set)}")
     print_speed(totals, args.steps)
+    if "phases" in totals.get("posttrain", {}):
+        print_phases(totals["posttrain"]["phases"])
     print(f"model, workflow, logs and per-step metrics: {work}")
     return 0
