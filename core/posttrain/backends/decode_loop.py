@@ -121,7 +121,11 @@ class Rows:
     def __init__(self, owners: list[int], steps: int, pad_id: int, device):
         count = len(owners)
         self.owner: list[int | None] = list(owners)
-        self.age = [0] * count  # steps since each row was filled (host)
+        # On the host: steps recorded, the step each row was filled at, and the latest of those
+        # among the rows holding a prompt (updated at fills and collections, not every step).
+        self.tick = 0
+        self.filled_at = [0] * count
+        self.youngest = 0
         self.tokens = torch.full((count, steps + 1), pad_id, dtype=torch.long, device=device)
         self.logps = torch.zeros((count, steps + 1), dtype=torch.float32, device=device)
         self.lengths = torch.zeros(count, dtype=torch.long, device=device)
@@ -135,11 +139,11 @@ class Rows:
         self.tokens.scatter_(1, at, token.unsqueeze(-1))
         self.logps.scatter_(1, at, logp.unsqueeze(-1))
         self.lengths += self.running
-        self.age = [age + 1 for age in self.age]
+        self.tick += 1
 
     def all_ended_surely(self, steps: int) -> bool:
         """Every row holding a prompt has drawn ``steps`` tokens: ended, without a look."""
-        return all(age >= steps for age, owner in zip(self.age, self.owner) if owner is not None)
+        return self.tick - self.youngest >= steps
 
     def collect_ended(self, responses: list, logprobs: list) -> list[int]:
         """Hand the samples of the rows that ended to their prompts' places; the free rows."""
@@ -155,6 +159,8 @@ class Rows:
             for (row, owner), n, ids, lps in zip(ended, counts, tokens, logps):
                 responses[owner], logprobs[owner] = ids[:n], lps[:n]
                 self.owner[row] = None
+            held = [at for at, owner in zip(self.filled_at, self.owner) if owner is not None]
+            self.youngest = max(held, default=self.tick)
         return [row for row, owner in enumerate(self.owner) if owner is None]
 
     def fill(self, rows: list[int], owners: list[int]) -> None:
@@ -162,7 +168,8 @@ class Rows:
         self.lengths[index] = 0
         self.running[index] = True
         for row, owner in zip(rows, owners):
-            self.owner[row], self.age[row] = owner, 0
+            self.owner[row], self.filled_at[row] = owner, self.tick
+        self.youngest = self.tick
 
 
 def look_interval(device: torch.device, sampling) -> int:

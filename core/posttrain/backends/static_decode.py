@@ -218,9 +218,9 @@ class StaticDecoder:
         self.slots = torch.arange(length, device=device)
         self.use_graph = graph
         self.step_forward = compiled_forward() if compiled else decode_forward
-        # On the host: each row's query slot or later (exact after :meth:`observe`); the
-        # latest picks the window without waiting for the GPU.
-        self.slot_bound = [0] * rows
+        # On the host: the latest row's query slot or later (exact after :meth:`observe`): it
+        # picks the window without waiting for the GPU.
+        self.latest_slot = 0
         # Per window: the captured step and its output buffer.
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
 
@@ -253,7 +253,7 @@ class StaticDecoder:
         logits = self._forward(input_ids, positions, queries, window, decode_forward)
         self.position.copy_(positions[:, -1:])
         self.current.fill_(width - 1)
-        self.slot_bound = [width - 1] * self.rows
+        self.latest_slot = width - 1
         return logits
 
     def refill(self, rows: list[int], input_ids: torch.Tensor, attention: torch.Tensor):
@@ -282,8 +282,7 @@ class StaticDecoder:
         self.visible[index, width:] = True
         self.position[index] = positions[:, -1:]
         self.current[index] = width - 1
-        for row in rows:
-            self.slot_bound[row] = width - 1
+        self.latest_slot = max(self.latest_slot, width - 1)
         return out.logits[:, -1]
 
     def observe(self, slots: list[int], running: list[bool]) -> None:
@@ -291,7 +290,7 @@ class StaticDecoder:
         row that stopped no longer holds the window open: what it computes is not read (its
         query still sees its own visible slots, or with none in the window, the mask's finite
         minimum everywhere: no NaN)."""
-        self.slot_bound = [slot if live else 0 for slot, live in zip(slots, running)]
+        self.latest_slot = max((slot for slot, live in zip(slots, running) if live), default=0)
 
     def step(self, tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``[rows]``); the rows ``running`` (``[rows]`` bool) move to
@@ -302,8 +301,8 @@ class StaticDecoder:
         self.advance.copy_(running.view(-1, 1))
         self.position.add_(self.advance)
         self.current.add_(self.advance)
-        self.slot_bound = [min(slot + 1, self.length - 1) for slot in self.slot_bound]
-        window = self.window(max(self.slot_bound))
+        self.latest_slot = min(self.latest_slot + 1, self.length - 1)
+        window = self.window(self.latest_slot)
         if not self.use_graph:
             return self._step_forward(window)
         if window not in self.graphs:
