@@ -88,9 +88,11 @@ def chunk_logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperat
 
 @functools.cache
 def compiled_once(function):
-    """``function`` through ``torch.compile``, shape-generic: one compile for every chunk,
-    vocabulary and model."""
-    return torch.compile(function, dynamic=True, fullgraph=True)
+    """``function`` through ``torch.compile``, shape-generic (chunk and vocabulary sizes). It
+    compiles again per dtype, per variant (entropy or not, which gradients come, a temperature)
+    and for a last chunk of one row; past torch's recompile limit a call runs the function
+    uncompiled (same values), not an error."""
+    return torch.compile(function, dynamic=True)
 
 
 class _ChunkedLogprobs(torch.autograd.Function):
@@ -110,10 +112,15 @@ class _ChunkedLogprobs(torch.autograd.Function):
         entropy = torch.zeros_like(logp)
         for start in range(0, n, chunk):
             end = min(start + chunk, n)
-            z = torch.nn.functional.linear(hidden[start:end], weight, bias)
-            stats = _stats(z, targets[start:end], temperature, with_entropy, fused)
+            stats = _stats(
+                # Not referenced here: in the eager path their float32 copy replaces them.
+                torch.nn.functional.linear(hidden[start:end], weight, bias),
+                targets[start:end],
+                temperature,
+                with_entropy,
+                fused,
+            )
             lse[start:end], logp[start:end], entropy[start:end] = stats
-            del z
         ctx.save_for_backward(hidden, weight, bias, targets, lse, entropy)
         ctx.temperature = temperature
         ctx.chunk = chunk
@@ -181,7 +188,7 @@ def _stats(z, targets, temperature: float, with_entropy: bool, fused: bool):
     reused."""
     if fused:
         return compiled_once(chunk_stats)(z, targets, temperature, with_entropy)
-    z = z.to(_float_dtype(z.dtype))
+    z = z.to(_float_dtype(z.dtype))  # the head's logits are no longer referenced here
     if temperature != 1.0:
         z = z / temperature
     lse = torch.logsumexp(z, dim=-1)
@@ -198,7 +205,9 @@ def _logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature, 
     if fused:
         args = z, lse, entropy, targets, grad_logp, grad_entropy, temperature
         return compiled_once(chunk_logit_grad)(*args)
-    lp = z.to(_float_dtype(z.dtype))
+    dtype = z.dtype
+    lp = z.to(_float_dtype(dtype))
+    del z  # the head's logits: only their float32 copy is needed from here
     if temperature != 1.0:
         lp = lp.div_(temperature)
     lp = lp.sub_(lse[:, None])
@@ -215,4 +224,4 @@ def _logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature, 
         grad_z.scatter_add_(-1, targets[:, None], grad_logp[:, None])
     if temperature != 1.0:
         grad_z.div_(temperature)
-    return grad_z.to(z.dtype)
+    return grad_z.to(dtype)
