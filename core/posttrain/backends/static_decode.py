@@ -218,8 +218,8 @@ class StaticDecoder:
         self.slots = torch.arange(length, device=device)
         self.use_graph = graph
         self.step_forward = compiled_forward() if compiled else decode_forward
-        # On the host: the latest row's query slot or later (exact after :meth:`observe`): it
-        # picks the window without waiting for the GPU.
+        # On the host: the latest query slot among the running rows, or later (exact after
+        # :meth:`observe`): it picks the window without waiting for the GPU.
         self.latest_slot = 0
         # Per window: the captured step and its output buffer.
         self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
