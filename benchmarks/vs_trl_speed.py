@@ -161,9 +161,11 @@ def measures(result: dict) -> dict:
     tokens = PROMPTS_PER_STEP * GROUP_SIZE * (PROMPT_TOKENS + out["length"])
     out["tokens_per_s"] = tokens / out["step"]
     out["wall"] = result["done"] - result["launch"]
+    # posttrain's rows only; a phase some steps skip (a checkpoint's) is left out.
     steady = [r["phases"] for r in result["rows"][WARMUP_STEPS:] if "phases" in r]
     if steady:
-        out["phases"] = {k: statistics.median(p[k] for p in steady) for k in steady[0]}
+        every = [k for k in steady[0] if all(k in p for p in steady)]
+        out["phases"] = {k: statistics.median(p[k] for p in steady) for k in every}
     return out
 
 
