@@ -53,8 +53,9 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
 
 def chunk_stats(z, targets, temperature: float, with_entropy: bool):
     """Log-sum-exp, the target's log-prob and the entropy (zeros without ``with_entropy``) of
-    one chunk's logits ``z`` as the head gives them, each float32 ``[n]``. Out of place: what
-    :func:`compiled_once` compiles (:func:`_stats` computes the same eagerly, in place)."""
+    one chunk's logits ``z`` as the head gives them, each float32 ``[n]``. Run eagerly (the head's
+    logits no longer referenced once copied, the copy reused in place) or compiled, where the
+    in-place step costs nothing: inductor fuses the whole into a few kernels."""
     z = z.to(_float_dtype(z.dtype))
     if temperature != 1.0:
         z = z / temperature
@@ -62,7 +63,7 @@ def chunk_stats(z, targets, temperature: float, with_entropy: bool):
     logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
     if not with_entropy:
         return lse, logp, torch.zeros_like(lse)
-    lp = z - lse[:, None]
+    lp = z.sub_(lse[:, None])
     return lse, logp, -(lp.exp() * lp).sum(-1)
 
 
@@ -184,19 +185,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
 
 
 def _stats(z, targets, temperature: float, with_entropy: bool, fused: bool):
-    """:func:`chunk_stats`, compiled, or computed eagerly with the float32 logits' buffer
-    reused."""
-    if fused:
-        return compiled_once(chunk_stats)(z, targets, temperature, with_entropy)
-    z = z.to(_float_dtype(z.dtype))  # the head's logits are no longer referenced here
-    if temperature != 1.0:
-        z = z / temperature
-    lse = torch.logsumexp(z, dim=-1)
-    logp = z.gather(-1, targets[:, None]).squeeze(-1) - lse
-    if not with_entropy:
-        return lse, logp, torch.zeros_like(lse)
-    lp = z.sub_(lse[:, None])
-    return lse, logp, -(lp.exp() * lp).sum(-1)
+    """:func:`chunk_stats`, compiled or eager."""
+    stats = compiled_once(chunk_stats) if fused else chunk_stats
+    return stats(z, targets, temperature, with_entropy)
 
 
 def _logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature, fused):
