@@ -16,8 +16,13 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
     pytest.mark.timeout(600),
 ]
+# cuDNN's fused attention needs an Ampere GPU or later: before, grouped SDPA serves (the kit's
+# CUDA tests cover it).
+AMPERE = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 0)
+needs_ampere = pytest.mark.skipif(not AMPERE, reason="cuDNN's attention needs sm80+")
 
 
+@needs_ampere
 @pytest.mark.parametrize("window", [128, 384])
 def test_cudnn_attention_equals_grouped_sdpa(window):
     """1.5B's heads (12 queries over 2 KV heads of 128), a window short of the cache, rows
@@ -53,6 +58,7 @@ def head32_model_path(posttrain_cache):
     return preset_path("preset:tiny-qwen2-head32")
 
 
+@needs_ampere
 def test_cudnn_serves_bf16_not_fp32(head32_model_path):
     from transformers import AutoModelForCausalLM
 
@@ -63,6 +69,7 @@ def test_cudnn_serves_bf16_not_fp32(head32_model_path):
     assert cudnn_serves(model.bfloat16(), 16, "cuda")
 
 
+@needs_ampere
 def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(head32_model_path):
     """Sampled, several windows (their bucket made small), through cuDNN's attention: every
     sample's log-probs are a bf16 forward pass's over its prompt and response."""
