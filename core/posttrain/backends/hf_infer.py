@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from posttrain.backends.decode_loop import DynamicDecode, StaticDecode, sample_rows
+from posttrain.backends.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
 from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.backends.models import load_model_with_head, load_tokenizer
 from posttrain.backends.plumbing import is_cuda, log_once, memory_tags
@@ -119,9 +120,12 @@ def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: in
         return DynamicDecode(worker.model, pad_id, worker.device)
     on_gpu = is_cuda(worker)
     graph, compiled = mode in ("cuda_graph", "compiled") and on_gpu, mode == "compiled"
+    fused = worker.config.fuse_projections
     decoders = worker.state.get("decoders")
-    if decoders is None or (decoders.graph, decoders.compiled) != (graph, compiled):
-        decoders = worker.state["decoders"] = StaticDecoders(graph=graph, compiled=compiled)
+    if decoders is None or decoders.settings != (graph, compiled, fused):
+        groups = fuse_sibling_linears(worker.model) if fused else None
+        decoders = StaticDecoders(graph=graph, compiled=compiled, groups=groups)
+        worker.state["decoders"] = decoders
     # Any prompt may come into any row: the cache holds the longest with its new tokens.
     width = max(len(p) for p in prompts)
     rows = min(pool, len(prompts))
@@ -207,8 +211,10 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     """Move the weights to host memory while a colocated role uses the device, when the
     config says so (``param_offload``)."""
     if worker.config.param_offload and "weights" in memory_tags(tags):
-        # Captured decode graphs point at the weights' device memory, which the move frees.
+        # Captured decode graphs point at the weights' device memory, which the move frees;
+        # stacked projections would keep a device copy (they are stacked again after).
         worker.state.pop("decoders", None)
+        unfuse_sibling_linears(worker.model)
         worker.model.to("cpu")
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

@@ -36,6 +36,11 @@ class HFInferConfig:
     # the next prompt while the others go on (continuous batching); off, or with "dynamic",
     # a batch of rows runs until its longest sample ends.
     continuous_batching: bool = True
+    # In the fixed-shape modes, a layer's q/k/v projections and its MLP's gate/up projections
+    # each run as one GEMM over their weights stacked into one tensor (the parameters become
+    # views of it; names and weight syncs unchanged); off: one GEMM per projection, as
+    # transformers runs them.
+    fuse_projections: bool = True
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.
     param_offload: bool = False

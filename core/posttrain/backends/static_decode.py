@@ -45,6 +45,8 @@ from collections import OrderedDict
 import torch
 import torch.nn.functional as F
 
+from posttrain.backends.fused_linears import stacked_projections
+
 LOG = logging.getLogger(__name__)
 
 ROWS_BUCKET = 8
@@ -250,7 +252,7 @@ class StaticDecoder:
     """A static KV cache of ``rows x length`` tokens and the step's fixed-address inputs; with
     ``graph``, the one-token step captured in a CUDA graph at its first call."""
 
-    def __init__(self, model, rows: int, length: int, device, graph: bool, compiled: bool):
+    def __init__(self, model, rows: int, length: int, device, graph, compiled, groups=()):
         _register_attention()
         self.model = model
         self.rows, self.length = rows, length
@@ -264,6 +266,7 @@ class StaticDecoder:
         self.advance = torch.zeros(rows, 1, dtype=torch.long, device=device)  # 1: running
         self.slots = torch.arange(length, device=device)
         self.attention = CUDNN_ATTENTION if cudnn_serves(model, rows, device) else ATTENTION
+        self.groups = list(groups)  # stacked projections (fused_linears), active in the steps
         self.use_graph = graph
         self.step_forward = compiled_forward() if compiled else decode_forward
         # On the host: the latest query slot among the running rows, or later (exact after
@@ -277,7 +280,7 @@ class StaticDecoder:
         return min(round_up(last_query + 1, WINDOW_BUCKET), self.length)
 
     def _forward(self, ids, positions, queries, window: int, forward) -> torch.Tensor:
-        with attention_of(self.model, self.attention):
+        with attention_of(self.model, self.attention), stacked_projections(self.groups):
             return forward(
                 self.model,
                 {self.cache_argument: self.cache},
@@ -314,14 +317,15 @@ class StaticDecoder:
         width = input_ids.shape[1]
         own = DynamicCache(config=self.model.config)
         positions = prompt_positions(attention)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attention,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=1,
-            **{self.cache_argument: own},
-        )
+        with stacked_projections(self.groups):
+            out = self.model(
+                input_ids=input_ids,
+                attention_mask=attention,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **{self.cache_argument: own},
+            )
         index = torch.tensor(rows, device=input_ids.device)
         for layer, prefilled in zip(self.cache.layers, own.layers):
             layer.keys[index, :, :width] = prefilled.keys
@@ -394,8 +398,9 @@ class StaticDecoder:
 class StaticDecoders:
     """The decoders of recent shapes (see the module docstring), oldest dropped first."""
 
-    def __init__(self, graph: bool, compiled: bool):
-        self.graph, self.compiled = graph, compiled
+    def __init__(self, graph: bool, compiled: bool, groups=None):
+        # groups: the model's stacked projections; None where they are not to be stacked.
+        self.graph, self.compiled, self.groups = graph, compiled, groups
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
 
     def get(self, model, rows: int, length: int, device) -> StaticDecoder:
@@ -404,9 +409,15 @@ class StaticDecoders:
         if decoder is None:
             while len(self._decoders) >= KEPT_SHAPES:
                 self._decoders.popitem(last=False)
-            decoder = StaticDecoder(model, *key, device, self.graph, self.compiled)
+            groups = self.groups or ()
+            decoder = StaticDecoder(model, *key, device, self.graph, self.compiled, groups)
         self._decoders[key] = decoder
         return decoder
+
+    @property
+    def settings(self) -> tuple[bool, bool, bool]:
+        """Graphed, compiled, projections stacked."""
+        return self.graph, self.compiled, self.groups is not None
 
     def clear(self) -> None:
         self._decoders.clear()
