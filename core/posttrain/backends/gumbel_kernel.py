@@ -30,9 +30,14 @@ def _update(x, uniform, columns, inv_temperature, best, best_index, best_logit, 
     best = tl.where(better, noised, best)
     best_index = tl.where(better, columns, best_index)
     best_logit = tl.where(better, x, best_logit)
+    # One exp a logit: exp(-|x - top|) rescales the old total when x is the new top, else
+    # weighs x against the old top.
+    grows = x > top
+    scale = tl.exp(-tl.abs(x - top))
+    total = tl.where(grows, total * scale + 1.0, total + scale)
     new_top = tl.maximum(top, x)
-    empty = new_top == float("-inf")  # no finite logit in this lane yet
-    total = tl.where(empty, 0.0, total * tl.exp(top - new_top) + tl.exp(x - new_top))
+    empty = new_top == float("-inf")  # no finite logit in this lane yet (x - top: NaN)
+    total = tl.where(empty, 0.0, total)
     return best, best_index, best_logit, new_top, total
 
 
