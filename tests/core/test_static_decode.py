@@ -66,6 +66,23 @@ def test_batches_of_sorted_prompts_come_back_in_the_request_order(hf_infer_setti
         assert together.response_logprobs[i] == pytest.approx(single.response_logprobs[0], abs=1e-5)
 
 
+def test_fused_and_separate_projections_decode_alike(hf_infer_settings):
+    """``fuse_projections`` (on by default) stacks each layer's q/k/v and gate/up; off, the
+    same samples come from one GEMM per projection."""
+    sampling = SamplingParams(n=2, max_new_tokens=6)
+    with hf_infer_settings() as worker:
+        fused = generate(worker, "static", PROMPTS[:2], sampling, seed=3)
+        config = worker.model.config
+        gate_up = [[config.intermediate_size] * 2] * config.num_hidden_layers
+        assert [g.sizes for g in worker.state["decoders"].groups][1::2] == gate_up
+    with hf_infer_settings(fuse_projections=False) as worker:
+        separate = generate(worker, "static", PROMPTS[:2], sampling, seed=3)
+        assert worker.state["decoders"].groups == []
+    assert fused.response_ids == separate.response_ids
+    for x, y in zip(fused.response_logprobs, separate.response_logprobs):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
 class TestHFInferCompiledDecodeContract(StrategyContract):
     strategy = "hf_infer"
     strategy_config = {"decode": "compiled"}
