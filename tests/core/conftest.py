@@ -84,7 +84,9 @@ def write_workflow(tmp_path):
     return write
 
 
-def load_hf_infer_worker(model_path: str, device: str = "cpu"):
+def load_hf_infer_worker(model_path: str, device: str = "cpu", dtype: str = "fp32", **config):
+    """hf_infer's engine on ``model_path`` in ``dtype`` (``model_args.dtype``), ``config`` its
+    ``strategy_config``."""
     from posttrain.backends import hf_infer
     from posttrain.backends.hf_infer_plugin import HFInferConfig
     from posttrain.config.sections import ModelArgs
@@ -93,12 +95,18 @@ def load_hf_infer_worker(model_path: str, device: str = "cpu"):
     worker = WorkerContext(
         role="actor_infer",
         strategy_name="hf_infer",
-        config=HFInferConfig(),
-        model_args=ModelArgs(model_name_or_path=model_path),
+        config=HFInferConfig(**config),
+        model_args=ModelArgs(model_name_or_path=model_path, dtype=dtype),
         device=device,
     )
     worker.model = hf_infer.load_model(worker)
     return worker
+
+
+@pytest.fixture(scope="session")
+def hf_infer_loader():
+    """:func:`load_hf_infer_worker`, for tests that load the engine on a model of their own."""
+    return load_hf_infer_worker
 
 
 def settings_of(worker):

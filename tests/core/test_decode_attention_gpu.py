@@ -70,29 +70,27 @@ def test_cudnn_serves_bf16_not_fp32(head32_model_path):
 
 
 @needs_ampere
-def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(head32_model_path):
-    """Sampled, several windows (their bucket made small), through cuDNN's attention: every
-    sample's log-probs are a bf16 forward pass's over its prompt and response."""
+@pytest.mark.parametrize("cudnn", [True, False], ids=["cudnn", "cudnn_attention-off"])
+def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(
+    head32_model_path, hf_infer_loader, cudnn
+):
+    """Sampled, several windows (their bucket made small), through cuDNN's attention (or,
+    ``cudnn_attention`` off, grouped SDPA): every sample's log-probs are a bf16 forward pass's
+    over its prompt and response."""
     from posttrain.backends import hf_infer, static_decode
-    from posttrain.backends.hf_infer_plugin import HFInferConfig
-    from posttrain.config.sections import ModelArgs
-    from posttrain.launch.worker import WorkerContext
 
-    worker = WorkerContext(
-        role="actor_infer",
-        strategy_name="hf_infer",
-        config=HFInferConfig(decode="compiled"),
-        model_args=ModelArgs(model_name_or_path=head32_model_path, dtype="bf16"),
-        device="cuda",
+    worker = hf_infer_loader(
+        head32_model_path, "cuda", dtype="bf16", decode="compiled", cudnn_attention=cudnn
     )
-    worker.model = hf_infer.load_model(worker)
     sampling = SamplingParams(n=4, max_new_tokens=40, ignore_eos=True)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(static_decode, "WINDOW_BUCKET", 16)
         request = GenerationRequest(prompt_ids=PROMPTS[:3], sampling=sampling, seed=5)
         out = hf_infer.generate(worker, request)
         (decoder,) = worker.state["decoders"]._decoders.values()
-    assert decoder.attention == static_decode.CUDNN_ATTENTION
+    assert decoder.attention == (
+        static_decode.CUDNN_ATTENTION if cudnn else static_decode.ATTENTION
+    )
     assert len(decoder.graphs) > 1  # windows of 16 slots
     worst = 0.0
     for prompt, response, logps in zip(out.prompt_ids, out.response_ids, out.response_logprobs):

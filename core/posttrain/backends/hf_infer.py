@@ -17,7 +17,7 @@ from posttrain.backends.fused_linears import fuse_sibling_linears, unfuse_siblin
 from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.backends.models import load_model_with_head, load_tokenizer
 from posttrain.backends.plumbing import is_cuda, log_once, memory_tags
-from posttrain.backends.static_decode import StaticDecoders, supports_static
+from posttrain.backends.static_decode import DecodeSettings, StaticDecoders, supports_static
 from posttrain.backends.tensors import unshare_storage
 from posttrain.backends.token_sampling import draw, gumbel_draw, is_plain
 from posttrain.protocol import (
@@ -119,13 +119,16 @@ def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: in
     if mode == "dynamic":
         return DynamicDecode(worker.model, pad_id, worker.device)
     on_gpu = is_cuda(worker)
-    graph, compiled = mode in ("cuda_graph", "compiled") and on_gpu, mode == "compiled"
-    fused = worker.config.fuse_projections
+    settings = DecodeSettings(
+        graph=mode in ("cuda_graph", "compiled") and on_gpu,
+        compiled=mode == "compiled",
+        fuse_projections=worker.config.fuse_projections,
+        cudnn_attention=worker.config.cudnn_attention,
+    )
     decoders = worker.state.get("decoders")
-    if decoders is None or decoders.settings != (graph, compiled, fused):
-        groups = fuse_sibling_linears(worker.model) if fused else None
-        decoders = StaticDecoders(graph=graph, compiled=compiled, groups=groups)
-        worker.state["decoders"] = decoders
+    if decoders is None or decoders.settings != settings:
+        groups = fuse_sibling_linears(worker.model) if settings.fuse_projections else []
+        decoders = worker.state["decoders"] = StaticDecoders(settings, groups)
     # Any prompt may come into any row: the cache holds the longest with its new tokens.
     width = max(len(p) for p in prompts)
     rows = min(pool, len(prompts))

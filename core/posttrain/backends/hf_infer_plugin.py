@@ -41,6 +41,10 @@ class HFInferConfig:
     # views of it; names and weight syncs unchanged); off: one GEMM per projection, as
     # transformers runs them.
     fuse_projections: bool = True
+    # In the fixed-shape modes on a GPU, the one-token steps' attention runs in cuDNN's fused
+    # kernel wherever torch says it serves (Ampere or later, bf16/fp16); off: grouped SDPA, as
+    # for the prompts.
+    cudnn_attention: bool = True
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.
     param_offload: bool = False

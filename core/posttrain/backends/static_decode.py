@@ -42,6 +42,7 @@ import inspect
 import logging
 from collections import OrderedDict
 
+import attrs
 import torch
 import torch.nn.functional as F
 
@@ -248,11 +249,22 @@ def row_slot_cache(model, length: int, write_slots: torch.Tensor):
     return Cache(layers=[row_slot_layer(length, write_slots) for _ in range(layers)])
 
 
+@attrs.frozen(kw_only=True)
+class DecodeSettings:
+    """How a decoder runs its steps (from ``hf_infer``'s ``strategy_config``)."""
+
+    graph: bool  # the one-token step captured in a CUDA graph per window
+    compiled: bool  # the step through torch.compile (before its capture)
+    fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (fused_linears)
+    cudnn_attention: bool = True  # the steps' attention in cuDNN's kernel where it serves
+
+
 class StaticDecoder:
     """A static KV cache of ``rows x length`` tokens and the step's fixed-address inputs; with
-    ``graph``, the one-token step captured in a CUDA graph at its first call."""
+    ``settings.graph``, the one-token step captured in a CUDA graph at its first call.
+    ``groups``: the model's stacked projections (fused_linears), used in every forward here."""
 
-    def __init__(self, model, rows: int, length: int, device, graph, compiled, groups=()):
+    def __init__(self, model, rows: int, length: int, device, settings: DecodeSettings, groups):
         _register_attention()
         self.model = model
         self.rows, self.length = rows, length
@@ -265,10 +277,11 @@ class StaticDecoder:
         self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.advance = torch.zeros(rows, 1, dtype=torch.long, device=device)  # 1: running
         self.slots = torch.arange(length, device=device)
-        self.attention = CUDNN_ATTENTION if cudnn_serves(model, rows, device) else ATTENTION
-        self.groups = list(groups)  # stacked projections (fused_linears), active in the steps
-        self.use_graph = graph
-        self.step_forward = compiled_forward() if compiled else decode_forward
+        cudnn = settings.cudnn_attention and cudnn_serves(model, rows, device)
+        self.attention = CUDNN_ATTENTION if cudnn else ATTENTION
+        self.groups = groups
+        self.use_graph = settings.graph
+        self.step_forward = compiled_forward() if settings.compiled else decode_forward
         # On the host: the latest query slot among the running rows, or later (exact after
         # :meth:`observe`): it picks the window without waiting for the GPU.
         self.latest_slot = 0
@@ -398,9 +411,9 @@ class StaticDecoder:
 class StaticDecoders:
     """The decoders of recent shapes (see the module docstring), oldest dropped first."""
 
-    def __init__(self, graph: bool, compiled: bool, groups=None):
-        # groups: the model's stacked projections; None where they are not to be stacked.
-        self.graph, self.compiled, self.groups = graph, compiled, groups
+    def __init__(self, settings: DecodeSettings, groups):
+        # groups: the model's stacked projections (none unless settings.fuse_projections)
+        self.settings, self.groups = settings, groups
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
 
     def get(self, model, rows: int, length: int, device) -> StaticDecoder:
@@ -409,15 +422,6 @@ class StaticDecoders:
         if decoder is None:
             while len(self._decoders) >= KEPT_SHAPES:
                 self._decoders.popitem(last=False)
-            groups = self.groups or ()
-            decoder = StaticDecoder(model, *key, device, self.graph, self.compiled, groups)
+            decoder = StaticDecoder(model, *key, device, self.settings, self.groups)
         self._decoders[key] = decoder
         return decoder
-
-    @property
-    def settings(self) -> tuple[bool, bool, bool]:
-        """Graphed, compiled, projections stacked."""
-        return self.graph, self.compiled, self.groups is not None
-
-    def clear(self) -> None:
-        self._decoders.clear()
