@@ -90,3 +90,11 @@ def test_unfused_projections_compute_their_own_and_stack_again(model):
     assert again[0] is not groups[0] and again[0].weight.dtype == torch.float64
     with stacked_projections(again):
         torch.testing.assert_close(model(IDS).logits, expected, rtol=0, atol=1e-9)
+
+
+@torch.no_grad()
+def test_projections_sharing_a_parameter_stay_apart(model):
+    """A weight two layers share is not stacked into either (a sync would reach one copy)."""
+    layers = model.model.layers
+    layers[1].self_attn.k_proj.weight = layers[0].self_attn.k_proj.weight
+    assert [g.sizes for g in fuse_sibling_linears(model)] == [[128, 128]] * 2

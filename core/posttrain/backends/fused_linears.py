@@ -62,9 +62,20 @@ def grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
     return pending[1][index]
 
 
-def _siblings(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.Linear] | None:
+def _shared_parameters(model: torch.nn.Module) -> set[int]:
+    """The parameters more than one module holds (tied, or shared across layers): stacking
+    one holder's would leave the others' forward reading a tensor syncs no longer write."""
+    seen: set[int] = set()
+    shared: set[int] = set()
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        (shared if id(parameter) in seen else seen).add(id(parameter))
+    return shared
+
+
+def _siblings(module: torch.nn.Module, names: tuple[str, ...], shared: set[int]):
     """The ``names`` children of ``module`` when they are plain linears that can be stacked:
-    the same input size, dtype and device, all with a bias or none, none grouped yet."""
+    the same input size, dtype and device, all with a bias or none, none grouped yet, no
+    parameter ``shared``."""
     linears: list[torch.nn.Linear] = []
     for name in names:
         linear = getattr(module, name, None)
@@ -80,6 +91,7 @@ def _siblings(module: torch.nn.Module, names: tuple[str, ...]) -> list[torch.nn.
             or linear.weight.device != weight.device
             or (linear.bias is None) != (first.bias is None)
             or hasattr(linear, "posttrain_group")
+            or any(id(parameter) in shared for parameter in linear.parameters())
         ):
             return None
     return linears
@@ -109,11 +121,12 @@ def fuse_sibling_linears(model: torch.nn.Module) -> list[LinearGroup]:
     """Stack every group of :data:`SIBLINGS` in ``model`` (see the module docstring); the
     groups, those stacked before included."""
     groups = []
+    shared = _shared_parameters(model)
     for module in model.modules():
         for names in SIBLINGS:
             group = getattr(getattr(module, names[0], None), "posttrain_group", None)
             if group is None:
-                linears = _siblings(module, names)
+                linears = _siblings(module, names, shared)
                 if linears is None:
                     continue
                 group = _stack(linears)
