@@ -255,8 +255,8 @@ class DecodeSettings:
 
     graph: bool  # the one-token step captured in a CUDA graph per window
     compiled: bool  # the step through torch.compile (before its capture)
-    fuse_projections: bool = True  # q/k/v and gate/up as one GEMM each (fused_linears)
-    cudnn_attention: bool = True  # the steps' attention in cuDNN's kernel where it serves
+    fuse_projections: bool  # q/k/v and gate/up as one GEMM each (fused_linears)
+    cudnn_attention: bool  # the steps' attention in cuDNN's kernel where it serves
 
 
 class StaticDecoder:
