@@ -83,6 +83,22 @@ def test_fused_and_separate_projections_decode_alike(hf_infer_settings):
         assert x == pytest.approx(y, abs=1e-5)
 
 
+def test_a_gpu_kernel_asked_for_on_the_cpu_leaves_grouped_sdpa(hf_infer_settings):
+    """``decode_attention: triton`` (or cudnn) where the kernel does not serve (here: no GPU)
+    decodes with grouped SDPA, the same samples as the default."""
+    from posttrain.backends import static_decode
+
+    sampling = SamplingParams(n=2, max_new_tokens=4)
+    with hf_infer_settings() as worker:
+        default = generate(worker, "static", PROMPTS[:1], sampling, seed=2)
+    for kernel in ("triton", "cudnn"):
+        with hf_infer_settings(decode_attention=kernel) as worker:
+            asked = generate(worker, "static", PROMPTS[:1], sampling, seed=2)
+            (decoder,) = worker.state["decoders"]._decoders.values()
+        assert decoder.attention == static_decode.ATTENTION
+        assert asked.response_ids == default.response_ids
+
+
 class TestHFInferCompiledDecodeContract(StrategyContract):
     strategy = "hf_infer"
     strategy_config = {"decode": "compiled"}

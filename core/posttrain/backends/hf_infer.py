@@ -123,7 +123,7 @@ def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: in
         graph=mode in ("cuda_graph", "compiled") and on_gpu,
         compiled=mode == "compiled",
         fuse_projections=worker.config.fuse_projections,
-        cudnn_attention=worker.config.cudnn_attention,
+        attention=worker.config.decode_attention,
     )
     decoders = worker.state.get("decoders")
     if decoders is None or decoders.settings != settings:

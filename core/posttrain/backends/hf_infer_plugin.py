@@ -41,10 +41,13 @@ class HFInferConfig:
     # views of it; names and weight syncs unchanged); off: one GEMM per projection, as
     # transformers runs them.
     fuse_projections: bool = True
-    # In the fixed-shape modes on a GPU, the one-token steps' attention runs in cuDNN's fused
-    # kernel wherever torch says it serves (Ampere or later, bf16/fp16); off: grouped SDPA, as
-    # for the prompts.
-    cudnn_attention: bool = True
+    # In the fixed-shape modes on a GPU, the kernel of the one-token steps' attention:
+    # "triton" (posttrain's: each KV head read once for the query heads sharing it, no slot
+    # after a row's last visible one; Ampere or later, bf16/fp16, head size a power of two),
+    # "cudnn" (cuDNN's fused kernel, wherever torch says it serves: Ampere or later,
+    # bf16/fp16), "sdpa" (grouped SDPA, as for the prompts, and wherever the chosen kernel does
+    # not serve). "auto": triton where it serves, else cudnn.
+    decode_attention: Literal["auto", "triton", "cudnn", "sdpa"] = "auto"
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.
     param_offload: bool = False

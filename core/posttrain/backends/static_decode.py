@@ -38,6 +38,7 @@ new shape at every generation, stays eager.
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import inspect
 import logging
 from collections import OrderedDict
@@ -57,9 +58,11 @@ KEPT_SHAPES = 4  # decoders (caches, graphs) kept at once; the oldest goes first
 
 
 # The attentions the static path runs (registered with transformers' AttentionInterface):
-# grouped SDPA everywhere, or cuDNN's for the one-token steps where it serves (cudnn_serves).
+# grouped SDPA everywhere, or for the one-token steps a kernel that reads each KV head once for
+# the query heads sharing it, where it serves (step_attention).
 ATTENTION = "posttrain_grouped_sdpa"
 CUDNN_ATTENTION = "posttrain_cudnn_sdpa"
+TRITON_ATTENTION = "posttrain_triton_decode"
 
 
 def in_window(key, value, attention_mask):
@@ -111,6 +114,28 @@ def cudnn_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=
     return out.transpose(1, 2).contiguous(), None
 
 
+def triton_decode(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+    """A one-token step's attention in the Triton kernel of
+    :mod:`~posttrain.backends.decode_attention_kernel` (registered as the operator
+    ``posttrain::decode_attention``: the compiler calls it as it is): each KV head read once for its
+    query heads, and no slot after a row's last visible one. Only where :func:`triton_serves`.
+    Longer inputs (the prefill) take :func:`grouped_sdpa`."""
+    if query.shape[2] != 1:
+        return grouped_sdpa(module, query, key, value, attention_mask, scaling)
+    from posttrain.backends.decode_attention_kernel import decode_attention_op
+
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return decode_attention_op(query, key, value, attention_mask, scale), None
+
+
+def _model_shape(model):
+    """The decoder's query heads, KV heads, head size and dtype."""
+    config = model.config.get_text_config(decoder=True)
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    return heads, kv_heads, dim, model.get_input_embeddings().weight.dtype
+
+
 def cudnn_serves(model, rows: int, device) -> bool:
     """Whether cuDNN's attention runs a decoder's one-token steps: this torch's cuDNN on this
     GPU, for the model's heads and dtype, ``rows`` queries over windows of ``WINDOW_BUCKET``
@@ -119,14 +144,56 @@ def cudnn_serves(model, rows: int, device) -> bool:
         return False
     from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 
-    config = model.config.get_text_config(decoder=True)
-    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
-    dim = getattr(config, "head_dim", None) or config.hidden_size // heads
-    like = {"dtype": model.get_input_embeddings().weight.dtype, "device": device}
+    heads, kv_heads, dim, dtype = _model_shape(model)
+    like = {"dtype": dtype, "device": device}
     query = torch.empty(rows, heads, 1, dim, **like)
     key = torch.empty(rows, kv_heads, WINDOW_BUCKET, dim, **like)
     mask = torch.empty(rows, 1, 1, WINDOW_BUCKET, **like)
     return can_use_cudnn_attention(SDPAParams(query, key, key, mask, 0.0, False, True))
+
+
+def triton_serves(model, device) -> bool:
+    """Whether the Triton kernel runs a decoder's one-token steps: Triton installed, a GPU of
+    compute capability 8.0 or later (bf16 on tensor cores), a bf16 or fp16 model (fp32 would
+    round through TF32 in the kernel's products) with a head size that is a power of two from
+    16 to 256."""
+    if torch.device(device).type != "cuda" or importlib.util.find_spec("triton") is None:
+        return False
+    heads, kv_heads, dim, dtype = _model_shape(model)
+    return (
+        torch.cuda.get_device_capability(device) >= (8, 0)
+        and dtype in (torch.bfloat16, torch.float16)
+        and heads % kv_heads == 0
+        and 16 <= dim <= 256
+        and dim & (dim - 1) == 0
+    )
+
+
+# Rows x KV heads per streaming multiprocessor from which "auto" prefers the Triton kernel:
+# with fewer programs than this it reads the cache slower than cuDNN's (H200, 1.5B: faster at
+# 256 rows, 2 KV heads, 132 SMs; slower at 64).
+TRITON_PROGRAMS_PER_SM = 2
+
+
+def step_attention(choice: str, model, rows: int, device) -> str:
+    """The attention of a decoder's one-token steps for ``strategy_config.decode_attention``
+    (``choice``): "triton" or "cudnn" that kernel where it serves; "auto" the Triton kernel
+    with many rows and cuDNN's with few, each where it serves, else the other; grouped SDPA
+    otherwise, and for "sdpa"."""
+    kernels = {"triton": ["triton"], "cudnn": ["cudnn"], "sdpa": []}.get(choice)
+    if kernels is None:  # auto
+        kernels = ["triton", "cudnn"]
+        if torch.device(device).type == "cuda":
+            _, kv_heads, _, _ = _model_shape(model)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count
+            if rows * kv_heads < TRITON_PROGRAMS_PER_SM * sms:
+                kernels.reverse()
+    for kernel in kernels:
+        if kernel == "triton" and triton_serves(model, device):
+            return TRITON_ATTENTION
+        if kernel == "cudnn" and cudnn_serves(model, rows, device):
+            return CUDNN_ATTENTION
+    return ATTENTION
 
 
 def _register_attention() -> None:
@@ -134,6 +201,7 @@ def _register_attention() -> None:
 
     AttentionInterface.register(ATTENTION, grouped_sdpa)
     AttentionInterface.register(CUDNN_ATTENTION, cudnn_sdpa)
+    AttentionInterface.register(TRITON_ATTENTION, triton_decode)
 
 
 @contextlib.contextmanager
@@ -256,7 +324,7 @@ class DecodeSettings:
     graph: bool  # the one-token step captured in a CUDA graph per window
     compiled: bool  # the step through torch.compile (before its capture)
     fuse_projections: bool  # q/k/v and gate/up as one GEMM each (fused_linears)
-    cudnn_attention: bool  # the steps' attention in cuDNN's kernel where it serves
+    attention: str  # the one-token steps' attention: "auto", "triton", "cudnn", "sdpa"
 
 
 class StaticDecoder:
@@ -277,8 +345,7 @@ class StaticDecoder:
         self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.advance = torch.zeros(rows, 1, dtype=torch.long, device=device)  # 1: running
         self.slots = torch.arange(length, device=device)
-        cudnn = settings.cudnn_attention and cudnn_serves(model, rows, device)
-        self.attention = CUDNN_ATTENTION if cudnn else ATTENTION
+        self.attention = step_attention(settings.attention, model, rows, device)
         self.groups = groups
         self.use_graph = settings.graph
         self.step_forward = compiled_forward() if settings.compiled else decode_forward
