@@ -19,6 +19,8 @@ context) and its fraction of the GPU's dense bf16 peak, and the peak device memo
 call.
 
     python3 benchmarks/generation.py --device cuda --shape qwen2-1.5b   # 64, 256, 512 x 512
+    python3 benchmarks/generation.py --device cuda --shape qwen2-1.5b --batches 256 \
+        --modes dynamic compiled --attentions auto cudnn     # the decode attention's kernels
     python benchmarks/generation.py --shape tiny --device cpu --batches 4 --new-tokens 8
                                                                          # its smallest setting
 """
@@ -102,12 +104,16 @@ def timed_generate(worker, prompts, new_tokens: int, mode: str) -> float:
     return seconds
 
 
-def measure(worker, mode: str, batch: int, new_tokens: int, shape: str, built) -> dict:
+def measure(
+    worker, mode: str, attention: str, batch: int, new_tokens: int, shape: str, built
+) -> dict:
     import attrs
     import torch
 
     engine_mode = "dynamic" if mode == "hf_generate" else mode
-    worker.config = attrs.evolve(worker.config, decode=engine_mode, batch_size=batch)
+    worker.config = attrs.evolve(
+        worker.config, decode=engine_mode, batch_size=batch, decode_attention=attention
+    )
     worker.state.pop("decoders", None)
     rng = random.Random(batch)
     vocab = worker.state["tokenizer"].vocab_size
@@ -129,7 +135,7 @@ def measure(worker, mode: str, batch: int, new_tokens: int, shape: str, built) -
     tflops = per_token * batch * steps / decode_s / 1e12
     peak = peak_bf16_tflops(device_name(worker.device))
     row = {
-        "mode": mode,
+        "mode": mode if attention == "auto" else f"{mode} attention={attention}",
         "batch": batch,
         "first call s": first,
         "TTFT s": ttft,
@@ -158,6 +164,13 @@ def main() -> None:
         choices=["hf_generate", "dynamic", "static", "cuda_graph", "compiled"],
         help="default: hf_generate dynamic cuda_graph compiled on cuda, dynamic static on cpu",
     )
+    parser.add_argument(
+        "--attentions",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "triton", "cudnn", "sdpa"],
+        help="the fixed-shape modes once per strategy_config.decode_attention given",
+    )
     args = parser.parse_args()
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     modes = args.modes or (
@@ -172,11 +185,15 @@ def main() -> None:
         for batch in args.batches:
             baseline = None
             for mode in modes:
-                row = measure(worker, mode, batch, args.new_tokens, args.shape, built)
-                baseline = baseline or row["decode tok/s"]
-                row[f"vs {modes[0]}"] = row["decode tok/s"] / baseline
-                rows.append(row)
-                print(f"{mode} x {batch}: {row['decode tok/s']:,.0f} decode tok/s", flush=True)
+                static = mode not in ("hf_generate", "dynamic")
+                for attention in args.attentions if static else ["auto"]:
+                    row = measure(
+                        worker, mode, attention, batch, args.new_tokens, args.shape, built
+                    )
+                    baseline = baseline or row["decode tok/s"]
+                    row[f"vs {modes[0]}"] = row["decode tok/s"] / baseline
+                    rows.append(row)
+                    print(f"{row['mode']} x {batch}: {row['decode tok/s']:,.0f} tok/s", flush=True)
     print_table(
         rows,
         f"hf_infer generation: {args.shape} ({built.params / 1e9:.2f}B params, {dtype}) on "

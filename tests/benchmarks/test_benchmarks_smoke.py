@@ -202,6 +202,15 @@ def test_token_sampling(run_benchmark):
     assert "us per draw" in header and column(rows) == ["general"]
 
 
+def test_decode_attention(run_benchmark):
+    out = run_benchmark(
+        "decode_attention.py", "--rows", "2", "--windows", "16", "--heads", "4", "--kv-heads",
+        "2", "--dim", "16", "--layers", "2",
+    )  # fmt: skip
+    header, rows = table(out, "mode")
+    assert "us per layer" in header and "KV GB/s" in header and column(rows) == ["sdpa"]
+
+
 @pytest.mark.timeout(150)
 def test_generation(run_benchmark):
     out = run_benchmark(
