@@ -52,6 +52,20 @@ def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_settings,
     assert hf_infer.decode_mode(worker) == "dynamic"  # auto, on the CPU
 
 
+def test_one_token_prompts_on_a_reused_decoder(hf_infer_settings):
+    """A prefill one token wide writes its keys at the rows' query slots, as a step does: those
+    are set before it (after it, they were the last generation's, and the prompts' keys went
+    there)."""
+    sampling = SamplingParams(n=2, max_new_tokens=5)
+    with hf_infer_settings() as worker:
+        generate(worker, "static", [[1, 5, 9, 4, 7]], sampling, seed=1)  # query slots at 8
+        static = generate(worker, "static", [[5], [9]], sampling, seed=3)
+        dynamic = generate(worker, "dynamic", [[5], [9]], sampling, seed=3)
+    assert static.response_ids == dynamic.response_ids
+    for x, y in zip(static.response_logprobs, dynamic.response_logprobs):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
 def test_batches_of_sorted_prompts_come_back_in_the_request_order(hf_infer_settings):
     """Prompts of mixed lengths over several batches are decoded shortest first; each sample
     is still its own prompt's, as when that prompt is generated alone (greedy)."""

@@ -377,15 +377,11 @@ class StaticDecoder:
         their last position ``[rows, vocab]``."""
         width = input_ids.shape[1]
         self.cache.reset()
-        self.visible[:, :width] = attention.bool()
-        self.visible[:, width:] = True
         positions = prompt_positions(attention)
-        queries, window = self.slots[None, :width], self.window(width - 1)
-        logits = self._forward(input_ids, positions, queries, window, decode_forward)
-        self.position.copy_(positions[:, -1:])
-        self.current.fill_(width - 1)
+        self._place(slice(None), attention, positions)
         self.latest_slot = width - 1
-        return logits
+        queries, window = self.slots[None, :width], self.window(width - 1)
+        return self._forward(input_ids, positions, queries, window, decode_forward)
 
     def refill(self, rows: list[int], input_ids: torch.Tensor, attention: torch.Tensor):
         """Put the left-padded prompts ``[len(rows), width]`` into ``rows`` of the running cache
@@ -410,12 +406,19 @@ class StaticDecoder:
         for layer, prefilled in zip(self.cache.layers, own.layers):
             layer.keys[index, :, :width] = prefilled.keys
             layer.values[index, :, :width] = prefilled.values
+        self._place(index, attention, positions)
+        self.latest_slot = max(self.latest_slot, width - 1)
+        return out.logits[:, -1]
+
+    def _place(self, index, attention: torch.Tensor, positions: torch.Tensor) -> None:
+        """Rows ``index`` (all of them: ``slice(None)``) start from prompts left-padded to
+        ``attention.shape[1]`` slots, ``positions`` their position ids: the slots they see,
+        their next position, and their query slot (the prompt's last)."""
+        width = attention.shape[1]
         self.visible[index, :width] = attention.bool()
         self.visible[index, width:] = True
         self.position[index] = positions[:, -1:]
         self.current[index] = width - 1
-        self.latest_slot = max(self.latest_slot, width - 1)
-        return out.logits[:, -1]
 
     def observe(self, slots: list[int], running: list[bool]) -> None:
         """The rows' query slots and which rows run, read from the device at a sync point. A
