@@ -111,8 +111,9 @@ class StaticDecode:
     def observe(self, running: torch.Tensor) -> None:
         """Tell the decoder where its rows are, ``running`` the rows in flight that still run
         (the decoder's other rows never do)."""
-        live = running.tolist() + [False] * (self.decoder.rows - len(running))
-        self.decoder.observe(self.decoder.current.view(-1).tolist(), live)
+        live = torch.zeros(self.decoder.rows, dtype=torch.bool, device=self.device)
+        live[: len(running)] = running
+        self.decoder.observe(live)
 
 
 class Rows:

@@ -420,12 +420,12 @@ class StaticDecoder:
         self.position[index] = positions[:, -1:]
         self.current[index] = width - 1
 
-    def observe(self, slots: list[int], running: list[bool]) -> None:
-        """The rows' query slots and which rows run, read from the device at a sync point. A
-        row that stopped no longer holds the window open: what it computes is not read (its
-        query still sees its own visible slots, or with none in the window, the mask's finite
-        minimum everywhere: no NaN)."""
-        self.latest_slot = max((slot for slot, live in zip(slots, running) if live), default=0)
+    def observe(self, running: torch.Tensor) -> None:
+        """The latest query slot among the rows ``running`` (``[rows]`` bool), read from the
+        device at a sync point (one number). A row that stopped no longer holds the window
+        open: what it computes is not read (its query still sees its own visible slots, or with
+        none in the window, the mask's finite minimum everywhere: no NaN)."""
+        self.latest_slot = int(torch.where(running, self.current.view(-1), 0).max())
 
     def step(self, tokens: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         """Feed one token per row (``[rows]``); the rows ``running`` (``[rows]`` bool) move to
