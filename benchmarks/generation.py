@@ -2,11 +2,16 @@
 dynamic cache (transformers' ``generate`` way, the default before the fast path), the static
 cache, the static cache with its step in a CUDA graph, and that step compiled (``compiled``:
 its first call includes the compile), in one run, against the first mode given.
-``hf_generate`` is not an engine mode but the baseline users start from: transformers' own
-``model.generate`` (sampling, dynamic cache, forced length), what TRL's GRPOTrainer runs without
-vLLM. It returns tokens only (log-probs of every step's logits would hold
-``steps x batch x vocab`` floats: 80 GB at 256 x 512 for this vocabulary), so it does less than
-the engine does.
+Two rows are not engine modes but baselines:
+
+- ``before``: hf_infer's decode loop as it was when the fast path was asked for (issue 25's
+  "today's path"), kept verbatim: transformers' growing cache, the sampled tokens and log-probs
+  copied to the host every step and the rows' ended flags copied back. The ``dynamic`` mode is
+  that cache in today's loop, which looks at the host only every few steps.
+- ``hf_generate``: transformers' own ``model.generate`` (sampling, dynamic cache, forced
+  length), what TRL's GRPOTrainer runs without vLLM. It returns tokens only (log-probs of every
+  step's logits would hold ``steps x batch x vocab`` floats: 80 GB at 256 x 512 for this
+  vocabulary), so it does less than the engine does.
 
 The engine runs in this process on one device (no launcher: what is timed is the engine). Every
 row: ``batch`` prompts of 16 random tokens, ``--new-tokens`` new tokens each (forced:
@@ -15,12 +20,14 @@ the shape, or warms the kernels up) and then a timed call; time to first token (
 the first sample: a call with one new token, the second of its shape), decode tokens/s over the
 rest, the GB/s of weights read by the decode steps (each step reads every weight once: the
 decode's memory-bound floor), the decode's TFLOP/s (2 x params a token, plus attention over the
-context) and its fraction of the GPU's dense bf16 peak, and the peak device memory of the timed
-call.
+context) and its fraction of the GPU's dense bf16 peak, the peak device memory of the timed
+call, and the largest gap between the log-probs the timed call returned and a transformers
+forward pass's over the same tokens (its first rows; a bf16 logit is about 2^-8 of its size
+off).
 
     python3 benchmarks/generation.py --device cuda --shape qwen2-1.5b   # 64, 256, 512 x 512
     python3 benchmarks/generation.py --device cuda --shape qwen2-1.5b --batches 256 \
-        --modes dynamic compiled --attentions auto cudnn     # the decode attention's kernels
+        --modes before dynamic compiled --attentions auto cudnn  # the decode attention's kernels
     python benchmarks/generation.py --shape tiny --device cpu --batches 4 --new-tokens 8
                                                                          # its smallest setting
 """
@@ -35,6 +42,10 @@ import time
 from common import build_model, device_name, flops_per_token, peak_bf16_tflops, print_table
 
 PROMPT_TOKENS = 16
+# Rows whose log-probs are checked against a forward pass.
+CHECKED_ROWS = 4
+# The rows that are not hf_infer's modes (see above).
+BASELINES = ("before", "hf_generate")
 
 
 def make_worker(model_dir: str, device: str, dtype: str):
@@ -80,7 +91,68 @@ def hf_generate(worker, prompts, new_tokens: int) -> list[list[int]]:
     return out[:, width:].tolist()
 
 
-def timed_generate(worker, prompts, new_tokens: int, mode: str) -> float:
+def hf_infer_before(worker, prompts, new_tokens: int, seed: int):
+    """hf_infer's ``_sample`` when the fast path was asked for (``git show
+    a2b1f01^:core/posttrain/backends/hf_infer.py``), as it was, its sampling fixed to this
+    benchmark's (temperature 1, no top-k/top-p, forced length, no stop token or string): the
+    responses and their log-probs."""
+    import torch
+
+    from posttrain.backends.token_sampling import filter_logits
+
+    model, device = worker.model, worker.device
+    pad_id = worker.state["tokenizer"].pad_token_id
+    stop_ids: set[int] = set()
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    width = max(len(p) for p in prompts)
+    batch = len(prompts)
+    input_ids = torch.full((batch, width), pad_id, dtype=torch.long, device=device)
+    attention = torch.zeros((batch, width), dtype=torch.long, device=device)
+    for i, p in enumerate(prompts):
+        input_ids[i, width - len(p) :] = torch.tensor(p, device=device)
+        attention[i, width - len(p) :] = 1
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    responses: list[list[int]] = [[] for _ in range(batch)]
+    logprobs: list[list[float]] = [[] for _ in range(batch)]
+    done = [False] * batch
+    past = None
+    step_ids, step_pos = input_ids, position_ids
+    for _ in range(new_tokens):
+        outputs = model(
+            input_ids=step_ids,
+            attention_mask=attention,
+            position_ids=step_pos,
+            past_key_values=past,
+            use_cache=True,
+        )
+        past = outputs.past_key_values
+        logits = outputs.logits[:, -1].float()
+        raw_logp = torch.log_softmax(logits, dim=-1)
+        filtered = filter_logits(logits, 1.0, 0, 1.0)
+        probs = torch.softmax(filtered, dim=-1)
+        token = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+        token_logp = raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
+        tokens, token_logps = token.tolist(), token_logp.tolist()
+        running = [i for i in range(batch) if not done[i]]
+        for i in running:
+            responses[i].append(tokens[i])
+            logprobs[i].append(token_logps[i])
+            if tokens[i] in stop_ids:
+                done[i] = True
+        if all(done):
+            break
+        finished = torch.tensor(done, dtype=torch.bool, device=device)
+        token = torch.where(finished, torch.full_like(token, pad_id), token)
+        step_ids = token.unsqueeze(-1)
+        step_pos = step_pos[:, -1:] + 1
+        attention = torch.cat([attention, (~finished).long().unsqueeze(-1)], dim=-1)
+    return responses, logprobs
+
+
+def timed_generate(worker, prompts, new_tokens: int, mode: str):
+    """Seconds of one generation, and its responses and their log-probs (``None`` where the
+    mode returns none)."""
     import torch
 
     from posttrain.backends import hf_infer
@@ -91,17 +163,41 @@ def timed_generate(worker, prompts, new_tokens: int, mode: str) -> float:
     if on_gpu:
         torch.cuda.synchronize()
     start = time.perf_counter()
+    logprobs = None
     if mode == "hf_generate":
         responses = hf_generate(worker, prompts, new_tokens)
+    elif mode == "before":
+        with torch.no_grad():  # as hf_infer's generate was
+            responses, logprobs = hf_infer_before(worker, prompts, new_tokens, seed=1)
     else:
         request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=1)
-        responses = hf_infer.generate(worker, request).response_ids
+        out = hf_infer.generate(worker, request)
+        responses, logprobs = out.response_ids, out.response_logprobs
     if on_gpu:
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
     if any(len(r) != new_tokens for r in responses):
         raise RuntimeError("a sample ended before its forced length")
-    return seconds
+    return seconds, responses, logprobs
+
+
+def worst_logprob_gap(worker, prompts, responses, logprobs) -> float | None:
+    """The largest gap between the log-probs returned for the first rows and a transformers
+    forward pass's over their prompts and responses."""
+    import torch
+
+    from posttrain.scoring.modeling import shifted_token_logprobs
+
+    if logprobs is None:
+        return None
+    worst = 0.0
+    with torch.no_grad():
+        for prompt, response, logps in list(zip(prompts, responses, logprobs))[:CHECKED_ROWS]:
+            ids = torch.tensor([prompt + response], device=worker.device)
+            scored = shifted_token_logprobs(worker.model(input_ids=ids).logits, ids)[0]
+            gap = (scored[len(prompt) :].cpu() - torch.tensor(logps)).abs().max()
+            worst = max(worst, gap.item())
+    return worst
 
 
 def measure(
@@ -110,7 +206,7 @@ def measure(
     import attrs
     import torch
 
-    engine_mode = "dynamic" if mode == "hf_generate" else mode
+    engine_mode = "dynamic" if mode in BASELINES else mode
     worker.config = attrs.evolve(
         worker.config, decode=engine_mode, batch_size=batch, decode_attention=attention
     )
@@ -119,16 +215,16 @@ def measure(
     vocab = worker.state["tokenizer"].vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
     on_gpu = worker.device.startswith("cuda")
-    first = timed_generate(worker, prompts, new_tokens, mode)
+    first = timed_generate(worker, prompts, new_tokens, mode)[0]
     # The one-token call has a shape of its own: its first call allocates that decoder's cache,
     # as a run's first generation of each shape does (86-123 ms at 1.5B and 256 rows on an
     # H200, a later call 40 ms). Its time is taken from the timed call's: a cold one made the
     # decode look faster.
     timed_generate(worker, prompts, 1, mode)
-    ttft = timed_generate(worker, prompts, 1, mode)
+    ttft = timed_generate(worker, prompts, 1, mode)[0]
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    total = timed_generate(worker, prompts, new_tokens, mode)
+    total, responses, logprobs = timed_generate(worker, prompts, new_tokens, mode)
     decode_s = max(total - ttft, 1e-9)
     steps = new_tokens - 1
     per_token = flops_per_token(shape, built.params, PROMPT_TOKENS + new_tokens, training=False)
@@ -145,6 +241,7 @@ def measure(
         "TFLOP/s": tflops,
         "% of peak": 100 * tflops / peak if peak else None,
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
+        "logp gap": worst_logprob_gap(worker, prompts, responses, logprobs),
     }
     worker.state.pop("decoders", None)
     return row
@@ -161,8 +258,9 @@ def main() -> None:
         "--modes",
         nargs="+",
         default=None,
-        choices=["hf_generate", "dynamic", "static", "cuda_graph", "compiled"],
-        help="default: hf_generate dynamic cuda_graph compiled on cuda, dynamic static on cpu",
+        choices=[*BASELINES, "dynamic", "static", "cuda_graph", "compiled"],
+        help="default: before hf_generate dynamic cuda_graph compiled on cuda, before dynamic "
+        "static on cpu; the ratio column is against the first given",
     )
     parser.add_argument(
         "--attentions",
@@ -174,9 +272,9 @@ def main() -> None:
     args = parser.parse_args()
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     modes = args.modes or (
-        ["hf_generate", "dynamic", "cuda_graph", "compiled"]
+        ["before", "hf_generate", "dynamic", "cuda_graph", "compiled"]
         if args.device == "cuda"
-        else ["dynamic", "static"]
+        else ["before", "dynamic", "static"]
     )
     with tempfile.TemporaryDirectory() as model_dir:
         built = build_model(args.shape, model_dir, dtype=dtype)
@@ -185,7 +283,7 @@ def main() -> None:
         for batch in args.batches:
             baseline = None
             for mode in modes:
-                static = mode not in ("hf_generate", "dynamic")
+                static = mode not in (*BASELINES, "dynamic")
                 for attention in args.attentions if static else ["auto"]:
                     row = measure(
                         worker, mode, attention, batch, args.new_tokens, args.shape, built
@@ -204,6 +302,7 @@ def main() -> None:
             "weights GB/s": ",.1f",
             "TFLOP/s": ",.1f",
             "% of peak": ".1f",
+            "logp gap": ".1e",
             f"vs {modes[0]}": ".2f",
         },
         text_columns=1,
