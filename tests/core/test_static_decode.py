@@ -28,6 +28,18 @@ def generate(worker, decode: str, prompts, sampling, seed: int):
     )
 
 
+def assert_a_forward_pass_scores(worker, out) -> None:
+    """Every sample's log-probs are what a forward pass over its prompt and response gives."""
+    for prompt, response, logps in zip(out.prompt_ids, out.response_ids, out.response_logprobs):
+        ids = torch.tensor([prompt + response], device=worker.device)
+        forward = torch.log_softmax(worker.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
+        scored = forward.gather(-1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
+        assert logps == pytest.approx(scored.tolist(), abs=1e-4)
+
+
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
+
+
 def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_settings, monkeypatch):
     from posttrain.backends import hf_infer, static_decode
 
@@ -52,18 +64,22 @@ def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_settings,
     assert hf_infer.decode_mode(worker) == "dynamic"  # auto, on the CPU
 
 
-def test_one_token_prompts_on_a_reused_decoder(hf_infer_settings):
+@pytest.mark.parametrize(
+    "decode, settings",
+    [
+        ("static", "hf_infer_settings"),
+        pytest.param("compiled", "hf_infer_cuda_settings", marks=ON_GPU, id="compiled-cuda"),
+    ],
+)
+def test_one_token_prompts_on_a_reused_decoder(request, decode, settings):
     """A prefill one token wide writes its keys at the rows' query slots, as a step does: those
     are set before it (after it, they were the last generation's, and the prompts' keys went
-    there)."""
+    there). On a GPU: the compiled step in its CUDA graphs."""
     sampling = SamplingParams(n=2, max_new_tokens=5)
-    with hf_infer_settings() as worker:
-        generate(worker, "static", [[1, 5, 9, 4, 7]], sampling, seed=1)  # query slots at 8
-        static = generate(worker, "static", [[5], [9]], sampling, seed=3)
-        dynamic = generate(worker, "dynamic", [[5], [9]], sampling, seed=3)
-    assert static.response_ids == dynamic.response_ids
-    for x, y in zip(static.response_logprobs, dynamic.response_logprobs):
-        assert x == pytest.approx(y, abs=1e-5)
+    with request.getfixturevalue(settings)() as worker:
+        generate(worker, decode, [[1, 5, 9, 4, 7]], sampling, seed=1)  # query slots at 8
+        out = generate(worker, decode, [[5], [9]], sampling, seed=3)
+        assert_a_forward_pass_scores(worker, out)
 
 
 def test_batches_of_sorted_prompts_come_back_in_the_request_order(hf_infer_settings):
@@ -150,9 +166,6 @@ def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_settings, monkeyp
     assert fallback.response_logprobs == static.response_logprobs
 
 
-ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
-
-
 @pytest.mark.parametrize(
     "decode, settings",
     [
@@ -195,12 +208,7 @@ def test_refilled_rows_score_what_a_forward_pass_scores(request, monkeypatch, de
         out = generate(worker, decode, prompts, sampling, seed=3)
         worker.config = attrs.evolve(worker.config, continuous_batching=False)
         batched = generate(worker, decode, prompts, sampling, seed=3)
-        model = worker.model
-        for prompt, response, logps in zip(prompts, out.response_ids, out.response_logprobs):
-            ids = torch.tensor([prompt + response], device=worker.device)
-            forward = torch.log_softmax(model(input_ids=ids).logits[0, :-1].float(), dim=-1)
-            scored = forward.gather(-1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
-            assert logps == pytest.approx(scored.tolist(), abs=1e-4)
+        assert_a_forward_pass_scores(worker, out)
     assert refills == [runs[1:], [last]]
     assert [len(r) for r in out.response_ids] == [1, 1, 12, 12, 12, 12]
     assert out.response_ids == batched.response_ids
