@@ -1,7 +1,7 @@
 """The static decode's one-token attention on a GPU: posttrain's Triton kernel and cuDNN's (KV
-heads shared natively) where they serve, equal to float64 attention as the grouped SDPA they
-replace is, and a compiled bf16 decode through each scoring what a forward pass scores. Skipped
-without a GPU.
+heads shared natively) where they serve, and either by the rows, equal to float64 attention as
+the grouped SDPA they replace is, and a compiled bf16 decode through each scoring what a forward
+pass scores. Skipped without a GPU.
 
 Run on the GPU machine: ``python -m pytest -m gpu tests/core/test_decode_attention_gpu.py``.
 """
@@ -32,7 +32,12 @@ def test_step_attentions_equal_float64_attention(heads, kv_heads, dim, window):
     """1.5B's heads and others (query heads a KV head: 6, 1, 7), windows short of the cache and
     not a multiple of a block, rows seeing scattered slots, a row's last seen slot early in the
     window, a row seeing one slot; each kernel within bf16's rounding of float64 attention."""
-    from posttrain.backends.static_decode import cudnn_sdpa, grouped_sdpa, triton_decode
+    from posttrain.backends.static_decode import (
+        cudnn_sdpa,
+        decode_by_rows,
+        grouped_sdpa,
+        triton_decode,
+    )
 
     g = torch.Generator(device="cuda").manual_seed(0)
     rows, slots = 16, 512
@@ -55,7 +60,7 @@ def test_step_attentions_equal_float64_attention(heads, kv_heads, dim, window):
     weights = torch.softmax(scores * scale + mask.double(), dim=-1)
     expected = torch.einsum("bkgs,bksd->bkgd", weights, value[:, :, :window].double())
     expected = expected.reshape(rows, 1, heads, dim)
-    for attention in (triton_decode, cudnn_sdpa, grouped_sdpa):
+    for attention in (triton_decode, cudnn_sdpa, decode_by_rows, grouped_sdpa):
         out, _ = attention(None, query, key, value, mask, scale)
         assert out.shape == expected.shape
         assert torch.allclose(out.double(), expected, atol=2e-2), attention.__name__
@@ -75,31 +80,38 @@ def test_the_kernels_serve_bf16_not_fp32(head32_model_path):
 
     from posttrain.backends.static_decode import (
         ATTENTION,
+        BY_ROWS_ATTENTION,
         CUDNN_ATTENTION,
         TRITON_ATTENTION,
         cudnn_serves,
         step_attention,
+        triton_prefers,
         triton_serves,
     )
 
     model = AutoModelForCausalLM.from_pretrained(head32_model_path).cuda()
-    assert not cudnn_serves(model, 16, "cuda")  # fp32: grouped SDPA
+    assert not cudnn_serves(model, "cuda")  # fp32: grouped SDPA
     assert not triton_serves(model, "cuda")
-    assert step_attention("auto", model, 16, "cuda") == ATTENTION
+    assert step_attention("auto", model, "cuda") == ATTENTION
     model = model.bfloat16()
-    assert cudnn_serves(model, 16, "cuda") and triton_serves(model, "cuda")
-    # "auto": cuDNN's kernel for few rows, the Triton kernel for many (per SM)
-    assert step_attention("auto", model, 1, "cuda") == CUDNN_ATTENTION
-    assert step_attention("auto", model, 4096, "cuda") == TRITON_ATTENTION
-    assert step_attention("triton", model, 1, "cuda") == TRITON_ATTENTION
-    assert step_attention("cudnn", model, 4096, "cuda") == CUDNN_ATTENTION
-    assert step_attention("sdpa", model, 4096, "cuda") == ATTENTION
+    assert cudnn_serves(model, "cuda") and triton_serves(model, "cuda")
+    assert step_attention("auto", model, "cuda") == BY_ROWS_ATTENTION
+    assert step_attention("triton", model, "cuda") == TRITON_ATTENTION
+    assert step_attention("cudnn", model, "cuda") == CUDNN_ATTENTION
+    assert step_attention("sdpa", model, "cuda") == ATTENTION
+    # by the rows: cuDNN's kernel for few, the Triton kernel for many (per SM)
+    assert not triton_prefers(1, 2, "cuda") and triton_prefers(4096, 2, "cuda")
 
 
 @needs_ampere
 @pytest.mark.parametrize(
     "attention, name",
-    [("triton", "TRITON_ATTENTION"), ("cudnn", "CUDNN_ATTENTION"), ("sdpa", "ATTENTION")],
+    [
+        ("triton", "TRITON_ATTENTION"),
+        ("cudnn", "CUDNN_ATTENTION"),
+        ("auto", "BY_ROWS_ATTENTION"),
+        ("sdpa", "ATTENTION"),
+    ],
 )
 def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(
     head32_model_path, hf_infer_loader, attention, name
@@ -107,7 +119,6 @@ def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(
     """Sampled, several windows (their bucket made small), through each attention: every
     sample's log-probs are a bf16 forward pass's over its prompt and response."""
     from posttrain.backends import hf_infer, static_decode
-    from posttrain.scoring.modeling import shifted_token_logprobs
 
     worker = hf_infer_loader(
         head32_model_path, "cuda", dtype="bf16", decode="compiled", decode_attention=attention
@@ -120,9 +131,61 @@ def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(
         (decoder,) = worker.state["decoders"]._decoders.values()
     assert decoder.attention == getattr(static_decode, name)
     assert len(decoder.graphs) > 1  # windows of 16 slots
+    assert worst_logprob_gap(worker, out) < 0.05  # bf16 logits: about 2^-8 of their size apart
+
+
+@needs_ampere
+def test_auto_takes_either_kernel_by_the_rows_from_one_compile(
+    head32_model_path, hf_infer_loader, monkeypatch
+):
+    """ "auto" picks the kernel as each decoder's graphs are captured, not in the compiled step:
+    a decoder of few rows (cuDNN's) and then one of many (the Triton kernel) share one compile
+    (a choice inside the step was one of its guards, and the other kernel compiled it again).
+    Both score what a forward pass scores."""
+    from torch._dynamo.utils import counters
+
+    from posttrain.backends import decode_attention_kernel, hf_infer, static_decode
+
+    calls = {"triton": 0, "cudnn": 0}
+
+    def counted(kernel, function):
+        def call(*args):
+            calls[kernel] += 1
+            return function(*args)
+
+        return call
+
+    triton_kernel = counted("triton", decode_attention_kernel.decode_attention)
+    monkeypatch.setattr(decode_attention_kernel, "decode_attention", triton_kernel)
+    monkeypatch.setattr(
+        static_decode, "cudnn_one_token", counted("cudnn", static_decode.cudnn_one_token)
+    )
+    worker = hf_infer_loader(head32_model_path, "cuda", dtype="bf16", decode="compiled")
+    sampling = SamplingParams(n=1, max_new_tokens=12, ignore_eos=True)
+    torch._dynamo.reset()  # the earlier tests' compiles count towards the recompile limit
+    graphs = [counters["stats"]["unique_graphs"]]
+    # 2 rows, and then 12 (another rows bucket, so new graphs): the threshold set around them
+    for prompts, programs_per_sm in ((PROMPTS[:2], 10**6), (PROMPTS[:3] * 4, 0)):
+        monkeypatch.setattr(static_decode, "TRITON_PROGRAMS_PER_SM", programs_per_sm)
+        request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=5)
+        out = hf_infer.generate(worker, request)
+        assert worst_logprob_gap(worker, out) < 0.05
+        graphs.append(counters["stats"]["unique_graphs"])
+        if programs_per_sm:
+            assert calls["cudnn"] > 0 and calls["triton"] == 0
+            calls["cudnn"] = 0
+    assert calls["triton"] > 0 and calls["cudnn"] == 0
+    assert graphs[0] < graphs[1] == graphs[2]  # compiled for the first decoder only
+
+
+def worst_logprob_gap(worker, out) -> float:
+    """The largest gap between the samples' log-probs and a forward pass's over their prompts
+    and responses."""
+    from posttrain.scoring.modeling import shifted_token_logprobs
+
     worst = 0.0
     for prompt, response, logps in zip(out.prompt_ids, out.response_ids, out.response_logprobs):
         ids = torch.tensor([prompt + response], device="cuda")
         scored = shifted_token_logprobs(worker.model(input_ids=ids).logits, ids)[0]
-        worst = max(worst, (scored[len(prompt) :].cpu() - torch.tensor(logps)).abs().max())
-    assert worst < 0.05  # bf16 logits: about 2^-8 of their size apart
+        worst = max(worst, (scored[len(prompt) :].cpu() - torch.tensor(logps)).abs().max().item())
+    return worst

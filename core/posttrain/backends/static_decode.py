@@ -38,6 +38,7 @@ new shape at every generation, stays eager.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib.util
 import inspect
 import logging
@@ -59,10 +60,12 @@ KEPT_SHAPES = 4  # decoders (caches, graphs) kept at once; the oldest goes first
 
 # The attentions the static path runs (registered with transformers' AttentionInterface):
 # grouped SDPA everywhere, or for the one-token steps a kernel that reads each KV head once for
-# the query heads sharing it, where it serves (step_attention).
+# the query heads sharing it, where it serves: one of them, or either by the rows
+# (step_attention).
 ATTENTION = "posttrain_grouped_sdpa"
 CUDNN_ATTENTION = "posttrain_cudnn_sdpa"
 TRITON_ATTENTION = "posttrain_triton_decode"
+BY_ROWS_ATTENTION = "posttrain_decode_by_rows"
 
 
 def in_window(key, value, attention_mask):
@@ -104,14 +107,19 @@ def cudnn_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=
     :func:`cudnn_serves`. Longer inputs (the prefill) take :func:`grouped_sdpa`."""
     if query.shape[2] != 1:
         return grouped_sdpa(module, query, key, value, attention_mask, scaling)
+    return cudnn_one_token(query, key, value, attention_mask, scaling), None
+
+
+def cudnn_one_token(query, key, value, mask, scale: float | None) -> torch.Tensor:
+    """:func:`cudnn_sdpa` of one-token queries: ``[rows, 1, heads, dim]``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    key, value = in_window(key, value, attention_mask)
+    key, value = in_window(key, value, mask)
     with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
         out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=attention_mask, scale=scaling, enable_gqa=True
+            query, key, value, attn_mask=mask, scale=scale, enable_gqa=True
         )
-    return out.transpose(1, 2).contiguous(), None
+    return out.transpose(1, 2).contiguous()
 
 
 def triton_decode(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
@@ -128,6 +136,38 @@ def triton_decode(module, query, key, value, attention_mask, scaling=None, dropo
     return decode_attention_op(query, key, value, attention_mask, scale), None
 
 
+def decode_by_rows(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+    """A one-token step's attention in the Triton kernel or cuDNN's, whichever reads faster for
+    its rows (:func:`triton_prefers`), chosen when the step runs: the operator
+    ``posttrain::decode_attention_by_rows``. Where both serve. Longer inputs (the prefill) take
+    :func:`grouped_sdpa`."""
+    if query.shape[2] != 1:
+        return grouped_sdpa(module, query, key, value, attention_mask, scaling)
+    scale = query.shape[-1] ** -0.5 if scaling is None else scaling
+    return decode_attention_by_rows(query, key, value, attention_mask, scale), None
+
+
+@torch.library.custom_op("posttrain::decode_attention_by_rows", mutates_args=())
+def decode_attention_by_rows(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
+    """:func:`decode_by_rows`'s choice as an operator, made at each call (a graphed step's: at
+    its capture), not in the compiled step: a choice made there is one of the compiled graph's
+    guards, and a decoder with the other kernel (a later request with fewer rows) compiled the
+    step again (2 minutes at 1.5B on an H200)."""
+    if triton_prefers(query.shape[0], key.shape[1], query.device):
+        from posttrain.backends.decode_attention_kernel import decode_attention
+
+        return decode_attention(query, key, value, mask, scale)
+    return cudnn_one_token(query, key, value, mask, scale)
+
+
+@decode_attention_by_rows.register_fake
+def _(query, key, value, mask, scale):
+    rows, heads, _, dim = query.shape
+    return query.new_empty(rows, 1, heads, dim)
+
+
 def _model_shape(model):
     """The decoder's query heads, KV heads, head size and dtype."""
     config = model.config.get_text_config(decoder=True)
@@ -136,16 +176,17 @@ def _model_shape(model):
     return heads, kv_heads, dim, model.get_input_embeddings().weight.dtype
 
 
-def cudnn_serves(model, rows: int, device) -> bool:
+def cudnn_serves(model, device) -> bool:
     """Whether cuDNN's attention runs a decoder's one-token steps: this torch's cuDNN on this
-    GPU, for the model's heads and dtype, ``rows`` queries over windows of ``WINDOW_BUCKET``
-    slots (every window is a multiple of it)."""
+    GPU, for the model's heads and dtype, over windows of ``WINDOW_BUCKET`` slots (every window
+    is a multiple of it)."""
     if torch.device(device).type != "cuda":
         return False
     from torch.backends.cuda import SDPAParams, can_use_cudnn_attention
 
     heads, kv_heads, dim, dtype = _model_shape(model)
     like = {"dtype": dtype, "device": device}
+    rows = ROWS_BUCKET
     query = torch.empty(rows, heads, 1, dim, **like)
     key = torch.empty(rows, kv_heads, WINDOW_BUCKET, dim, **like)
     mask = torch.empty(rows, 1, 1, WINDOW_BUCKET, **like)
@@ -169,31 +210,36 @@ def triton_serves(model, device) -> bool:
     )
 
 
-# Rows x KV heads per streaming multiprocessor from which "auto" prefers the Triton kernel:
-# with fewer programs than this it reads the cache slower than cuDNN's (H200, 1.5B: faster at
-# 256 rows, 2 KV heads, 132 SMs; slower at 64).
+# Rows x KV heads per streaming multiprocessor from which the Triton kernel reads the cache
+# faster than cuDNN's (one program per row and KV head: with fewer it is bound by latency).
+# H200, 1.5B: faster at 256 rows, 2 KV heads, 132 SMs; slower at 64.
 TRITON_PROGRAMS_PER_SM = 2
 
 
-def step_attention(choice: str, model, rows: int, device) -> str:
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def triton_prefers(rows: int, kv_heads: int, device) -> bool:
+    """Whether the Triton kernel is the faster of the two for ``rows`` (by its programs per
+    streaming multiprocessor, :data:`TRITON_PROGRAMS_PER_SM`)."""
+    return rows * kv_heads >= TRITON_PROGRAMS_PER_SM * _multiprocessors(torch.device(device))
+
+
+def step_attention(choice: str, model, device) -> str:
     """The attention of a decoder's one-token steps for ``strategy_config.decode_attention``
-    (``choice``): "triton" or "cudnn" that kernel where it serves; "auto" the Triton kernel
-    with many rows and cuDNN's with few, each where it serves, else the other; grouped SDPA
+    (``choice``): "triton" or "cudnn" that kernel where it serves; "auto" either by the rows
+    (:func:`decode_by_rows`) where both serve, else the one that does; grouped SDPA
     otherwise, and for "sdpa"."""
-    kernels = {"triton": ["triton"], "cudnn": ["cudnn"], "sdpa": []}.get(choice)
-    if kernels is None:  # auto
-        kernels = ["triton", "cudnn"]
-        if torch.device(device).type == "cuda":
-            _, kv_heads, _, _ = _model_shape(model)
-            sms = torch.cuda.get_device_properties(device).multi_processor_count
-            if rows * kv_heads < TRITON_PROGRAMS_PER_SM * sms:
-                kernels.reverse()
-    for kernel in kernels:
-        if kernel == "triton" and triton_serves(model, device):
-            return TRITON_ATTENTION
-        if kernel == "cudnn" and cudnn_serves(model, rows, device):
-            return CUDNN_ATTENTION
-    return ATTENTION
+    serves = {"triton": triton_serves(model, device), "cudnn": cudnn_serves(model, device)}
+    if choice == "auto":
+        if all(serves.values()):
+            return BY_ROWS_ATTENTION
+        choice = next((kernel for kernel, ok in serves.items() if ok), "sdpa")
+    if not serves.get(choice):
+        return ATTENTION
+    return TRITON_ATTENTION if choice == "triton" else CUDNN_ATTENTION
 
 
 def _register_attention() -> None:
@@ -202,6 +248,7 @@ def _register_attention() -> None:
     AttentionInterface.register(ATTENTION, grouped_sdpa)
     AttentionInterface.register(CUDNN_ATTENTION, cudnn_sdpa)
     AttentionInterface.register(TRITON_ATTENTION, triton_decode)
+    AttentionInterface.register(BY_ROWS_ATTENTION, decode_by_rows)
 
 
 @contextlib.contextmanager
@@ -345,7 +392,7 @@ class StaticDecoder:
         self.position = torch.zeros(rows, 1, dtype=torch.long, device=device)
         self.advance = torch.zeros(rows, 1, dtype=torch.long, device=device)  # 1: running
         self.slots = torch.arange(length, device=device)
-        self.attention = step_attention(settings.attention, model, rows, device)
+        self.attention = step_attention(settings.attention, model, device)
         self.groups = groups
         self.use_graph = settings.graph
         self.step_forward = compiled_forward() if settings.compiled else decode_forward
