@@ -47,8 +47,8 @@ class HFInferConfig:
     # "cudnn" (cuDNN's fused kernel, wherever torch says it serves: Ampere or later,
     # bf16/fp16), "sdpa" (grouped SDPA, as for the prompts, and wherever the chosen kernel does
     # not serve). "auto": triton with many rows (from two rows x KV heads per streaming
-    # multiprocessor), cudnn with fewer (it reads faster then), each where it serves, else the
-    # other.
+    # multiprocessor), cudnn with fewer (it reads faster then), chosen per batch of rows from
+    # one compile; where only one serves, that one.
     decode_attention: Literal["auto", "triton", "cudnn", "sdpa"] = "auto"
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.
