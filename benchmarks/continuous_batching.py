@@ -4,7 +4,9 @@ lengths, with more prompts than rows in flight. In one run, against the first mo
 - ``dynamic``: transformers' growing cache (the path before the fast one), rows in batches;
 - ``batched``: the fixed-shape decode (``--decode``: ``compiled`` on cuda, ``static`` on cpu)
   with ``continuous_batching: false``, where a batch of rows runs until its longest sample ends;
-- ``continuous``: the same decode, each row refilled with the next prompt once its sample ends.
+- ``continuous``: the same decode, each row refilled with the next prompt once its sample ends;
+  with ``--refill-shares``, once per share of free rows that triggers a refill
+  (``decode_loop.REFILL_SHARE``, set for the row: a tuning run).
 
 Every mode: ``--prompts`` prompts of 16 to ``--max-prompt`` random tokens, ``--rows`` in flight,
 temperature 1, up to ``--new-tokens`` new tokens. Samples end on stop tokens, a random
@@ -14,6 +16,8 @@ mean, capped at ``--new-tokens`` (the long tail of RL responses). The first call
 (captures graphs, compiles); the second is timed. Tokens/s counts the generated tokens.
 
     python3 benchmarks/continuous_batching.py --device cuda --shape qwen2-1.5b
+    python3 benchmarks/continuous_batching.py --device cuda --shape qwen2-1.5b \
+        --modes batched continuous --refill-shares 2 4 8 16 32
     python benchmarks/continuous_batching.py --shape tiny --device cpu --prompts 12 --rows 4 \\
         --new-tokens 16 --mean-length 6                                   # its smallest setting
 """
@@ -59,9 +63,10 @@ def timed(worker, prompts, sampling) -> tuple[float, list[list[int]]]:
     return time.perf_counter() - start, responses
 
 
-def measure(worker, mode: str, decode: str, prompts, stops, args) -> dict:
+def measure(worker, mode: str, decode: str, prompts, stops, args, share: int | None) -> dict:
     import attrs
 
+    from posttrain.backends import decode_loop
     from posttrain.protocol import SamplingParams
 
     worker.config = attrs.evolve(
@@ -74,12 +79,17 @@ def measure(worker, mode: str, decode: str, prompts, stops, args) -> dict:
     sampling = SamplingParams(
         n=1, max_new_tokens=args.new_tokens, ignore_eos=True, stop_token_ids=stops
     )
-    first, _ = timed(worker, prompts, sampling)
-    seconds, responses = timed(worker, prompts, sampling)
+    default_share = decode_loop.REFILL_SHARE
+    decode_loop.REFILL_SHARE = share or default_share
+    try:
+        first, _ = timed(worker, prompts, sampling)
+        seconds, responses = timed(worker, prompts, sampling)
+    finally:
+        decode_loop.REFILL_SHARE = default_share
     lengths = [len(r) for r in responses]
     worker.state.pop("decoders", None)
     return {
-        "mode": mode,
+        "mode": mode if share is None else f"{mode}, refill at 1/{share} free",
         "first call s": first,
         "s": seconds,
         "new tokens": sum(lengths),
@@ -101,7 +111,16 @@ def main() -> None:
     parser.add_argument("--new-tokens", type=int, default=512)
     parser.add_argument("--mean-length", type=int, default=128)
     parser.add_argument("--modes", nargs="+", default=list(MODES), choices=MODES)
+    parser.add_argument(
+        "--refill-shares",
+        type=int,
+        nargs="+",
+        default=None,
+        help="continuous once per share (default: the engine's REFILL_SHARE)",
+    )
     args = parser.parse_args()
+    if any(share < 1 for share in args.refill_shares or ()):
+        parser.error(f"--refill-shares: each at least 1, got {args.refill_shares}")
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     decode = args.decode or ("compiled" if args.device == "cuda" else "static")
     with tempfile.TemporaryDirectory() as model_dir:
@@ -111,11 +130,13 @@ def main() -> None:
         prompts, stops = workload(worker.model.config.vocab_size, args)
         rows, baseline = [], None
         for mode in args.modes:
-            row = measure(worker, mode, decode, prompts, stops, args)
-            baseline = baseline or row["tok/s"]
-            row[f"vs {args.modes[0]}"] = row["tok/s"] / baseline
-            rows.append(row)
-            print(f"{mode}: {row['tok/s']:,.0f} tok/s", flush=True)
+            shares = args.refill_shares if mode == "continuous" and args.refill_shares else [None]
+            for share in shares:
+                row = measure(worker, mode, decode, prompts, stops, args, share)
+                baseline = baseline or row["tok/s"]
+                row[f"vs {args.modes[0]}"] = row["tok/s"] / baseline
+                rows.append(row)
+                print(f"{row['mode']}: {row['tok/s']:,.0f} tok/s", flush=True)
     print_table(
         rows,
         f"hf_infer, samples of different lengths: {args.shape} ({built.params / 1e9:.2f}B, "
