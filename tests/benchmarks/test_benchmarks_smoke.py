@@ -226,7 +226,15 @@ def test_generation(run_benchmark):
 def test_continuous_batching(run_benchmark):
     out = run_benchmark(
         "continuous_batching.py", "--shape", "tiny", "--device", "cpu", "--prompts", "12",
-        "--rows", "4", "--new-tokens", "16", "--mean-length", "6",
+        "--rows", "4", "--new-tokens", "16", "--mean-length", "6", "--refill-shares", "1", "4",
     )  # fmt: skip
     header, rows = table(out, "mode")
-    assert "tok/s" in header and column(rows) == ["dynamic", "batched", "continuous"]
+    assert "tok/s" in header and column(rows) == [
+        "dynamic",
+        "batched",
+        "continuous, refill at 1/1 free",
+        "continuous, refill at 1/4 free",
+    ]
+    # Refilled only once every row is free: the batched run's samples.
+    tokens = column(rows, header.index("new tokens"))
+    assert tokens[2] == tokens[1]
