@@ -181,11 +181,6 @@ def test_auto_takes_either_kernel_by_the_rows_from_one_compile(
 def worst_logprob_gap(worker, out) -> float:
     """The largest gap between the samples' log-probs and a forward pass's over their prompts
     and responses."""
-    from posttrain.scoring.modeling import shifted_token_logprobs
+    from posttrain.testing.expected import forward_logprobs, max_sample_logprob_diff
 
-    worst = 0.0
-    for prompt, response, logps in zip(out.prompt_ids, out.response_ids, out.response_logprobs):
-        ids = torch.tensor([prompt + response], device="cuda")
-        scored = shifted_token_logprobs(worker.model(input_ids=ids).logits, ids)[0]
-        worst = max(worst, (scored[len(prompt) :].cpu() - torch.tensor(logps)).abs().max().item())
-    return worst
+    return max_sample_logprob_diff(out, forward_logprobs(worker.model, out))

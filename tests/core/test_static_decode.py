@@ -30,11 +30,9 @@ def generate(worker, decode: str, prompts, sampling, seed: int):
 
 def assert_a_forward_pass_scores(worker, out) -> None:
     """Every sample's log-probs are what a forward pass over its prompt and response gives."""
-    for prompt, response, logps in zip(out.prompt_ids, out.response_ids, out.response_logprobs):
-        ids = torch.tensor([prompt + response], device=worker.device)
-        forward = torch.log_softmax(worker.model(input_ids=ids).logits[0, :-1].float(), dim=-1)
-        scored = forward.gather(-1, ids[0, 1:, None])[len(prompt) - 1 :, 0]
-        assert logps == pytest.approx(scored.tolist(), abs=1e-4)
+    from posttrain.testing.expected import forward_logprobs, max_sample_logprob_diff
+
+    assert max_sample_logprob_diff(out, forward_logprobs(worker.model, out)) <= 1e-4
 
 
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]

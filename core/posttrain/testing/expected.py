@@ -48,6 +48,17 @@ def samples_batch(out, pad_id: int = 0) -> SequenceBatch:
     return build_sequence_batch(out.prompt_ids, out.response_ids, pad_id)
 
 
+def forward_logprobs(model, out, pad_id: int = 0) -> torch.Tensor:
+    """Log-probs of the samples ``out`` (prompts and responses) from ``model``'s own forward pass
+    on its device and in its dtype, laid out as :func:`max_sample_logprob_diff` reads them."""
+    batch = samples_batch(out, pad_id)
+    ids = batch.input_ids.to(model.device)
+    mask = batch.attention_mask.to(model.device)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask).logits
+    return (shifted_token_logprobs(logits, ids) * mask).cpu()
+
+
 def max_sample_logprob_diff(out, ref) -> float:
     worst = 0.0
     for i, (p, lps) in enumerate(zip(out.prompt_ids, out.response_logprobs)):
