@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_qwen2
 
 from posttrain.scoring.chunked_logprobs import chunked_token_logprobs
 from posttrain.scoring.logprob_head import chunkable, forward_token_logprobs
@@ -99,9 +100,7 @@ def test_chunk_must_be_positive():
 
 
 def _tiny_lm(**overrides):
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
+    return tiny_qwen2(
         vocab_size=V,
         hidden_size=H,
         intermediate_size=32,
@@ -110,8 +109,6 @@ def _tiny_lm(**overrides):
         num_key_value_heads=1,
         **overrides,
     )
-    torch.manual_seed(0)
-    return Qwen2ForCausalLM(config)
 
 
 def _padded_batch():

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_qwen2
 
 from posttrain.backends.fused_linears import (
     fuse_sibling_linears,
@@ -16,18 +17,7 @@ from posttrain.backends.fused_linears import (
 
 @pytest.fixture
 def model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    torch.manual_seed(0)
-    config = Qwen2Config(
-        vocab_size=96,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-    )
-    return Qwen2ForCausalLM(config).eval()
+    return tiny_qwen2().eval()
 
 
 IDS = torch.tensor([[5, 17, 3, 44, 9], [8, 2, 71, 30, 6]])
