@@ -46,9 +46,9 @@ class HFInferConfig:
     # after a row's last visible one; Ampere or later, bf16/fp16, head size a power of two),
     # "cudnn" (cuDNN's fused kernel, wherever torch says it serves: Ampere or later,
     # bf16/fp16), "sdpa" (grouped SDPA, as for the prompts, and wherever the chosen kernel does
-    # not serve). "auto": triton with many rows (from two rows x KV heads per streaming
-    # multiprocessor), cudnn with fewer (it reads faster then), chosen per batch of rows from
-    # one compile; where only one serves, that one.
+    # not serve). "auto": triton with many rows (from 1.5 rows x KV heads per streaming
+    # multiprocessor: about 100 rows of 2 KV heads on an H200), cudnn with fewer (it reads faster
+    # then), chosen per batch of rows from one compile; where only one serves, that one.
     decode_attention: Literal["auto", "triton", "cudnn", "sdpa"] = "auto"
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
     # lives only during a generation); off, they stay on the device.

@@ -212,8 +212,11 @@ def triton_serves(model, device) -> bool:
 
 # Rows x KV heads per streaming multiprocessor from which the Triton kernel reads the cache
 # faster than cuDNN's (one program per row and KV head: with fewer it is bound by latency).
-# H200, 1.5B: faster at 256 rows, 2 KV heads, 132 SMs; slower at 64.
-TRITON_PROGRAMS_PER_SM = 2
+# Both kernels' times follow rows x KV heads. On an H200 (132 SMs; head size 128, the windows
+# of 128, 384 and 640 slots summed; benchmarks/decode_attention.py), with 2, 4 and 8 KV heads:
+# 128 programs, cuDNN's 25 us against 32-33; 192, a tie (40 against 40-41); 256, Triton's
+# 43 against 46; 384 and more, Triton's by 14-25%.
+TRITON_PROGRAMS_PER_SM = 1.5
 
 
 @functools.cache
