@@ -11,6 +11,7 @@ import torch
 
 from posttrain.protocol import GenerationRequest, SamplingParams
 from posttrain.testing.batches import PROMPTS
+from posttrain.testing.expected import forward_logprob_gap
 
 pytestmark = [
     pytest.mark.gpu,
@@ -131,7 +132,8 @@ def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(
         (decoder,) = worker.state["decoders"]._decoders.values()
     assert decoder.attention == getattr(static_decode, name)
     assert len(decoder.graphs) > 1  # windows of 16 slots
-    assert worst_logprob_gap(worker, out) < 0.05  # bf16 logits: about 2^-8 of their size apart
+    # bf16 logits: about 2^-8 of their size apart
+    assert forward_logprob_gap(worker.model, out) < 0.05
 
 
 @needs_ampere
@@ -169,18 +171,10 @@ def test_auto_takes_either_kernel_by_the_rows_from_one_compile(
         monkeypatch.setattr(static_decode, "TRITON_PROGRAMS_PER_SM", programs_per_sm)
         request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=5)
         out = hf_infer.generate(worker, request)
-        assert worst_logprob_gap(worker, out) < 0.05
+        assert forward_logprob_gap(worker.model, out) < 0.05
         graphs.append(counters["stats"]["unique_graphs"])
         if programs_per_sm:
             assert calls["cudnn"] > 0 and calls["triton"] == 0
             calls["cudnn"] = 0
     assert calls["triton"] > 0 and calls["cudnn"] == 0
     assert graphs[0] < graphs[1] == graphs[2]  # compiled for the first decoder only
-
-
-def worst_logprob_gap(worker, out) -> float:
-    """The largest gap between the samples' log-probs and a forward pass's over their prompts
-    and responses."""
-    from posttrain.testing.expected import forward_logprobs, max_sample_logprob_diff
-
-    return max_sample_logprob_diff(out, forward_logprobs(worker.model, out))

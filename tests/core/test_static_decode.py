@@ -30,9 +30,9 @@ def generate(worker, decode: str, prompts, sampling, seed: int):
 
 def assert_a_forward_pass_scores(worker, out) -> None:
     """Every sample's log-probs are what a forward pass over its prompt and response gives."""
-    from posttrain.testing.expected import forward_logprobs, max_sample_logprob_diff
+    from posttrain.testing.expected import forward_logprob_gap
 
-    assert max_sample_logprob_diff(out, forward_logprobs(worker.model, out)) <= 1e-4
+    assert forward_logprob_gap(worker.model, out) <= 1e-4
 
 
 ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]

@@ -59,6 +59,12 @@ def forward_logprobs(model, out, pad_id: int = 0) -> torch.Tensor:
     return (shifted_token_logprobs(logits, ids) * mask).cpu()
 
 
+def forward_logprob_gap(model, out) -> float:
+    """The largest gap between the samples' log-probs and ``model``'s own forward pass's
+    (:func:`forward_logprobs`)."""
+    return max_sample_logprob_diff(out, forward_logprobs(model, out))
+
+
 def max_sample_logprob_diff(out, ref) -> float:
     worst = 0.0
     for i, (p, lps) in enumerate(zip(out.prompt_ids, out.response_logprobs)):
