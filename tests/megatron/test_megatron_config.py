@@ -199,3 +199,77 @@ def test_release_moves_what_the_config_offloads(offloads, released):
     worker = SimpleNamespace(config=MegatronTrainConfig(**offloads))
     assert _tags(worker, None) == released
     assert _tags(worker, ["weights"]) == released & {"weights"}
+
+
+FULL_RECOMPUTE = {
+    "recompute_granularity": "full",
+    "recompute_method": "uniform",
+    "recompute_num_layers": 1,
+}
+
+
+@pytest.mark.parametrize(
+    ("strategy", "disable", "config", "expected"),
+    [
+        # model_args asks for checkpointing and the strategy config sets nothing: full recompute
+        ("megatron_train", False, {}, FULL_RECOMPUTE),
+        ("megatron_train", True, {}, {}),
+        # an inference role keeps no activations for a backward pass
+        ("megatron_infer", False, {}, {}),
+        # the strategy config's own settings win
+        (
+            "megatron_train",
+            False,
+            {"recompute_granularity": "full", "recompute_method": "block"},
+            {**FULL_RECOMPUTE, "recompute_method": "block"},
+        ),
+        (
+            "megatron_train",
+            False,
+            {"recompute_granularity": "selective"},
+            {"recompute_granularity": "selective"},
+        ),
+        (
+            "megatron_train",
+            False,
+            {"moe_layer_recompute": True},
+            {"recompute_granularity": "selective", "recompute_modules": ["moe"]},
+        ),
+        (
+            "megatron_train",
+            False,
+            {"override_transformer_config": {"recompute_granularity": "selective"}},
+            {"recompute_granularity": "selective"},
+        ),
+    ],
+)
+def test_recompute_follows_model_args_unless_the_strategy_config_sets_it(
+    strategy, disable, config, expected
+):
+    """``model_args.disable_gradient_checkpointing: false`` turns on megatron's activation
+    recompute (as it turns on the other trainers' checkpointing); the fields build a valid
+    TransformerConfig."""
+    from types import SimpleNamespace
+
+    from megatron.core.transformer import TransformerConfig
+
+    from posttrain.config.sections import ModelArgs
+    from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
+    from posttrain_megatron.model_builder import transformer_overrides
+
+    config_class = MegatronTrainConfig if strategy == "megatron_train" else MegatronInferConfig
+    worker = SimpleNamespace(
+        config=config_class(**config),
+        strategy_name=strategy,
+        model_args=ModelArgs(model_name_or_path="unused", disable_gradient_checkpointing=disable),
+        device="cpu",
+    )
+    overrides = transformer_overrides(worker, SimpleNamespace())
+    fields = ("recompute_granularity", "recompute_method", "recompute_num_layers")
+    got = {k: v for k, v in overrides.items() if k in (*fields, "recompute_modules")}
+    assert got == expected
+    transformer = TransformerConfig(
+        num_layers=2, hidden_size=64, num_attention_heads=4, **{k: got[k] for k in got}
+    )
+    for key in fields:
+        assert getattr(transformer, key) == expected.get(key)

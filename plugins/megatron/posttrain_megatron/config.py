@@ -60,12 +60,17 @@ class MegatronTrainConfig(MegatronParallelConfig):
 
     Micro-batching follows ``training_args`` (``per_device_train_batch_size``,
     ``use_dynamic_batch_size`` / ``max_tokens_per_micro_batch``) unless ``micro_batch_size`` is set.
+    Activation recompute follows ``model_args.disable_gradient_checkpointing`` unless the
+    ``recompute_*`` fields (or ``moe_layer_recompute``) set it.
     """
 
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
     overlap_param_gather: bool = False
     moe_layer_recompute: bool = False
+    # Activation recompute, megatron-core's fields. None (and no moe_layer_recompute): what
+    # model_args.disable_gradient_checkpointing says, as for the other trainers; false there
+    # means full, uniform, one layer per checkpoint. Set here, these win.
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = attrs.field(default=None, validator=at_least(1))

@@ -111,20 +111,42 @@ def transformer_overrides(worker: WorkerContext, hf_config) -> dict[str, Any]:
         # HF renormalises the top-k router weights iff norm_topk_prob; megatron does so iff the
         # softmax runs after the top-k (pre_softmax False).
         out["moe_router_pre_softmax"] = not norm_topk
-    if getattr(cfg, "recompute_granularity", None):
-        out["recompute_granularity"] = cfg.recompute_granularity
-        if cfg.recompute_granularity == "full":
-            out["recompute_method"] = cfg.recompute_method or "uniform"
-            out["recompute_num_layers"] = cfg.recompute_num_layers or 1
-    if getattr(cfg, "moe_layer_recompute", False):
-        out["recompute_modules"] = ["moe"]
-        out.setdefault("recompute_granularity", "selective")
+    out.update(recompute_fields(worker))
     if cfg.moe_token_dispatcher_type == "alltoall" and cpu and _num_experts(hf_config):
         raise ValueError(
             "megatron: the alltoall MoE token dispatcher needs CUDA events; on CPU set "
             "moe_token_dispatcher_type: allgather"
         )
     out.update(cfg.override_transformer_config)
+    return out
+
+
+def recompute_fields(worker: WorkerContext) -> dict[str, Any]:
+    """Activation recompute: the strategy config's settings (its ``recompute_*`` fields,
+    ``moe_layer_recompute`` or ``recompute_*`` keys of ``override_transformer_config``), else,
+    for a trainer, ``model_args.disable_gradient_checkpointing: false`` as the other trainers
+    read it: every layer recomputed in backward (``full``, ``uniform``, one layer per
+    checkpoint), so only each layer's input, [tokens, hidden], stays from forward."""
+    cfg = worker.config
+    granularity = getattr(cfg, "recompute_granularity", None)
+    moe_layers = getattr(cfg, "moe_layer_recompute", False)
+    explicit = (
+        granularity
+        or moe_layers
+        or any(key.startswith("recompute") for key in cfg.override_transformer_config)
+    )
+    asked = worker.strategy_name == TRAIN and not worker.model_args.disable_gradient_checkpointing
+    if asked and not explicit:
+        granularity = "full"
+    out: dict[str, Any] = {}
+    if granularity:
+        out["recompute_granularity"] = granularity
+        if granularity == "full":
+            out["recompute_method"] = getattr(cfg, "recompute_method", None) or "uniform"
+            out["recompute_num_layers"] = getattr(cfg, "recompute_num_layers", None) or 1
+    if moe_layers:
+        out["recompute_modules"] = ["moe"]
+        out.setdefault("recompute_granularity", "selective")
     return out
 
 
