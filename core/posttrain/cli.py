@@ -83,9 +83,13 @@ def _load(args, host):
 
 def cmd_validate(args, host) -> int:
     workflow, report = _load(args, host)
+    from rich.markup import escape
+
     console = _console()
     for note in report.notes:
-        console.print(f"[dim]note: {note.render()}[/dim]")
+        console.print(f"[dim]note: {escape(note.render())}[/dim]")
+    for warning in report.warnings:
+        _console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(warning.render())}")
     report.raise_if_errors(display_path(args.workflow))
     roles = ", ".join(
         f"{n}={r.strategy_args.strategy_name}[{r.num_ranks}]" for n, r in workflow.roles().items()

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 
+from posttrain.config.hub_models import check_cached, looks_local
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_HEADS, Workflow
 from posttrain.hookspecs import hookimpl
@@ -138,8 +139,6 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
                 report.error(where, f"unknown preset '{key}'", did_you_mean(key, PRESETS))
             continue
         local = path if os.path.isabs(path) else os.path.join(wf.base_dir, path)
-        # Hub ids are "name" or "org/name"; anything else is meant as a local path.
-        looks_local = path.startswith((".", "/", "~")) or path.count("/") > 1
         if os.path.exists(local):
             if not os.path.exists(os.path.join(local, "config.json")):
                 report.error(
@@ -147,7 +146,7 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
                     f"{display_path(local)} has no config.json",
                     "point to an HF model directory (the one holding config.json)",
                 )
-        elif looks_local:
+        elif looks_local(path):
             report.error(where, f"local model path {display_path(local)} does not exist")
         else:
             report.note(
@@ -155,6 +154,7 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
                 f"'{path}' is not a local directory: treated as a hub id; "
                 "checks that need its config were skipped",
             )
+    check_cached(wf, report)  # hub ids: in the local cache? (no network)
 
 
 def _check_data(wf: Workflow, report: ErrorReport) -> None:

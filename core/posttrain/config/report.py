@@ -23,9 +23,11 @@ class ConfigIssue:
 
 @attrs.define
 class ErrorReport:
-    """Errors (fatal) and notes (informational, e.g. checks skipped offline)."""
+    """Errors (fatal), warnings (a likely problem that does not stop a run, e.g. a hub model
+    that is not downloaded yet) and notes (informational, e.g. checks skipped offline)."""
 
     errors: list[ConfigIssue] = attrs.field(factory=list)
+    warnings: list[ConfigIssue] = attrs.field(factory=list)
     notes: list[ConfigIssue] = attrs.field(factory=list)
     # Sections present in the YAML that failed to structure (they hold defaults or None in the
     # Workflow): cross-field checks skip them instead of reporting a second, misleading error.
@@ -35,6 +37,9 @@ class ErrorReport:
         issue = ConfigIssue(path, message, hint)
         if issue not in self.errors:
             self.errors.append(issue)
+
+    def warn(self, path: str, message: str, hint: str = "") -> None:
+        self.warnings.append(ConfigIssue(path, message, hint))
 
     def note(self, path: str, message: str) -> None:
         self.notes.append(ConfigIssue(path, message))

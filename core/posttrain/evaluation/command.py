@@ -18,6 +18,7 @@ import attrs
 from posttrain.checkpoint import manager
 from posttrain.checkpoint.record import plain
 from posttrain.checkpoint.resume import verified
+from posttrain.config.hub_models import check_reachable
 from posttrain.errors import UserError
 from posttrain.paths import display_path
 
@@ -59,6 +60,7 @@ def evaluate_checkpoint(
         )
     if "actor_train" not in workflow.roles():
         raise UserError("the workflow has no actor_train role, whose checkpoint would be scored")
+    check_reachable(workflow)
     path = resolve_checkpoint(workflow, checkpoint)
     resumable = verified(path, workflow)
     if "actor_train" not in resumable.manifest.roles:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 
+from posttrain.config.hub_models import check_reachable
 from posttrain.config.sections import Workflow
 from posttrain.paths import display_path
 from posttrain.trainer.run import Trainer
@@ -14,6 +15,7 @@ def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> li
     from rich.console import Console
 
     console = console or Console()
+    check_reachable(workflow)  # before the run directory is made
     trainer = Trainer(workflow, host, console, source=source)
     console.print(f"run directory: {display_path(trainer.run_dir)}")
     history = trainer.run()
