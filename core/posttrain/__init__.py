@@ -124,6 +124,16 @@ _PUBLIC = {
     "did_you_mean": "posttrain.config.report",
     "unknown_keys": "posttrain.config.report",
     "join_path": "posttrain.config.report",
+    # Memory estimates (posttrain_estimate_memory)
+    "MemoryQuery": "posttrain.memory.estimate",
+    "RoleMemory": "posttrain.memory.estimate",
+    "Workload": "posttrain.memory.estimate",
+    "ModelGeometry": "posttrain.memory.geometry",
+    "dtype_bytes": "posttrain.memory.estimate",
+    "training_activation_bytes": "posttrain.memory.estimate",
+    "forward_working_bytes": "posttrain.memory.estimate",
+    "logit_bytes": "posttrain.memory.estimate",
+    "adam_trainer_state": "posttrain.memory.estimate",
     # Errors
     "PosttrainError": "posttrain.errors",
     "UserError": "posttrain.errors",
@@ -249,6 +259,17 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     from posttrain.host.engine_hooks import EngineHooks
     from posttrain.host.strategy import Capabilities, StrategySpec
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
+    from posttrain.memory.estimate import (
+        MemoryQuery,
+        RoleMemory,
+        Workload,
+        adam_trainer_state,
+        dtype_bytes,
+        forward_working_bytes,
+        logit_bytes,
+        training_activation_bytes,
+    )
+    from posttrain.memory.geometry import ModelGeometry
     from posttrain.protocol import (
         GenerationRequest,
         RolloutSamples,

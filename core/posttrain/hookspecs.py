@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from posttrain.host.doctor import EnvCheck
     from posttrain.host.strategy import StrategySpec
     from posttrain.launch.worker import WorkerContext
+    from posttrain.memory.estimate import MemoryQuery, RoleMemory
     from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
     from posttrain.rollout.environments.protocol import EnvironmentSpec
     from posttrain.trainer.logger_spec import LoggerSpec
@@ -192,6 +193,22 @@ def posttrain_plan_processes(
     ``cluster.colocation`` is ``separate``). A strategy plugin whose strategies cannot share a
     process in some configurations wraps this hook (``wrapper=True``) and splits the tuples.
     firstresult.
+    """
+
+
+@hookspec(firstresult=True)
+def posttrain_estimate_memory(query: MemoryQuery) -> RoleMemory | None:
+    """Estimate one GPU's share of a role: what it holds between calls and what each phase it
+    works in needs on top.
+
+    Called on the driver by ``posttrain plan``, and by ``posttrain run`` before any process
+    starts (to refuse a workflow that cannot fit, and to resolve ``model_args.
+    disable_gradient_checkpointing: auto``). ``query`` (:class:`posttrain.MemoryQuery`) holds
+    the role (its ``strategy_config`` structured as ``query.config``), the model's geometry and
+    the step's workload. Return a :class:`posttrain.RoleMemory` in bytes (the formulas in
+    :mod:`posttrain.memory.estimate` are shared: activations, logits, Adam's state), with the
+    ``knobs`` that shrink it. Must not import engines. firstresult: return None for strategies
+    you do not own; a role nobody estimates is left out of the plan, with a note.
     """
 
 

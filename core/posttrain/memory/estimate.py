@@ -1,0 +1,180 @@
+"""One role's device memory, estimated before anything starts: the data a strategy's
+``posttrain_estimate_memory`` returns, and the formulas strategies share.
+
+Every number is bytes on one GPU of the role. A role holds some memory between calls
+(``resident``: weights, gradients, optimizer state, a rollout engine's KV cache) and needs more
+while it works (``phases``: activations and logits of a micro-batch, the sampling logits of a
+decode step). The plan (:mod:`posttrain.memory.plan`) adds these up per GPU and phase.
+
+The activation formulas were fitted to what autograd saves in transformers' Qwen2 and Llama
+layers with SDPA attention (``tests/core/test_memory_plan.py`` measures them with
+``torch.autograd.graph.saved_tensors_hooks``): per token and layer, ``b * (9 h + 4 i + 2 kv)``
+bytes for activations of ``b`` bytes (hidden ``h``, MLP width ``i``, key/value width ``kv``),
+plus ``2.5 h`` float32 numbers per layer when the activations are narrower than float32 (the
+RMS norms compute in float32 and keep their input).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+import attrs
+
+from posttrain.memory.geometry import ModelGeometry
+
+if TYPE_CHECKING:
+    from posttrain.config.sections import RoleConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+# Adam's two moments and a float32 master copy with its float32 gradient: 16 bytes a parameter.
+ADAM_STATE_BYTES = 8
+FLOAT32 = 4
+GIB = 2**30
+
+
+def dtype_bytes(name: str | None, default: str = "fp32") -> int:
+    """Bytes of one element of the dtype called ``name`` (``fp32``, ``bf16``, ``fp16``)."""
+    return DTYPE_BYTES.get(name or default, FLOAT32)
+
+
+@attrs.frozen(kw_only=True)
+class Workload:
+    """What one step asks of the roles: ``rows`` sequences of at most ``prompt_tokens`` +
+    ``response_tokens``; a weight sync moves ``bucket_bytes`` at a time."""
+
+    rows: int
+    prompt_tokens: int
+    response_tokens: int
+    bucket_bytes: int
+    mini_batches: int = 1  # optimizer steps a step's rows are split into
+
+    @property
+    def sequence_tokens(self) -> int:
+        return self.prompt_tokens + self.response_tokens
+
+
+@attrs.frozen(kw_only=True)
+class MemoryQuery:
+    """What a strategy's estimate is made from: the role (its ``model_args`` merged with the
+    workflow's), its structured ``config``, the model's geometry, the step's workload, and
+    ``device`` (``cuda`` or ``cpu``)."""
+
+    role_name: str
+    role: RoleConfig
+    config: Any
+    geometry: ModelGeometry
+    workload: Workload
+    device: str = "cuda"
+
+    @property
+    def gpus(self) -> int:
+        return max(1, len(self.role.device_mapping))
+
+    @property
+    def dtype_bytes(self) -> int:
+        return dtype_bytes(self.role.model_args.dtype)
+
+    @property
+    def recompute(self) -> bool:
+        """Activation checkpointing is on (``model_args.disable_gradient_checkpointing: false``;
+        the plan resolves ``auto`` before asking)."""
+        return self.role.model_args.disable_gradient_checkpointing is False
+
+    def rank_rows(self, data_parallel: int | None = None) -> int:
+        """Rows one data-parallel rank gets in a pass (``data_parallel`` ranks; default every
+        GPU of the role): a mini-batch's share."""
+        ranks = data_parallel or self.gpus
+        return max(1, -(-self.workload.rows // (self.workload.mini_batches * ranks)))
+
+    def train_micro_batch_tokens(
+        self, micro_batch_rows: int | None, data_parallel: int | None = None
+    ) -> int:
+        """Tokens of a training micro-batch: the token budget under dynamic batching (a row is
+        never split, so at least one sequence), else ``micro_batch_rows`` (or
+        ``per_device_train_batch_size``) sequences; never more than the rank's rows."""
+        args = self.role.training_args
+        sequence = self.workload.sequence_tokens
+        most = self.rank_rows(data_parallel) * sequence
+        if args is not None and args.use_dynamic_batch_size:
+            return min(most, max(args.max_tokens_per_micro_batch, sequence))
+        rows = micro_batch_rows or (args.per_device_train_batch_size if args else 1)
+        return min(most, rows * sequence)
+
+    def scoring_micro_batch_tokens(
+        self, micro_batch_rows: int | None, data_parallel: int | None = None
+    ) -> int:
+        """Tokens of a scoring (no-grad) micro-batch: ``micro_batch_rows``, else the role's
+        ``infer_batch_size``, else 8 sequences; never more than the rank's rows."""
+        rows = micro_batch_rows or self.role.infer_batch_size or 8
+        return min(self.rank_rows(data_parallel), rows) * self.workload.sequence_tokens
+
+
+@attrs.frozen(kw_only=True)
+class RoleMemory:
+    """One GPU's share of a role, in bytes, by part. ``resident``: held from one call to the
+    next; ``released``: the resident parts the role frees while a colocated role runs (its
+    ``release_memory``); ``phases``: what each phase the role works in needs on top, by part
+    (``train``, ``logprobs``, ``rollout``); ``knobs``: the settings that shrink it, as
+    ``path: what to do`` lines the plan prints when a GPU does not fit."""
+
+    resident: Mapping[str, int]
+    phases: Mapping[str, Mapping[str, int]]
+    released: frozenset[str] = frozenset()
+    knobs: tuple[str, ...] = ()
+
+    def held(self, active: bool) -> dict[str, int]:
+        """The resident parts on the device while the role runs (``active``) or while a
+        colocated role does."""
+        if active:
+            return dict(self.resident)
+        return {k: v for k, v in self.resident.items() if k not in self.released}
+
+
+def layer_activation_bytes(geometry: ModelGeometry, tokens: int, dtype_bytes: int) -> int:
+    """What autograd keeps of one decoder layer for ``tokens`` tokens."""
+    g = geometry
+    narrow = max(0, FLOAT32 - dtype_bytes) and FLOAT32 * 5 * g.hidden_size // 2
+    per_token = dtype_bytes * (9 * g.hidden_size + 4 * g.intermediate_size + 2 * g.kv_width)
+    return tokens * (per_token + narrow)
+
+
+def training_activation_bytes(
+    geometry: ModelGeometry, tokens: int, dtype_bytes: int, recompute: bool
+) -> int:
+    """Activations of a training micro-batch of ``tokens`` at their peak, early in the backward
+    pass: every layer's saved tensors, or with activation checkpointing each layer's input and
+    one layer recomputed; plus the gradients flowing through one layer."""
+    layer = layer_activation_bytes(geometry, tokens, dtype_bytes)
+    if recompute:
+        kept = geometry.num_hidden_layers * tokens * geometry.hidden_size * dtype_bytes + layer
+    else:
+        kept = geometry.num_hidden_layers * layer
+    return kept + layer
+
+
+def forward_working_bytes(geometry: ModelGeometry, tokens: int, dtype_bytes: int) -> int:
+    """A no-grad forward pass's largest temporaries: one layer's MLP (gate, up and their product)
+    and the residual stream, for ``tokens`` tokens."""
+    g = geometry
+    return tokens * dtype_bytes * (3 * g.intermediate_size + 4 * g.hidden_size)
+
+
+def logit_bytes(
+    geometry: ModelGeometry, tokens: int, chunk_tokens: int, dtype_bytes: int, training: bool
+) -> int:
+    """The output head's logits for ``tokens`` tokens, ``chunk_tokens`` at a time (0: all at
+    once): the head's output, its float32 copy and, in training, their gradient."""
+    rows = min(tokens, chunk_tokens) if chunk_tokens > 0 else tokens
+    forward = rows * geometry.vocab_size * (dtype_bytes + FLOAT32)
+    return 2 * forward if training else forward
+
+
+def adam_trainer_state(params: int, shards: int, master_bytes: int = FLOAT32) -> dict[str, int]:
+    """Weights, gradients and AdamW's state of a trainer whose ``params`` are split over
+    ``shards`` ranks, master weights and gradients of ``master_bytes`` each."""
+    return {
+        "weights": params * master_bytes // shards,
+        "grads": params * master_bytes // shards,
+        "optimizer": params * ADAM_STATE_BYTES // shards,
+    }

@@ -1,0 +1,124 @@
+"""A model's geometry (widths, depths, vocabulary) read from its config without loading it.
+
+The memory plan needs only numbers a ``config.json`` holds. They come from a local HF directory,
+a built-in preset's definition (no build needed) or, for a hub id, the local HF cache; never from
+the network, and never through torch.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+import attrs
+
+
+@attrs.frozen(kw_only=True)
+class ModelGeometry:
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    tie_word_embeddings: bool = True
+
+    @property
+    def kv_width(self) -> int:
+        """Width of one of a layer's key or value projections (all KV heads)."""
+        return self.num_key_value_heads * self.head_dim
+
+    @property
+    def params(self) -> int:
+        """Parameters (the tied embedding counted once; biases and norms included, so a Qwen2
+        comes within a few thousand of transformers' count)."""
+        h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.kv_width
+        attention = h * q + q + 2 * (h * kv + kv) + q * h
+        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
+        return self.num_hidden_layers * layer + embeddings + h
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one decoder layer."""
+        return (self.params - self.vocab_size * self.hidden_size) // self.num_hidden_layers
+
+    def kv_cache_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Keys and values of one token over every layer."""
+        return self.num_hidden_layers * 2 * self.kv_width * dtype_bytes
+
+
+def geometry_from_config(config: dict) -> ModelGeometry | None:
+    """The geometry in an HF ``config.json``'s dict; None where a field is missing (an
+    architecture this plan does not know, e.g. one whose widths live under other names)."""
+    text = config.get("text_config") or config
+    try:
+        hidden = int(text["hidden_size"])
+        heads = int(text["num_attention_heads"])
+        return ModelGeometry(
+            hidden_size=hidden,
+            num_hidden_layers=int(text["num_hidden_layers"]),
+            num_attention_heads=heads,
+            num_key_value_heads=int(text.get("num_key_value_heads") or heads),
+            head_dim=int(text.get("head_dim") or hidden // heads),
+            intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
+            vocab_size=int(text["vocab_size"]),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+        )
+    except (KeyError, TypeError, ValueError):
+        return None
+
+
+def read_geometry(model: str | None) -> ModelGeometry | None:
+    """The geometry of ``model`` (a ``model_name_or_path``): a directory's ``config.json``, a
+    preset's definition, or a hub id's ``config.json`` in the local HF cache. None when it cannot
+    be known without the network or a build."""
+    if not model:
+        return None
+    from posttrain.tasks.presets import is_preset
+
+    if is_preset(model):
+        return preset_geometry(model)
+    path = os.path.join(model, "config.json")
+    if not os.path.isfile(path):
+        path = _cached_hub_config(model)
+    if path is None:
+        return None
+    with open(path) as f:
+        return geometry_from_config(json.load(f))
+
+
+def preset_geometry(name: str) -> ModelGeometry:
+    """The geometry of preset ``preset:KEY`` from its definition (no build)."""
+    from posttrain.tasks.presets import (
+        ARITH_ALPHABET,
+        PRESETS,
+        SPECIAL_TOKENS,
+        preset_name,
+    )
+
+    preset = PRESETS[preset_name(name)]
+    hidden, heads = preset.hidden_size, preset.num_attention_heads
+    return ModelGeometry(
+        hidden_size=hidden,
+        num_hidden_layers=preset.num_hidden_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=preset.num_key_value_heads,
+        head_dim=hidden // heads,
+        intermediate_size=preset.intermediate_size or 4 * hidden,
+        vocab_size=len(SPECIAL_TOKENS) + len(ARITH_ALPHABET) + len(preset.added_tokens),
+        tie_word_embeddings=preset.tie_word_embeddings,
+    )
+
+
+def _cached_hub_config(repo_id: str) -> str | None:
+    try:
+        from huggingface_hub import try_to_load_from_cache
+    except ImportError:  # transformers brings it; a bare core install may not have it
+        return None
+    try:
+        found = try_to_load_from_cache(repo_id, "config.json")
+    except ValueError:  # not a repo id (a mistyped path, say): validation reports it
+        return None
+    return found if isinstance(found, str) else None
