@@ -15,6 +15,13 @@ from posttrain.config.ranges import at_least
 from posttrain.hookspecs import hookimpl
 from posttrain.host.engine_hooks import EngineHooks
 from posttrain.host.strategy import Capabilities, StrategySpec
+from posttrain.memory.estimate import (
+    FLOAT32,
+    MemoryQuery,
+    RoleMemory,
+    forward_working_bytes,
+    logit_bytes,
+)
 
 STRATEGY = "hf_infer"
 
@@ -81,6 +88,48 @@ class HFInferPlugin(EngineHooks):
                 "transformers (the reference backend)",
             )
         ]
+
+    @hookimpl(trylast=True)
+    def posttrain_estimate_memory(self, query):
+        if query.role.strategy_args.strategy_name != STRATEGY:
+            return None
+        return estimate_memory(query)
+
+
+def estimate_memory(query: MemoryQuery) -> RoleMemory:
+    """One replica a GPU: the whole model in ``model_args.dtype``; the rollout's fixed-shape
+    decoders keep their KV cache (batch rows x prompt + new tokens) from one step to the next;
+    a scoring role (reference, reward) works a micro-batch at a time."""
+    g, b, cfg, work = query.geometry, query.dtype_bytes, query.config, query.workload
+    path = f"{query.role_name}.strategy_args.strategy_config"
+    resident = {"weights": g.params * b}
+    knobs = [f"{path}.param_offload: true (the weights wait in host memory while others run)"]
+    rows = query.role.infer_batch_size or cfg.batch_size
+    if query.role_name == "actor_infer":
+        rows = min(rows, -(-work.rows // query.gpus))
+        kv_cache = rows * work.sequence_tokens * g.kv_cache_bytes_per_token(b)
+        fixed_shape = cfg.decode != "dynamic" and query.device == "cuda"
+        step = {
+            "prefill": forward_working_bytes(g, rows * work.prompt_tokens, b),
+            "sampling": 2 * rows * g.vocab_size * FLOAT32,
+        }
+        if fixed_shape:
+            resident["kv_cache"] = kv_cache
+        else:
+            step["kv_cache"] = kv_cache
+        phases = {"rollout": step}
+        knobs.append(f"{query.role_name}.infer_batch_size: fewer rows decode at once (KV cache)")
+    else:
+        tokens = rows * work.sequence_tokens
+        phases = {
+            "logprobs": {
+                "forward": forward_working_bytes(g, tokens, b),
+                "logits": logit_bytes(g, tokens, cfg.logprob_chunk_tokens, b, training=False),
+            }
+        }
+        knobs.append(f"{query.role_name}.infer_batch_size: fewer rows a forward pass")
+    released = frozenset(resident) if cfg.param_offload else frozenset()
+    return RoleMemory(resident=resident, phases=phases, released=released, knobs=tuple(knobs))
 
 
 plugin = HFInferPlugin()

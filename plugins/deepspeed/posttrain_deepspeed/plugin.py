@@ -61,5 +61,16 @@ class DeepSpeedPlugin(EngineHooks):
     def posttrain_environment_checks(self):
         return [EnvCheck(plugin="posttrain-deepspeed", package="deepspeed", tested=TESTED)]
 
+    @hookimpl
+    def posttrain_estimate_memory(self, query):
+        from posttrain_deepspeed import memory
+
+        name = query.role.strategy_args.strategy_name
+        if name == TRAIN:
+            return memory.estimate_train(query)
+        if name == INFER:
+            return memory.estimate_infer(query)
+        return None
+
 
 plugin = DeepSpeedPlugin()

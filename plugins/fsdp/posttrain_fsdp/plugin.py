@@ -11,7 +11,20 @@ from typing import Literal
 
 import attrs
 
-from posttrain import Capabilities, EngineHooks, StrategySpec, at_least, hookimpl
+from posttrain import (
+    Capabilities,
+    EngineHooks,
+    MemoryQuery,
+    RoleMemory,
+    StrategySpec,
+    adam_trainer_state,
+    at_least,
+    dtype_bytes,
+    forward_working_bytes,
+    hookimpl,
+    logit_bytes,
+    training_activation_bytes,
+)
 
 TRAIN = "fsdp2_train"
 INFER = "fsdp2_infer"
@@ -105,6 +118,83 @@ class FSDPPlugin(EngineHooks):
                 description="log-probs (reference) or reward-model scores, FSDP2-sharded",
             ),
         ]
+
+    @hookimpl
+    def posttrain_estimate_memory(self, query: MemoryQuery) -> RoleMemory | None:
+        name = query.role.strategy_args.strategy_name
+        if name == TRAIN:
+            return estimate_train(query)
+        if name == INFER:
+            return estimate_infer(query)
+        return None
+
+
+def estimate_train(query: MemoryQuery) -> RoleMemory:
+    """Float32 master weights, gradients and AdamW's state sharded over the role's GPUs (none
+    on the GPU with ``cpu_offload``), two layers gathered in the compute dtype, and a
+    micro-batch's activations and logits."""
+    g, cfg = query.geometry, query.config
+    compute = dtype_bytes(cfg.param_dtype or query.role.model_args.dtype)
+    state = adam_trainer_state(g.params, query.gpus)
+    resident = {} if cfg.cpu_offload else state
+    gathered = 2 * g.layer_params * compute + g.vocab_size * g.hidden_size * compute
+    train_tokens = query.train_micro_batch_tokens(cfg.micro_batch_size)
+    score_tokens = query.train_micro_batch_tokens(
+        cfg.logprob_micro_batch_size or cfg.micro_batch_size
+    )
+    chunk = cfg.logprob_chunk_tokens
+    phases = {
+        "train": {
+            "activations": training_activation_bytes(g, train_tokens, compute, query.recompute),
+            "logits": logit_bytes(g, train_tokens, chunk, compute, training=True),
+            "gathered": gathered,
+        },
+        "logprobs": {
+            "forward": forward_working_bytes(g, score_tokens, compute),
+            "logits": logit_bytes(g, score_tokens, chunk, compute, training=False),
+            "gathered": gathered,
+        },
+    }
+    path = f"{query.role_name}.strategy_args.strategy_config"
+    released = ({"weights", "grads"} if cfg.param_offload else set()) | (
+        {"optimizer"} if cfg.optimizer_offload else set()
+    )
+    knobs = (
+        f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute "
+        "activations)",
+        f"{query.role_name}.training_args.max_tokens_per_micro_batch (with "
+        "use_dynamic_batch_size: true) or per_device_train_batch_size: fewer tokens a pass",
+        f"{path}.optimizer_offload / param_offload: true (host memory while others run)",
+        f"{path}.cpu_offload: true (weights and optimizer in host memory throughout)",
+        "more GPUs in the role's device_mapping (its state is sharded over them)",
+    )
+    return RoleMemory(resident=resident, phases=phases, released=frozenset(released), knobs=knobs)
+
+
+def estimate_infer(query: MemoryQuery) -> RoleMemory:
+    """The weights in the compute dtype sharded over the role's GPUs, two layers gathered, and
+    one micro-batch's forward pass."""
+    g, cfg = query.geometry, query.config
+    compute = dtype_bytes(cfg.param_dtype or query.role.model_args.dtype)
+    tokens = query.scoring_micro_batch_tokens(cfg.micro_batch_size)
+    weights = 0 if cfg.cpu_offload else g.params * compute // query.gpus
+    phases = {
+        "logprobs": {
+            "forward": forward_working_bytes(g, tokens, compute),
+            "logits": logit_bytes(g, tokens, cfg.logprob_chunk_tokens, compute, training=False),
+            "gathered": 2 * g.layer_params * compute + g.vocab_size * g.hidden_size * compute,
+        }
+    }
+    path = f"{query.role_name}.strategy_args.strategy_config"
+    return RoleMemory(
+        resident={"weights": weights},
+        phases=phases,
+        released=frozenset({"weights"}) if cfg.param_offload else frozenset(),
+        knobs=(
+            f"{path}.micro_batch_size or {query.role_name}.infer_batch_size: fewer rows a pass",
+            f"{path}.param_offload: true (host memory while others run)",
+        ),
+    )
 
 
 plugin = FSDPPlugin()

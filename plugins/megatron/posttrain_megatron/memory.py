@@ -1,0 +1,135 @@
+"""The memory estimates of ``megatron_train`` and ``megatron_infer`` (no torch, no megatron):
+one GPU's shard of the model under tensor and pipeline parallelism, the DDP gradient buffer, the
+(distributed) optimizer, and a micro-batch's activations, for ``posttrain plan``."""
+
+from __future__ import annotations
+
+import attrs
+
+from posttrain import (
+    MemoryQuery,
+    ModelGeometry,
+    RoleMemory,
+    forward_working_bytes,
+    logit_bytes,
+    training_activation_bytes,
+)
+
+# AdamW's two float32 moments and the float32 master copy: 12 bytes a parameter.
+MASTER_AND_ADAM = 12
+
+
+def shard_params(g: ModelGeometry, tp: int, pp: int) -> int:
+    """Parameters on the busiest GPU: its pipeline stage's layers and, on the first and last
+    stages, the embedding and the output layer, every matrix split over the TP ranks."""
+    embedding = g.vocab_size * g.hidden_size
+    layers = -(-g.num_hidden_layers // pp) * g.layer_params
+    # One stage holds both the embedding and the output layer only without pipelining; a tied
+    # output layer is the embedding itself.
+    heads = 1 if g.tie_word_embeddings or pp > 1 else 2
+    return (layers + heads * embedding) // tp
+
+
+def _per_rank_geometry(g: ModelGeometry, tp: int) -> ModelGeometry:
+    """The widths one TP rank computes: its share of the MLP, of the key/value heads and of the
+    vocabulary (the hidden state stays whole without sequence parallelism)."""
+    return attrs.evolve(
+        g,
+        intermediate_size=max(1, g.intermediate_size // tp),
+        num_key_value_heads=max(1, g.num_key_value_heads // tp),
+        vocab_size=-(-g.vocab_size // tp),
+    )
+
+
+def _layout(query: MemoryQuery) -> tuple[int, int, int]:
+    cfg = query.config
+    tp, pp = cfg.tensor_model_parallel_size, cfg.pipeline_model_parallel_size
+    dp = max(1, query.gpus // (tp * pp * cfg.context_parallel_size))
+    return tp, pp, dp
+
+
+def _recompute(query: MemoryQuery) -> bool:
+    granularity = query.config.recompute_granularity
+    if granularity is not None:
+        return granularity == "full"
+    return query.recompute
+
+
+def estimate_train(query: MemoryQuery) -> RoleMemory:
+    """Weights and the DDP gradient buffer in the compute dtype, the float32 master weights and
+    AdamW's state (split over data-parallel ranks with ``use_distributed_optimizer``), and a
+    micro-batch's activations over this rank's widths."""
+    g, cfg = query.geometry, query.config
+    tp, pp, dp = _layout(query)
+    compute = query.dtype_bytes
+    params = shard_params(g, tp, pp)
+    optimizer_shards = dp if cfg.use_distributed_optimizer else 1
+    resident = {
+        "weights": params * compute,
+        "grads": params * compute,
+        "optimizer": MASTER_AND_ADAM * params // optimizer_shards,
+    }
+    rank = _per_rank_geometry(g, tp)
+    sequence_split = tp if cfg.sequence_parallel else 1
+    train_tokens = query.train_micro_batch_tokens(cfg.micro_batch_size, dp)
+    score_tokens = query.scoring_micro_batch_tokens(
+        cfg.logprob_micro_batch_size or cfg.micro_batch_size, dp
+    )
+    chunk = cfg.logprob_chunk_tokens
+    recompute = _recompute(query)
+    phases = {
+        "train": {
+            "activations": training_activation_bytes(
+                rank, train_tokens // sequence_split, compute, recompute
+            ),
+            "logits": logit_bytes(rank, train_tokens, chunk, compute, training=True),
+        },
+        "logprobs": {
+            "forward": forward_working_bytes(rank, score_tokens, compute),
+            "logits": logit_bytes(rank, score_tokens, chunk, compute, training=False),
+        },
+    }
+    released = {"weights"} if cfg.param_offload else set()
+    released |= {"grads"} if cfg.grad_offload else set()
+    released |= {"optimizer"} if cfg.optimizer_offload else set()
+    path = f"{query.role_name}.strategy_args.strategy_config"
+    return RoleMemory(
+        resident=resident,
+        phases=phases,
+        released=frozenset(released),
+        knobs=(
+            f"{query.role_name}.model_args.disable_gradient_checkpointing: false (or "
+            f"{path}.recompute_granularity: full)",
+            f"{query.role_name}.training_args.max_tokens_per_micro_batch (with "
+            "use_dynamic_batch_size: true) or per_device_train_batch_size: fewer tokens a pass",
+            f"{path}.use_distributed_optimizer: true (optimizer state split over DP ranks)",
+            f"{path}.tensor_model_parallel_size / pipeline_model_parallel_size: split the model",
+            f"{path}.optimizer_offload / grad_offload / param_offload: true (host memory while "
+            "others run)",
+        ),
+    )
+
+
+def estimate_infer(query: MemoryQuery) -> RoleMemory:
+    """This rank's shard of the weights and one micro-batch's forward pass."""
+    g, cfg = query.geometry, query.config
+    tp, pp, dp = _layout(query)
+    compute = query.dtype_bytes
+    rank = _per_rank_geometry(g, tp)
+    tokens = query.scoring_micro_batch_tokens(cfg.logprob_micro_batch_size, dp)
+    path = f"{query.role_name}.strategy_args.strategy_config"
+    return RoleMemory(
+        resident={"weights": shard_params(g, tp, pp) * compute},
+        phases={
+            "logprobs": {
+                "forward": forward_working_bytes(rank, tokens, compute),
+                "logits": logit_bytes(rank, tokens, cfg.logprob_chunk_tokens, compute, False),
+            }
+        },
+        released=frozenset({"weights"}) if cfg.param_offload else frozenset(),
+        knobs=(
+            f"{path}.logprob_micro_batch_size or {query.role_name}.infer_batch_size: fewer rows "
+            "a pass",
+            f"{path}.param_offload: true (host memory while others run)",
+        ),
+    )
