@@ -244,6 +244,15 @@ def cmd_run(args, host) -> int:
     return EXIT_OK
 
 
+def cmd_plan(args, host) -> int:
+    from posttrain.memory.command import print_plan
+
+    workflow, report = _load(args, host)
+    report.raise_if_errors(display_path(args.workflow))
+    fits = print_plan(workflow, host, _console(), args.gpu_memory_gib)
+    return EXIT_OK if fits else EXIT_USER
+
+
 def cmd_eval(args, host) -> int:
     from posttrain.evaluation.command import evaluate_checkpoint
 
@@ -299,6 +308,15 @@ def build_parser(host) -> argparse.ArgumentParser:
 
     workflow_command("validate", cmd_validate, "check a workflow; every error at once")
     workflow_command("run", cmd_run, "run a workflow")
+    p = workflow_command(
+        "plan", cmd_plan, "each GPU's estimated memory by role and phase, before anything starts"
+    )
+    p.add_argument(
+        "--gpu-memory-gib",
+        type=float,
+        metavar="GIB",
+        help="the memory of one GPU (default: this machine's first GPU; 80 for an H100)",
+    )
     p = workflow_command(
         "eval", cmd_eval, "score a checkpoint on the workflow's held-out datasets, no training"
     )
@@ -389,6 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         from rich.markup import escape
 
         err.print(f"[red]error[/red]: {escape(str(exc))}")
+        if exc.user_error:  # the rank's traceback stays in its log
+            if exc.hint:
+                err.print(exc.hint, markup=False, highlight=False)
+            return EXIT_USER
         detail = _without_tracebacks(exc.remote_traceback)
         if detail.strip():
             err.print(detail.rstrip(), markup=False, highlight=False)

@@ -30,6 +30,7 @@ class WorkerError(PosttrainError):
         message: str,
         remote_traceback: str = "",
         roles: tuple[str, ...] = (),
+        user_error: bool = False,
     ):
         # ``roles``: every role hosted by the failed rank's process (hybrid engine); a dead
         # process takes all of them down, so the message names them all.
@@ -40,7 +41,13 @@ class WorkerError(PosttrainError):
         self.rank = rank
         self.roles = roles or (role,)
         self.remote_traceback = remote_traceback
+        # The rank raised a UserError (e.g. out of GPU memory): exit 2, no traceback.
+        self.user_error = user_error
         self.hint = ""  # what to do next (a run's: how a rerun resumes), shown last
+
+
+class DeviceOutOfMemory(UserError):
+    """A rank ran out of GPU memory: the workflow asks for more than the card holds."""
 
 
 class CheckpointError(UserError):

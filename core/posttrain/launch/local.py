@@ -143,8 +143,10 @@ class LocalProcesses:
                 if answer is not None:
                     status, value, trace = answer
                     pending.discard(rank)
-                    if status == "error" and first_error is None:
-                        first_error = WorkerError(role, rank, value, trace, self.roles)
+                    if status != "ok" and first_error is None:
+                        first_error = WorkerError(
+                            role, rank, value, trace, self.roles, status == "user_error"
+                        )
                         # Peers may now block in a collective: do not wait for them long.
                         deadline = min(deadline, time.monotonic() + 10.0)
                     results[rank] = value

@@ -13,6 +13,7 @@ import sys
 import traceback
 from typing import Any
 
+from posttrain.errors import UserError
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.host.references import import_beside
 from posttrain.launch.base import GroupSpec
@@ -128,13 +129,20 @@ def serve(
             result = server.handle(role, method, args, kwargs)
         except BaseException as exc:
             traceback.print_exc()
-            conn.send((call_id, "error", describe_error(exc), traceback.format_exc()))
+            conn.send((call_id, error_status(exc), describe_error(exc), traceback.format_exc()))
             continue
         conn.send((call_id, "ok", result, ""))
 
 
 def describe_error(exc: BaseException) -> str:
     """The error a rank reports: its type and message and, when it was raised inside
+def error_status(exc: BaseException) -> str:
+    """How a rank's answer names a failure: ``user_error`` for a user's mistake (a
+    :class:`UserError`, such as running out of GPU memory), which the driver reports without
+    a traceback; ``error`` otherwise."""
+    return "user_error" if isinstance(exc, UserError) else "error"
+
+
     torch.distributed (a collective that timed out, a peer that went away), the collective and
     its process group."""
     text = f"{type(exc).__name__}: {exc}"

@@ -25,7 +25,7 @@ from posttrain.launch.base import (
     rank_log_path,
     tail,
 )
-from posttrain.launch.rank_main import RankServer, describe_error
+from posttrain.launch.rank_main import RankServer, describe_error, error_status
 from posttrain.launch.stacks import (
     StackTarget,
     install_stack_dump,
@@ -83,7 +83,7 @@ class RankActor:
             result = self.server.handle(role, method, args, kwargs)
         except BaseException as exc:
             traceback.print_exc()
-            return ("error", describe_error(exc), traceback.format_exc())
+            return (error_status(exc), describe_error(exc), traceback.format_exc())
         return ("ok", result, "")
 
 
@@ -243,8 +243,9 @@ class RayProcesses:
                         results[rank] = answer
                         continue
                     status, value, trace = answer
-                    if status == "error":
+                    if status != "ok":
                         error = self._error(role, rank, value, trace)
+                        error.user_error = status == "user_error"
                     else:
                         results[rank] = value
                 if error is not None and first_error is None:

@@ -16,7 +16,7 @@ from posttrain.algorithms.policy_loss import PolicyLoss
 from posttrain.algorithms.registry import policy_loss_term
 from posttrain.algorithms.value_loss import ValueLoss
 from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs
-from posttrain.errors import PosttrainError, UserError
+from posttrain.errors import DeviceOutOfMemory, PosttrainError, UserError
 
 
 @attrs.define(kw_only=True)
@@ -101,8 +101,15 @@ class WorkerRuntime:
 
             torch.cuda.reset_peak_memory_stats()
         start = time.perf_counter()
-        result = getattr(self.ctx.hook, hook_name)(worker=self.ctx, **kwargs)
         name = hook_name.removeprefix("posttrain_")
+        try:
+            result = getattr(self.ctx.hook, hook_name)(worker=self.ctx, **kwargs)
+        except Exception as exc:
+            import torch
+
+            if isinstance(exc, torch.OutOfMemoryError):
+                raise out_of_memory(self.ctx.role, name, exc) from exc
+            raise
         self._seconds[name] = self._seconds.get(name, 0.0) + time.perf_counter() - start
         if on_gpu:
             peak = torch.cuda.max_memory_allocated()
@@ -208,3 +215,20 @@ class WorkerRuntime:
 
     def ping(self) -> str:
         return "pong"
+
+
+def out_of_memory(role: str, call: str, exc: BaseException) -> DeviceOutOfMemory:
+    """A rank's CUDA out-of-memory error as the user's (exit 2, no traceback): the role, the
+    call, the peak this call reached and the card's size; the driver adds the knobs."""
+    import torch
+
+    where = ""
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        peak = torch.cuda.max_memory_allocated() / 2**30
+        total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+        where = f": peak {peak:.1f} of {total / 2**30:.1f} GiB"
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return DeviceOutOfMemory(
+        f"{role} ran out of GPU memory in {call}{where} ({first}); `posttrain plan WORKFLOW` "
+        "shows where the memory goes"
+    )

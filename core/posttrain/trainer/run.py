@@ -112,12 +112,24 @@ class Trainer:
             raise RunInterrupted(self._rerun_hint()) from None
         except WorkerError as exc:  # a rank failed or timed out: the checkpoints stay as they are
             self._close()
-            exc.hint = f"the run stopped {self._rerun_hint()}"
+            exc.hint = self._knobs(exc) + f"the run stopped {self._rerun_hint()}"
             raise
         finally:
             self._close()
         self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.history)
         return self.history
+
+    def _knobs(self, exc: WorkerError) -> str:
+        """For a rank out of GPU memory, the settings that shrink its role (from the plan)."""
+        if not exc.user_error or "DeviceOutOfMemory" not in str(exc):
+            return ""
+        from posttrain.memory.plan import plan_memory
+
+        plan = plan_memory(self.wf, self.host)
+        knobs = plan.knobs([r for r in exc.roles if r in plan.roles])
+        if not knobs:
+            return ""
+        return "\n".join(["what would shrink it:", *(f"  {k}" for k in knobs), ""])
 
     def _rerun_hint(self) -> str:
         done = self.history[-1]["step"] if self.history else self.state.step
