@@ -61,7 +61,10 @@ class ModelArgs:
     model_type: str | None = None
     dtype: Dtype = "fp32"
     attn_implementation: str | None = None
-    disable_gradient_checkpointing: bool = True
+    # Activation checkpointing off (true) or on (false), as ROLL's key; "auto": on where the
+    # memory plan (`posttrain plan`) says a GPU would otherwise fill, off elsewhere. `posttrain
+    # run` resolves it before any process starts: strategies only ever see true or false.
+    disable_gradient_checkpointing: Literal[True, False, "auto"] = "auto"
     trust_remote_code: bool = False
     flash_attn: str | None = None  # ROLL key, accepted for compatibility
     # Train low-rank adapters instead of every weight; null: full fine-tuning.

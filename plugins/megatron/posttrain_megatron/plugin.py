@@ -134,5 +134,16 @@ class MegatronPlugin(EngineHooks):
 
         add_convert_command(subparsers)
 
+    @hookimpl
+    def posttrain_estimate_memory(self, query):
+        from posttrain_megatron import memory
+
+        name = query.role.strategy_args.strategy_name
+        if name == TRAIN:
+            return memory.estimate_train(query)
+        if name == INFER:
+            return memory.estimate_infer(query)
+        return None
+
 
 plugin = MegatronPlugin()
