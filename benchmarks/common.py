@@ -33,7 +33,8 @@ TINY_QUICKSTART = (
     "cluster.object_store_memory=268435456",
 )
 
-# Qwen2-shaped models the benchmarks build locally (random init, no download).
+# Models the benchmarks build locally (random init, no download): Qwen2 unless ``arch`` says
+# ``llama``; the larger ones keep their real model's untied output layer (``tie``).
 SHAPES = {
     "tiny": dict(
         hidden_size=64,
@@ -67,6 +68,37 @@ SHAPES = {
         num_key_value_heads=2,
         vocab_size=151936,
     ),
+    "qwen2.5-7b": dict(
+        hidden_size=3584,
+        intermediate_size=18944,
+        num_hidden_layers=28,
+        num_attention_heads=28,
+        num_key_value_heads=4,
+        vocab_size=152064,
+        tie=False,
+    ),
+    "llama3.1-8b": dict(
+        arch="llama",
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        vocab_size=128256,
+        rope_theta=500000.0,
+        tie=False,
+    ),
+    # Qwen2.5-32B's geometry with 16 of its 64 layers: tensor and pipeline parallelism at 32B's
+    # widths without 32B's memory.
+    "qwen2.5-32b-l16": dict(
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_hidden_layers=16,
+        num_attention_heads=40,
+        num_key_value_heads=8,
+        vocab_size=152064,
+        tie=False,
+    ),
 }
 
 # Dense bf16 peak TFLOP/s of a GPU, by a part of its name (SXM parts).
@@ -84,34 +116,54 @@ def build_model(
     *,
     dtype: str = "fp32",
     max_positions: int = 4096,
-    tie_word_embeddings: bool = True,
+    tie_word_embeddings: bool | None = None,
+    device: str = "cpu",
 ) -> BuiltModel:
-    """A Qwen2 of ``shape`` (random init, seed 0) saved in ``dtype``, with the tokenizer of
-    ``preset:tiny-qwen2`` (the arithmetic alphabet: the model's vocabulary is larger than the
-    tokenizer's)."""
+    """A model of ``shape`` (random init, seed 0) saved in ``dtype`` as sharded safetensors,
+    with the tokenizer of ``preset:tiny-qwen2`` (the arithmetic alphabet: the model's
+    vocabulary is larger than the tokenizer's). ``tie_word_embeddings``: None keeps the shape's
+    own (tied unless it says ``tie=False``). ``device``: where the weights are initialised
+    (``cuda`` builds an 8B model in seconds, where the CPU takes minutes)."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
     from posttrain import torch_dtype
     from posttrain.tasks.presets import preset_path
 
-    config = Qwen2Config(
-        **SHAPES[shape],
-        max_position_embeddings=max_positions,
-        tie_word_embeddings=tie_word_embeddings,
-    )
+    config, model_class = model_config(shape, max_positions, tie_word_embeddings)
     torch.manual_seed(0)
-    with torch.device("cpu"):
-        model = Qwen2ForCausalLM(config).to(torch_dtype(dtype))
-    model.save_pretrained(out_dir)
+    with torch.device(device):
+        model = getattr(transformers, model_class)(config).to(torch_dtype(dtype))
+    model.save_pretrained(out_dir, max_shard_size="4GB")
     # Copied as the preset saved it: the saved class keeps every loader (posttrain's, an
     # engine's own, another transformers version) reading the same vocabulary.
     copy_tokenizer(preset_path("preset:tiny-qwen2"), out_dir)
     params = list(model.parameters())
-    return BuiltModel(
+    built = BuiltModel(
         params=sum(p.numel() for p in params),
         nbytes=sum(p.numel() * p.element_size() for p in params),
     )
+    del model, params
+    if device == "cuda":
+        torch.cuda.empty_cache()  # the benchmark's ranks need the whole card
+    return built
+
+
+def model_config(shape: str, max_positions: int = 4096, tie_word_embeddings: bool | None = None):
+    """The transformers config of ``shape`` and the name of its model class."""
+    import transformers
+
+    geometry = dict(SHAPES[shape])
+    arch = geometry.pop("arch", "qwen2")
+    tied = geometry.pop("tie", True) if tie_word_embeddings is None else tie_word_embeddings
+    config_class, model_class = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    }[arch]
+    config = getattr(transformers, config_class)(
+        **geometry, max_position_embeddings=max_positions, tie_word_embeddings=tied
+    )
+    return config, model_class
 
 
 def copy_tokenizer(from_dir: str | Path, to_dir: str | Path) -> None:

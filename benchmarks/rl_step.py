@@ -19,20 +19,29 @@ two forward passes (old policy, reference) over every token, the update one trai
     python benchmarks/rl_step.py --device cuda --shape qwen2-1.5b --logprob-chunk-tokens 0
                                         # full-vocabulary logits, to compare with the default
 
+    python benchmarks/rl_step.py --device cuda --shape llama3.1-8b --workload long --gpus 4 \
+        --trainer megatron_train \
+        --set actor_train.strategy_args.strategy_config.tensor_model_parallel_size=2  # 4 GPUs
+
 Workloads: ``short`` (16 prompts x 8, 16-token prompts, 64 new tokens), ``long`` (32 prompts x
-8, 256-token prompts, 1024 new tokens) and ``tiny`` (2 prompts x 2, 8 + 4 tokens). Layouts:
-``hybrid`` (every role on GPU 0, one process), ``disaggregated`` (trainer and reference on GPU
-0, rollout on GPU 1), ``colocated`` (every role on GPUs 0 and 1). ``--profile`` writes the
-top 15 operations of each phase's second call (benchmarks/phase_profiler.py) and prints them.
+8, 256-token prompts, 1024 new tokens) and ``tiny`` (2 prompts x 2, 8 + 4 tokens). Layouts over
+``--gpus`` GPUs: ``hybrid`` (every role on every GPU, one process a GPU; 1 GPU by default),
+``disaggregated`` (trainer and reference on the first GPUs, rollout on the last
+``--rollout-gpus``; 2 GPUs by default), ``colocated`` (hybrid on 2 GPUs by default).
+``--profile`` writes the top 15 operations of each phase's second call
+(benchmarks/phase_profiler.py) and prints them.
 """
 
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
 import json
+import multiprocessing
 import os
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -43,6 +52,7 @@ from common import (
     build_model,
     device_name,
     flops_per_token,
+    model_config,
     peak_bf16_tflops,
     print_table,
     run_workflow,
@@ -56,11 +66,7 @@ WORKLOADS = {
     "long": (32, 8, 256, 1024),
     "tiny": (2, 2, 8, 4),
 }
-LAYOUTS = {  # (trainer and reference devices, rollout devices)
-    "hybrid": ([0], [0]),
-    "disaggregated": ([0], [1]),
-    "colocated": ([0, 1], [0, 1]),
-}
+LAYOUTS = ("hybrid", "disaggregated", "colocated")
 INFER_OF = {
     "fsdp2_train": "fsdp2_infer",
     "megatron_train": "megatron_infer",
@@ -78,9 +84,21 @@ def write_prompts(path: Path, count: int, length: int) -> None:
             f.write(json.dumps({"prompt": digits, "answer": "0"}) + "\n")
 
 
+def devices(args) -> tuple[list[int], list[int]]:
+    """(trainer and reference GPUs, rollout GPUs) of ``args.layout`` over ``args.gpus`` GPUs:
+    hybrid and colocated share them all (colocated is hybrid's old name for 2 GPUs);
+    disaggregated gives the last ``args.rollout_gpus`` to the rollout."""
+    gpus = args.gpus or (2 if args.layout in ("colocated", "disaggregated") else 1)
+    every = list(range(gpus))
+    if args.layout != "disaggregated":
+        return every, every
+    split = gpus - args.rollout_gpus
+    return every[:split], every[split:]
+
+
 def workflow(args, model: str, data: Path) -> dict:
     prompts, group, prompt_len, new_tokens = WORKLOADS[args.workload]
-    train_devices, infer_devices = LAYOUTS[args.layout]
+    train_devices, infer_devices = devices(args)
     cuda = args.device == "cuda"
     # Micro-batches by tokens (dynamic batching) unless --micro-batch fixes their rows; the
     # reference scores as many whole rows as the budget holds.
@@ -100,7 +118,10 @@ def workflow(args, model: str, data: Path) -> dict:
         "model_args": {
             "model_name_or_path": model,
             "dtype": "bf16" if cuda else "fp32",
-            "disable_gradient_checkpointing": not args.checkpointing,
+            # auto: the memory plan turns it on where a GPU would otherwise fill.
+            "disable_gradient_checkpointing": {"auto": "auto", "on": False, "off": True}[
+                args.checkpointing
+            ],
         },
         "data": {
             "path": str(data),
@@ -148,9 +169,28 @@ def workflow(args, model: str, data: Path) -> dict:
     }
 
 
-def phase_rows(args, metrics: list[dict], params: int) -> list[dict]:
+def planned_peaks(path: Path, overrides: list[str]) -> dict[str, float]:
+    """The memory plan's peak GiB of each phase (the largest over GPUs), for the workflow at
+    ``path`` as ``posttrain run`` plans it (``auto`` checkpointing resolved for this GPU)."""
+    from posttrain.cli import _parse_overrides
+    from posttrain.config.workflow import load_workflow
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.memory.plan import gpu_memory_bytes, plan_memory, resolve_recompute
+
+    host = create_plugin_host()
+    workflow, report = load_workflow(str(path), host, _parse_overrides(overrides))
+    report.raise_if_errors(str(path))
+    workflow = resolve_recompute(workflow, host, gpu_memory_bytes())
+    peaks: dict[str, float] = {}
+    for peak in plan_memory(workflow, host).peaks:
+        peaks[peak.phase] = max(peaks.get(peak.phase, 0.0), peak.total / 2**30)
+    return peaks
+
+
+def phase_rows(args, metrics: list[dict], params: int, planned: dict[str, float]) -> list[dict]:
     prompts, group, prompt_len, _ = WORKLOADS[args.workload]
-    gpus = len(set(LAYOUTS[args.layout][0]) | set(LAYOUTS[args.layout][1]))
+    train_devices, infer_devices = devices(args)
+    gpus = len(set(train_devices) | set(infer_devices))
     peak = peak_bf16_tflops(device_name(args.device))
     steps = steady(metrics)
 
@@ -170,12 +210,12 @@ def phase_rows(args, metrics: list[dict], params: int) -> list[dict]:
         "train": (tokens, tokens * training),
         "weight_sync": (0.0, 0.0),
     }
-    trainer_gpus = len(LAYOUTS[args.layout][0])
+    trainer_gpus = len(train_devices)
     rows = []
     for phase in PHASES:
         seconds = mean(f"time/{phase}")
         count, flops = work[phase]
-        busy = gpus if args.layout == "colocated" else trainer_gpus
+        busy = trainer_gpus if args.layout == "disaggregated" else gpus
         tflops = flops / seconds / busy / 1e12 if seconds else 0.0
         row = {
             "phase": phase,
@@ -184,6 +224,7 @@ def phase_rows(args, metrics: list[dict], params: int) -> list[dict]:
             "TFLOP/s/GPU": tflops,
             "of peak": tflops / peak if peak else None,
             "peak GiB": mean(f"memory/{phase}_peak_gib") or None,
+            "plan GiB": planned.get(phase),
             # The slowest rank's seconds in the phase's hooks: the rest is the driver's.
             "on ranks s": mean(f"rank_time/{phase}_s") or None,
             "other": "",
@@ -203,6 +244,7 @@ def phase_rows(args, metrics: list[dict], params: int) -> list[dict]:
             "TFLOP/s/GPU": None,
             "of peak": None,
             "peak GiB": None,
+            "plan GiB": None,
             "on ranks s": None,
             "other": f"{3600 / step:,.0f} steps/h, {tokens / step / gpus:,.0f} tokens/s/GPU",
         }
@@ -214,12 +256,46 @@ def _seconds(metrics: dict, phase: str) -> str:
     return f"{metrics.get(f'time/{phase}', 0):.2f} / {metrics.get(f'rank_time/{phase}_s', 0):.2f}"
 
 
+def built_params(args, model: str, dtype: str) -> int:
+    """Build the model (on the GPU in a process of its own, whose CUDA context is gone before the
+    ranks start) and return its parameter count."""
+    if args.device != "cuda":
+        return build_model(args.shape, model, dtype=dtype, max_positions=4096).params
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        job = pool.submit(
+            build_model, args.shape, model, dtype=dtype, max_positions=4096, device="cuda"
+        )
+        return job.result().params
+
+
+def print_plan(args, model: Path, tmp_path: Path) -> int:
+    """``posttrain plan`` of the benchmark's workflow, from the shape's config alone."""
+    config, _ = model_config(args.shape)
+    config.save_pretrained(model)
+    data = tmp_path / "prompts.jsonl"
+    write_prompts(data, WORKLOADS[args.workload][0], WORKLOADS[args.workload][2])
+    path = tmp_path / "rl_step.yaml"
+    path.write_text(yaml.safe_dump(workflow(args, str(model), data), sort_keys=False))
+    command = [sys.executable, "-m", "posttrain.cli", "plan", str(path)]
+    command += ["--gpu-memory-gib", str(args.plan_only)]
+    for item in args.set:
+        command += ["--set", item]
+    return subprocess.run(command, check=False).returncode
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--shape", default="tiny", choices=sorted(SHAPES))
     parser.add_argument("--workload", default="short", choices=sorted(WORKLOADS))
-    parser.add_argument("--layout", default="hybrid", choices=sorted(LAYOUTS))
+    parser.add_argument("--layout", default="hybrid", choices=LAYOUTS)
+    parser.add_argument(
+        "--gpus", type=int, help="GPUs of the layout (default: 1 hybrid, 2 otherwise)"
+    )
+    parser.add_argument(
+        "--rollout-gpus", type=int, default=1, help="disaggregated: the rollout's share of --gpus"
+    )
     parser.add_argument("--trainer", default="fsdp2_train", choices=sorted(INFER_OF))
     parser.add_argument("--reference", help="the reference's strategy (default: the trainer's)")
     parser.add_argument("--steps", type=int, default=6)
@@ -227,7 +303,12 @@ def main() -> int:
         "--max-tokens", type=int, default=16384, help="tokens per micro-batch (dynamic batching)"
     )
     parser.add_argument("--micro-batch", type=int, help="rows per micro-batch instead of tokens")
-    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing")
+    parser.add_argument(
+        "--checkpointing",
+        choices=("auto", "on", "off"),
+        default="auto",
+        help="activation checkpointing (auto: the workflow's default, from the memory plan)",
+    )
     parser.add_argument("--profile", action="store_true", help="torch.profiler of each phase")
     parser.add_argument(
         "--logprob-chunk-tokens",
@@ -236,6 +317,13 @@ def main() -> int:
         "deepspeed strategies; 0: full-vocabulary logits); default: the strategies' own",
     )
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
+    parser.add_argument(
+        "--plan-only",
+        type=float,
+        metavar="GIB",
+        help="build nothing, run nothing: print `posttrain plan` of the workflow for GPUs of GIB "
+        "(79.6 for an H100 80GB), from the shape's config alone",
+    )
     args = parser.parse_args()
     if args.logprob_chunk_tokens is not None and "megatron" in args.trainer + str(args.reference):
         parser.error("--logprob-chunk-tokens: megatron strategies compute log-probs their own way")
@@ -244,7 +332,9 @@ def main() -> int:
         tmp_path = Path(tmp)
         model = tmp_path / args.shape
         dtype = "bf16" if args.device == "cuda" else "fp32"
-        params = build_model(args.shape, str(model), dtype=dtype, max_positions=4096).params
+        if args.plan_only:
+            return print_plan(args, model, tmp_path)
+        params = built_params(args, str(model), dtype)
         prompts, _, prompt_len, _ = WORKLOADS[args.workload]
         data = tmp_path / "prompts.jsonl"
         write_prompts(data, prompts * max(args.steps, 1), prompt_len)
@@ -257,6 +347,7 @@ def main() -> int:
             env["POSTTRAIN_PROFILE_DIR"] = str(profile_dir)
         path = tmp_path / "rl_step.yaml"
         path.write_text(yaml.safe_dump(spec, sort_keys=False))
+        planned = planned_peaks(path, args.set)
         run = run_workflow(path, args.set, env=env)
         profiles = sorted(profile_dir.glob("*.txt")) if args.profile else []
         for profile in profiles:
@@ -268,8 +359,15 @@ def main() -> int:
         f"{len(steady(run.metrics))} steady steps"
     )
     print_table(
-        phase_rows(args, run.metrics, params),
-        formats={"s": ".3f", "tokens": ",.0f", "TFLOP/s/GPU": ".1f", "of peak": ".1%"},
+        phase_rows(args, run.metrics, params, planned),
+        formats={
+            "s": ".3f",
+            "tokens": ",.0f",
+            "TFLOP/s/GPU": ".1f",
+            "of peak": ".1%",
+            "peak GiB": ".1f",
+            "plan GiB": ".1f",
+        },
     )
     print("\nper step (seconds: the phase / its hooks on the slowest rank)")
     print_table(
