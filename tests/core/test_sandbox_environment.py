@@ -152,3 +152,66 @@ def test_doctor_reports_the_sandbox_guarantees_of_this_machine(capsys, monkeypat
         assert rows[guarantee.name] == ("yes" if guarantee.holds else "no"), guarantee
     if found.bubblewrap:
         assert rows["no network"] == rows["every process gone on return"] == "yes"
+
+
+@pytest.fixture
+def no_bubblewrap(monkeypatch):
+    """This machine as one without bwrap (CI installs it): what ``detect`` would find."""
+    from posttrain.sandbox import local
+
+    missing = iso.Isolation(
+        bubblewrap=False, bubblewrap_problem=iso.NOT_INSTALLED, prlimit=iso.detect().prlimit
+    )
+    monkeypatch.setattr(iso, "detect", lambda: missing)
+    local.warn_fallback_once.cache_clear()  # each test sees its own first warning
+    yield
+    local.warn_fallback_once.cache_clear()
+
+
+def fallback_lines(err: str) -> list[str]:
+    return [line for line in err.splitlines() if "runs without bubblewrap" in line]
+
+
+@needs_prlimit
+def test_sandbox_run_auto_without_bubblewrap_warns_once_what_is_not_contained(
+    no_bubblewrap, tmp_path, capsys
+):
+    program = tmp_path / "p.py"
+    program.write_text("print(1)\n")
+    assert main(["sandbox", "run", str(program)]) == 0
+    out, err = capsys.readouterr()
+    [line] = fallback_lines(err)
+    assert line.startswith("warning: ") and "bwrap is not installed" in line
+    for uncontained in ("network", "files", "processes"):
+        assert uncontained in line, line
+    assert "apt-get install bubblewrap" in line and "isolation: strict" in line
+    assert '"isolation": "rlimits"' in out and '"stdout": "1\\n"' in out
+
+
+def test_strict_isolation_without_bubblewrap_is_refused(no_bubblewrap, tmp_path, capsys):
+    program = tmp_path / "p.py"
+    program.write_text("open('ran', 'w')\n")
+    assert main(["sandbox", "run", str(program), "--isolation", "strict"]) == 2
+    out, err = capsys.readouterr()
+    assert "error: isolation 'strict' needs bubblewrap, which cannot run here" in err, err
+    assert "apt-get install bubblewrap" in err and out == ""
+    with pytest.raises(ValueError, match="isolation 'strict' needs bubblewrap"):
+        PythonSandboxConfig(isolation="strict")
+
+
+def test_an_environment_on_auto_without_bubblewrap_warns_once_per_process(no_bubblewrap, capsys):
+    # Made twice, as a run does (validation, then the instances): one line.
+    PythonSandboxConfig(isolation="auto")
+    PythonSandboxConfig(isolation="auto")
+    [line] = fallback_lines(capsys.readouterr().err)
+    assert "network" in line and "apt-get install bubblewrap" in line
+    PythonSandboxConfig(isolation="rlimits")  # asked for by name: no warning
+    assert fallback_lines(capsys.readouterr().err) == []
+
+
+def test_auto_says_nothing_where_bubblewrap_runs():
+    from posttrain.sandbox.local import fallback_warning
+
+    assert fallback_warning("auto", "bubblewrap") == ""
+    assert fallback_warning("rlimits", "rlimits") == ""
+    assert fallback_warning("strict", "bubblewrap") == ""

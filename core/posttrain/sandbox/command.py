@@ -38,9 +38,11 @@ def add_sandbox_parser(sub) -> None:
     run.add_argument("--max-output-bytes", type=int, default=65536, help="of each stream kept")
     run.add_argument(
         "--isolation",
-        choices=("auto", "bubblewrap", "rlimits"),
+        choices=("auto", "strict", "bubblewrap", "rlimits"),
         default="auto",
-        help="auto: bubblewrap where it runs, else rlimits only (the result says which)",
+        help="auto: bubblewrap where it runs, else rlimits only, with a warning on stderr (the "
+        "result says which); strict (or bubblewrap): bubblewrap, or exit 2 where it cannot "
+        "run; rlimits: limits only (docs/sandbox.md)",
     )
     run.set_defaults(handler=cmd_sandbox_run)
 
@@ -62,7 +64,7 @@ def _limits(args):
 
 
 def cmd_sandbox_run(args, host) -> int:
-    from posttrain.sandbox.local import run_python
+    from posttrain.sandbox.local import resolve_level, run_python, warn_fallback_once
 
     limits = _limits(args)
     try:
@@ -70,7 +72,9 @@ def cmd_sandbox_run(args, host) -> int:
             code = file.read()
     except (OSError, UnicodeDecodeError) as exc:
         raise UserError(f"cannot read {args.file}: {exc}") from None
-    result = run_python(code, limits, isolation=args.isolation)
+    level = resolve_level(args.isolation)
+    warn_fallback_once(args.isolation, level)  # before the program runs, uncontained
+    result = run_python(code, limits, isolation=level)
     sys.stdout.write(json.dumps(result.to_json(), indent=2) + "\n")
     return 0
 
@@ -86,7 +90,7 @@ def guarantee_rows() -> list[tuple[str, str, str]]:
             found.best,
             "bubblewrap runs here"
             if found.bubblewrap
-            else f"no bubblewrap: {found.bubblewrap_problem}",
+            else f"no bubblewrap: {found.bubblewrap_problem}; {found.remedy}",
         )
     ]
     if found.prlimit is None:

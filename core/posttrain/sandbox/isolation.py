@@ -31,6 +31,7 @@ import attrs
 # The sandbox user when the caller is root: the kernel exempts uid 0 from RLIMIT_NPROC.
 NOBODY = 65534
 LEVELS = ("bubblewrap", "rlimits")
+NOT_INSTALLED = "bwrap is not installed"
 
 
 @attrs.frozen(kw_only=True)
@@ -52,6 +53,15 @@ class Isolation:
     @property
     def best(self) -> str:
         return "bubblewrap" if self.bubblewrap else "rlimits"
+
+    @property
+    def remedy(self) -> str:
+        """What would make bubblewrap run here ("" where it does)."""
+        if self.bubblewrap:
+            return ""
+        if self.bubblewrap_problem == NOT_INSTALLED:
+            return "install bubblewrap (Debian/Ubuntu: apt-get install bubblewrap)"
+        return "let bubblewrap make user namespaces here (docs/sandbox.md)"
 
     def guarantees(self, level: str) -> list[Guarantee]:
         """The guarantees a run at ``level`` has on this machine."""
@@ -165,7 +175,7 @@ def detect() -> Isolation:
     if bwrap is None:
         return Isolation(
             bubblewrap=False,
-            bubblewrap_problem="bwrap is not installed (Debian/Ubuntu: apt-get install bubblewrap)",
+            bubblewrap_problem=NOT_INSTALLED,
             prlimit=prlimit,
         )
     uid = sandbox_user()

@@ -11,12 +11,14 @@ wall-clock limit, or as soon as the program ends, every process left in its grou
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import os
 import selectors
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -45,7 +47,8 @@ class SandboxUnavailable(UserError):
 
 
 def resolve_level(requested: str) -> str:
-    """``auto`` -> the best level here; an explicit level that is missing is an error."""
+    """The level a run gets: ``auto`` -> the best here; ``strict`` (or ``bubblewrap``) ->
+    ``bubblewrap``, an error where it cannot run; ``rlimits`` -> ``rlimits``."""
     found = iso.detect()
     if found.prlimit is None:
         raise SandboxUnavailable(
@@ -54,12 +57,38 @@ def resolve_level(requested: str) -> str:
         )
     if requested == "auto":
         return found.best
-    if requested == "bubblewrap" and not found.bubblewrap:
-        raise SandboxUnavailable(
-            f"isolation 'bubblewrap' cannot run here: {found.bubblewrap_problem}; install "
-            "bubblewrap, or accept weaker isolation with isolation: rlimits (docs/sandbox.md)"
-        )
+    if requested in ("strict", "bubblewrap"):
+        if not found.bubblewrap:
+            raise SandboxUnavailable(
+                f"isolation '{requested}' needs bubblewrap, which cannot run here: "
+                f"{found.bubblewrap_problem}; {found.remedy}, or accept weaker isolation with "
+                "isolation: auto or rlimits (docs/sandbox.md)"
+            )
+        return "bubblewrap"
     return requested
+
+
+def fallback_warning(requested: str, level: str) -> str:
+    """The one line saying what is not contained when ``auto`` fell back to rlimits ("" for
+    any other outcome: a level asked for by name is the user's informed choice)."""
+    if requested != "auto" or level != "rlimits":
+        return ""
+    found = iso.detect()
+    return (
+        f"warning: the sandbox runs without bubblewrap ({found.bubblewrap_problem}), so the "
+        "code it runs is not contained: it can use the network, read and write this machine's "
+        f"files, and leave processes running after the call; {found.remedy}, or set isolation: "
+        "strict to refuse to run without it (docs/sandbox.md)"
+    )
+
+
+@functools.cache
+def warn_fallback_once(requested: str, level: str) -> None:
+    """:func:`fallback_warning` on stderr, once per process (an environment's config is made
+    more than once in a run: when the workflow is validated and when the instances are)."""
+    text = fallback_warning(requested, level)
+    if text:
+        print(text, file=sys.stderr, flush=True)
 
 
 def check_paths(python: str, read_only_paths, level: str) -> list[str]:

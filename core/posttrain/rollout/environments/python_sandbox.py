@@ -32,10 +32,11 @@ class PythonSandboxConfig:
     syntax: Literal["compact", "hermes"] = "compact"
     # local: this machine's sandbox; remote: a SandboxFusion service at `url`.
     backend: Literal["local", "remote"] = "local"
-    # local only. bubblewrap: namespaces plus rlimits, refused where bwrap cannot run;
-    # rlimits: limits only, the code sees this machine's files and network; auto: the best
-    # this machine has. docs/sandbox.md lists what each guarantees.
-    isolation: Literal["bubblewrap", "rlimits", "auto"] = "bubblewrap"
+    # local only. strict (or bubblewrap, the same): namespaces plus rlimits, refused where
+    # bwrap cannot run; rlimits: limits only, the code sees this machine's files and network;
+    # auto: the best this machine has, with a warning on stderr when that is rlimits.
+    # docs/sandbox.md lists what each guarantees.
+    isolation: Literal["bubblewrap", "strict", "rlimits", "auto"] = "bubblewrap"
     # The local interpreter; outside /usr its prefix is shown to the code, read-only.
     python: str = "/usr/bin/python3"
     # Host paths shown read-only at the same place under bubblewrap (e.g. a venv with numpy).
@@ -65,12 +66,18 @@ class PythonSandboxConfig:
 
     def _check_local(self) -> None:
         """The local sandbox must be able to run as configured, here (where episodes run)."""
-        from posttrain.sandbox.local import SandboxUnavailable, check_paths, resolve_level
+        from posttrain.sandbox.local import (
+            SandboxUnavailable,
+            check_paths,
+            resolve_level,
+            warn_fallback_once,
+        )
 
         try:
             level = resolve_level(self.isolation)
         except SandboxUnavailable as exc:
             raise ValueError(str(exc)) from None
+        warn_fallback_once(self.isolation, level)
         problems = check_paths(self.python, self.read_only_paths, level)
         if problems:
             raise ValueError(
