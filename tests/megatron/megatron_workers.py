@@ -240,3 +240,37 @@ def scenario_logits(rank, world_size, out_dir, model, tag, layout=None):
     if rank == 0 and ps.is_pipeline_last_stage():
         torch.save({"ids": ids, "logits": full, "exported": exported}, f"{out_dir}/{tag}.pt")
     rt.shutdown()
+
+
+def scenario_chunked_head(rank, world_size, out_dir, model, layout, chunk):
+    """One RL step (old log-probs, then the update) of two trainers in this process, one scoring
+    from the whole logits and one ``chunk`` tokens at a time; the rows each call of the chunked
+    scores got show that it ran, in chunks."""
+    import torch
+
+    from posttrain_megatron import token_scores
+
+    rows: list[int] = []
+    original = token_scores.chunked_next_token_scores
+
+    def counted(hidden, *args, **kwargs):
+        rows.append(hidden.shape[0])
+        return original(hidden, *args, **kwargs)
+
+    # _chunked_model_scores calls it through the module global.
+    token_scores.chunked_next_token_scores = counted
+    out = {}
+    for tokens in (0, chunk):
+        rows.clear()
+        rt = make_runtime(rank, world_size, model, logprob_chunk_tokens=tokens, **layout)
+        ctx = rt.ctx
+        batch = step_batch(0, ctx.state["vocab_size"])
+        share = batch.split(ctx.dp_size)[ctx.dp_rank]
+        out[tokens] = {
+            "logprobs": rt.compute_logprobs(share),
+            "metrics": train_one(rt, 0),
+            "params": hf_params(rt),
+            "rows": list(rows),
+        }
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, "chunked_head.pt"))

@@ -124,6 +124,99 @@ def test_vocabulary_split_over_two_ranks_matches_one(tmp_path):
     assert torch.equal(shards[1][2][:, 47:], torch.zeros(23, 3))  # padding columns
 
 
+def head_case(rows: int, hidden: int, width: int, dtype=torch.float32, seed: int = 0):
+    """Hidden states [rows, hidden], an output weight [width, hidden] (the last 3 vocabulary
+    columns padding), targets with some NO_TARGET rows and random output gradients."""
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(rows, hidden, generator=gen).to(dtype)
+    weight = (torch.randn(width, hidden, generator=gen) / hidden**0.25).to(dtype)
+    targets = torch.randint(0, width - 3, (rows,), generator=gen)
+    targets[::5] = token_scores.NO_TARGET
+    return h, weight, targets, torch.randn(2, rows, generator=gen)
+
+
+def head_scores(h, weight, targets, grads, *, chunk, vocab_size, vocab_start=0, group=None):
+    """(log-probs, entropy, d/dhidden, d/dweight) of grads[0] . logp + grads[1] . entropy, with
+    the logits chunked (``chunk`` > 0) or whole (the output layer's product, then the scores)."""
+    h = h.detach().clone().requires_grad_(True)
+    weight = weight.detach().clone().requires_grad_(True)
+    where = {"vocab_start": vocab_start, "vocab_size": vocab_size, "group": group}
+    if chunk:
+        logp, entropy = token_scores.chunked_next_token_scores(
+            h, weight, targets, chunk_tokens=chunk, **where
+        )
+    else:
+        logits = torch.nn.functional.linear(h, weight)
+        logp, entropy = token_scores.next_token_scores(logits, targets, **where)
+    logp = torch.where(targets >= 0, logp, 0.0)
+    (grads[0] * logp + grads[1] * entropy).sum().backward()
+    return logp.detach(), entropy.detach(), h.grad, weight.grad
+
+
+def relative_errors(got, want) -> list[float]:
+    return [
+        float(((g.double() - w.double()).abs() / w.double().abs().clamp(min=1)).max())
+        for g, w in zip(got, want)
+    ]
+
+
+@pytest.mark.parametrize("chunk", [8, 37, 100])
+def test_chunked_head_matches_whole_logits(chunk):
+    """Chunks of 8 rows (the last one short), exactly the rows, more than the rows: log-probs,
+    entropy and the gradients of hidden states and weight as from the whole logits."""
+    h, weight, targets, grads = head_case(37, 16, 53)
+    want = head_scores(h, weight, targets, grads, chunk=0, vocab_size=50)
+    got = head_scores(h, weight, targets, grads, chunk=chunk, vocab_size=50)
+    assert max(relative_errors(got, want)) < 1e-5
+    assert torch.equal(got[3][50:], torch.zeros(3, 16))  # padding rows of the weight
+
+
+def test_chunked_head_keeps_bf16():
+    """bf16 in, bf16 gradients out (the weight's summed over chunks in float32, cast once)."""
+    h, weight, targets, grads = head_case(29, 16, 40, dtype=torch.bfloat16, seed=1)
+    want = head_scores(h, weight, targets, grads, chunk=0, vocab_size=37)
+    got = head_scores(h, weight, targets, grads, chunk=6, vocab_size=37)
+    assert got[2].dtype == got[3].dtype == torch.bfloat16
+    errors = relative_errors(got, want)
+    assert errors[0] < 1e-4 and errors[1] < 1e-4, errors  # scores: float32 sums of one product
+    assert errors[2] < 2e-2 and errors[3] < 2e-2, errors  # a few bf16 ulps (2**-7)
+
+
+def scenario_chunked_split_vocabulary(rank: int, world_size: int, out_dir: str) -> None:
+    """Each rank holds half of the output weight's rows (the second half with the padding)."""
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo")
+    h, weight, targets, grads = head_case(23, 16, 2 * 30, seed=3)
+    shard = weight[rank * 30 : (rank + 1) * 30]
+    where = {"vocab_size": 57, "vocab_start": rank * 30, "group": dist.group.WORLD}
+    out = {chunk: head_scores(h, shard, targets, grads, chunk=chunk, **where) for chunk in (0, 5)}
+    torch.save(out, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def test_chunked_head_over_two_ranks_matches_whole_logits(tmp_path):
+    """TP2: each rank's scores, its share of d/dhidden and its weight shard's gradient equal the
+    whole logits' (the sums combined over both ranks), and the scores equal one rank's."""
+    from posttrain.testing.spawn import run_ranks
+
+    sys.path.insert(0, str(HERE))
+    run_ranks(
+        f"{Path(__file__).stem}:scenario_chunked_split_vocabulary", 2, str(tmp_path), timeout=120
+    )
+    h, weight, targets, grads = head_case(23, 16, 60, seed=3)
+    single = head_scores(h, weight, targets, grads, chunk=0, vocab_size=57)
+    shares = []
+    for rank in range(2):
+        out = torch.load(tmp_path / f"rank{rank}.pt")
+        assert max(relative_errors(out[5], out[0])) < 1e-5
+        assert max(relative_errors(out[5][:2], single[:2])) < 1e-5
+        cols = slice(rank * 30, (rank + 1) * 30)
+        assert max(relative_errors(out[5][3:], [single[3][cols]])) < 1e-5
+        shares.append(out[5][2])
+    # the TP region's backward sums the ranks' shares of the hidden states' gradient
+    assert max(relative_errors([shares[0] + shares[1]], single[2:3])) < 1e-5
+
+
 def triton_kernel_errors(device: str) -> dict[str, float]:
     """Largest differences of the Triton kernels from the float64 reference (CUDA, or CPU
     tensors in Triton's interpreter): rows longer than one block, bf16 and fp32."""
@@ -192,3 +285,32 @@ def test_triton_kernels_on_the_gpu():
     logits, targets, grads = make_case(64, 151936 + 3, torch.bfloat16, device="cuda", seed=5)
     errors = max_errors(logits, targets, grads)
     check_triton_errors({f"torch.bfloat16:{k}": v for k, v in errors.items()})
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(400)
+def test_chunked_head_in_the_model_matches_whole_logits(tmp_path):
+    """Through megatron's GPTModel at TP2 with sequence parallelism and tied embeddings: old
+    log-probs, the step's metrics and the updated weights with logprob_chunk_tokens 5 equal
+    those from the whole logits (logprob_chunk_tokens 0)."""
+    from megatron_workers import build_hf_model, launch
+    from safetensors.torch import load_file
+
+    model = build_hf_model(str(tmp_path / "qwen2"), "qwen2")
+    layout = {"tensor_model_parallel_size": 2, "sequence_parallel": True}
+    launch("chunked_head", 2, str(tmp_path), model=model, layout=layout, chunk=5)
+    out = torch.load(tmp_path / "chunked_head.pt", weights_only=False)
+    whole, chunked = out[0], out[5]
+    assert whole["rows"] == []
+    # every forward (scoring, training) and its backward went through chunks of 5 tokens
+    assert chunked["rows"] and max(chunked["rows"]) > 5
+    assert (chunked["logprobs"] - whole["logprobs"]).abs().max() < 1e-5
+    for key, value in whole["metrics"].items():
+        assert chunked["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+    params = whole["params"]
+    assert params.keys() == chunked["params"].keys()
+    for name, tensor in params.items():
+        assert (chunked["params"][name] - tensor).abs().max() < 1e-5, name
+    # the step moved the weights (equal untouched weights would prove nothing)
+    initial = load_file(f"{model}/model.safetensors")
+    assert max(float((params[k] - initial[k]).abs().max()) for k in initial) > 1e-4

@@ -52,6 +52,11 @@ class MegatronParallelConfig:
     param_offload: bool = False
     # Rows per forward pass when scoring (log-probs); None: the role's infer_batch_size, else 8.
     logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
+    # Log-probs from the output layer this many tokens at a time (forward and backward), never
+    # the whole [tokens, vocab / tp] logits; 0: from the full logits, as before.
+    logprob_chunk_tokens: int = attrs.field(
+        default=1024, validator=at_least(1, also={0: "off: full logits"})
+    )
 
 
 @attrs.frozen(kw_only=True)

@@ -208,7 +208,7 @@ def build_models(worker: WorkerContext) -> tuple[list[torch.nn.Module], Any]:
     for model in models:
         if not value:
             # Called with labels, the model scores next tokens instead of a language-model loss.
-            token_scores.install(unwrap(model), bridge.vocab_size)
+            token_scores.install(unwrap(model), bridge.vocab_size, cfg.logprob_chunk_tokens)
         model.train(train)
         if not train:
             for p in model.parameters():

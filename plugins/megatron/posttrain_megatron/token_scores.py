@@ -17,6 +17,15 @@ chunks of rows.
 The model computes these in place of its language-model loss (:func:`install`): megatron's
 ``GPTModel`` hands ``compute_language_model_loss`` the [s, b, vocab / tp] logits before it would
 transpose them into a contiguous [b, s, vocab] copy, which this way is never made.
+
+With ``logprob_chunk_tokens`` (:func:`chunked_next_token_scores`) the logits are never whole
+either: called with labels, the output layer hands over its input and weight instead of its
+product, and the scores are computed ``chunk`` tokens at a time, each chunk's logits made by the
+same matrix product, reduced to the four sums and dropped; backward makes them again, chunk by
+chunk, for the gradients of the hidden states and of the weight shard (as Liger's fused linear
+cross-entropy, and core's :mod:`posttrain.scoring.chunked_logprobs`, but vocab-parallel). At
+16k tokens x 151,936 columns that is 4.6 GiB of bf16 logits, and as much for their gradient,
+down to two chunks' worth.
 """
 
 from __future__ import annotations
@@ -32,25 +41,117 @@ _CHUNK_ELEMENTS = 1 << 26
 NO_TARGET = -1
 
 
-def install(model: torch.nn.Module, vocab_size: int) -> None:
+def install(model: torch.nn.Module, vocab_size: int, chunk_tokens: int = 0) -> None:
     """Make ``model`` (a bare ``GPTModel`` chunk) answer a call with ``labels`` (the next token of
     each position, ``NO_TARGET`` for none) with [b, s, 2] float32 scores: the labels' log-probs
     and the entropy of each position's distribution over the real ``vocab_size`` columns (the
-    padding columns that split the vocabulary over TP ranks are left out)."""
-    model.compute_language_model_loss = functools.partial(_model_scores, vocab_size=vocab_size)
+    padding columns that split the vocabulary over TP ranks are left out).
+
+    ``chunk_tokens`` > 0: from the output layer's input ``chunk_tokens`` tokens at a time, never
+    the whole logits (:func:`chunked_next_token_scores`). Called without labels the model still
+    returns its logits."""
+    state = _HeadState(chunk_tokens if _can_chunk(model) else 0)
+    model.compute_language_model_loss = functools.partial(
+        _model_scores, vocab_size=vocab_size, state=state
+    )
+    if state.chunk_tokens:
+        layer = model.output_layer
+        # GPTModel calls the output layer, then compute_language_model_loss with its result only
+        # when it has labels: the model's pre-hook says which call this is.
+        layer.forward = functools.partial(_output_layer_forward, layer, layer.forward, state)
+        model.register_forward_pre_hook(
+            functools.partial(_note_labels, state=state), with_kwargs=True
+        )
 
 
-def _model_scores(labels: torch.Tensor, logits: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def _can_chunk(model: torch.nn.Module) -> bool:
+    """Whether this chunk's output layer can hand over its input instead of its product: it is
+    the last stage, the layer has no bias (GPTModel builds it without), and nothing scales or
+    defers its product (MuP output scaling, megatron's deferred embedding weight gradients)."""
+    config = model.config
+    return (
+        bool(getattr(model, "post_process", False))
+        and getattr(model.output_layer, "bias", None) is None
+        and not getattr(config, "use_mup", False)
+        and not getattr(config, "defer_embedding_wgrad_compute", False)
+    )
+
+
+class _HeadState:
+    """The chunk size, and whether the model's current call has labels (set by its pre-hook)."""
+
+    def __init__(self, chunk_tokens: int):
+        self.chunk_tokens = chunk_tokens
+        self.scoring = False
+
+
+class HeadInput:
+    """What the output layer hands ``compute_language_model_loss`` in place of its logits when
+    chunked: its input [s(/tp with SP), b, hidden] and weight [vocab / tp, hidden]."""
+
+    def __init__(self, hidden: torch.Tensor, weight: torch.Tensor, sequence_parallel: bool):
+        self.hidden = hidden
+        self.weight = weight
+        self.sequence_parallel = sequence_parallel
+
+
+def _note_labels(module, args, kwargs, *, state: _HeadState):
+    # The plugin calls its models with keyword arguments only (training._run_schedule).
+    state.scoring = kwargs.get("labels") is not None
+
+
+def _output_layer_forward(layer, forward, state: _HeadState, input_, weight=None, **kwargs):
+    if not state.scoring or kwargs.get("runtime_gather_output"):
+        return forward(input_, weight=weight, **kwargs)
+    weight = layer.weight if weight is None else weight
+    return HeadInput(input_, weight, bool(layer.sequence_parallel)), None
+
+
+def _model_scores(
+    labels: torch.Tensor, logits: torch.Tensor | HeadInput, vocab_size: int, state: _HeadState
+) -> torch.Tensor:
     from megatron.core import parallel_state
 
     group = parallel_state.get_tensor_model_parallel_group()
     rank = parallel_state.get_tensor_model_parallel_rank()
+    if isinstance(logits, HeadInput):
+        return _chunked_model_scores(labels, logits, vocab_size, state.chunk_tokens, group, rank)
     s, b, width = logits.shape
     logp, entropy = next_token_scores(
         logits.reshape(s * b, width),
         labels.transpose(0, 1).reshape(s * b),
         vocab_start=rank * width,
         vocab_size=vocab_size,
+        group=group,
+    )
+    return torch.stack([logp, entropy], dim=-1).view(s, b, 2).transpose(0, 1)
+
+
+def _chunked_model_scores(
+    labels: torch.Tensor, head: HeadInput, vocab_size: int, chunk: int, group, rank: int
+) -> torch.Tensor:
+    from megatron.core.tensor_parallel import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    # What ColumnParallelLinear does with its input: with sequence parallelism gather the
+    # sequence (backward: reduce-scatter), else sum the input's gradient over TP ranks (each
+    # rank's holds its vocabulary shard's share); both are the identity at TP1.
+    if head.sequence_parallel:
+        hidden = gather_from_sequence_parallel_region(
+            head.hidden, tensor_parallel_output_grad=True, group=group
+        )
+    else:
+        hidden = copy_to_tensor_model_parallel_region(head.hidden, group=group)
+    s, b, width = hidden.shape
+    logp, entropy = chunked_next_token_scores(
+        hidden.reshape(s * b, width),
+        head.weight,
+        labels.transpose(0, 1).reshape(s * b),
+        vocab_start=rank * head.weight.shape[0],
+        vocab_size=vocab_size,
+        chunk_tokens=chunk,
         group=group,
     )
     return torch.stack([logp, entropy], dim=-1).view(s, b, 2).transpose(0, 1)
@@ -89,9 +190,7 @@ class _NextTokenScores(torch.autograd.Function):
             logits = logits.contiguous()
         width = logits.shape[-1]
         valid = max(0, min(width, vocab_size - vocab_start))
-        targets = targets.to(device=logits.device, dtype=torch.int64)
-        local = targets - vocab_start
-        local = torch.where((targets >= 0) & (local >= 0) & (local < valid), local, NO_TARGET)
+        local = _local_targets(targets, logits.device, vocab_start, valid)
         m, s, t, target_logit = _impl(logits).partials(logits, local, valid)
         if group is not None and dist.get_world_size(group) > 1:
             m, s, t, target_logit = _combine(m, s, t, target_logit, group)
@@ -105,19 +204,118 @@ class _NextTokenScores(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_entropy):
         logits, local, lse, mean = ctx.saved_tensors
-        zeros = None
-        if grad_logp is None or grad_entropy is None:
-            zeros = torch.zeros_like(lse)
-        grad = _impl(logits).gradient(
-            logits,
-            local,
-            ctx.valid,
-            lse,
-            mean,
-            (grad_logp if grad_logp is not None else zeros).float().contiguous(),
-            (grad_entropy if grad_entropy is not None else zeros).float().contiguous(),
-        )
+        grad_logp, grad_entropy = _output_grads(grad_logp, grad_entropy, lse)
+        grad = _impl(logits).gradient(logits, local, ctx.valid, lse, mean, grad_logp, grad_entropy)
         return grad, None, None, None, None
+
+
+def chunked_next_token_scores(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    vocab_start: int,
+    vocab_size: int,
+    chunk_tokens: int,
+    group=None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`next_token_scores` of the logits ``hidden @ weight.T`` without making them whole:
+    ``chunk_tokens`` rows at a time, forward and again in backward. Differentiable in ``hidden``
+    [rows, h] (its gradient is this shard's share: the caller sums it over ``group``) and
+    ``weight`` [width, h], this rank's vocabulary shard."""
+    if chunk_tokens < 1:
+        raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
+    return _ChunkedNextTokenScores.apply(
+        hidden, weight, targets, vocab_start, vocab_size, chunk_tokens, group
+    )
+
+
+def _local_targets(targets, device, vocab_start: int, valid: int) -> torch.Tensor:
+    """Targets as column indices of this shard; NO_TARGET where the target is elsewhere."""
+    targets = targets.to(device=device, dtype=torch.int64)
+    local = targets - vocab_start
+    return torch.where((targets >= 0) & (local >= 0) & (local < valid), local, NO_TARGET)
+
+
+def _output_grads(grad_logp, grad_entropy, like):
+    """The outputs' gradients as contiguous float32 (zeros for an output without one)."""
+    zeros = None
+    if grad_logp is None or grad_entropy is None:
+        zeros = torch.zeros_like(like)
+    return (
+        (grad_logp if grad_logp is not None else zeros).float().contiguous(),
+        (grad_entropy if grad_entropy is not None else zeros).float().contiguous(),
+    )
+
+
+class _ChunkedNextTokenScores(torch.autograd.Function):
+    """Saves the inputs and two floats per token; each chunk's logits live only while its sums
+    (forward) or its gradient (backward) are computed, by the same kernels as the whole logits'."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, vocab_start, vocab_size, chunk, group):
+        rows, width = hidden.shape[0], weight.shape[0]
+        valid = max(0, min(width, vocab_size - vocab_start))
+        local = _local_targets(targets, hidden.device, vocab_start, valid)
+        sums = torch.empty(4, rows, dtype=torch.float32, device=hidden.device)
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            logits = torch.nn.functional.linear(hidden[start:end], weight)
+            partials = _impl(logits).partials(logits, local[start:end], valid)
+            sums[:, start:end] = torch.stack(partials)
+            del logits
+        m, s, t, target_logit = sums
+        if group is not None and dist.get_world_size(group) > 1:
+            m, s, t, target_logit = _combine(m, s, t, target_logit, group)
+        log_s = s.log()
+        lse = m + log_s
+        mean = m + t / s  # E_p[z]
+        ctx.save_for_backward(hidden, weight, local, lse, mean)
+        ctx.valid = valid
+        ctx.chunk = chunk
+        return target_logit - lse, log_s - t / s
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_entropy):
+        hidden, weight, local, lse, mean = ctx.saved_tensors
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        grad_logp, grad_entropy = _output_grads(grad_logp, grad_entropy, lse)
+        rows, chunk = hidden.shape[0], ctx.chunk
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = None
+        # One chunk: its product is the whole one, in the weight's dtype. Several: summed in
+        # float32 (a low-precision running sum would round at every chunk where the unchunked
+        # product rounds once), cast once.
+        several = rows > chunk
+        if need_weight and several:
+            grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+        for start in range(0, rows, chunk):
+            end = min(start + chunk, rows)
+            h = hidden[start:end]
+            logits = torch.nn.functional.linear(h, weight)
+            grad_logits = _impl(logits).gradient(
+                logits,
+                local[start:end],
+                ctx.valid,
+                lse[start:end],
+                mean[start:end],
+                grad_logp[start:end],
+                grad_entropy[start:end],
+            )
+            del logits
+            if grad_hidden is not None:
+                grad_hidden[start:end] = grad_logits @ weight
+            if need_weight:
+                product = grad_logits.t() @ h
+                if several:
+                    grad_weight.add_(product)
+                else:
+                    grad_weight = product
+                del product
+            del grad_logits
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(weight.dtype)
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _combine(m, s, t, target_logit, group):
