@@ -108,7 +108,7 @@ def workflow(args, model: str, data: Path) -> dict:
         if args.micro_batch
         else {"use_dynamic_batch_size": True, "max_tokens_per_micro_batch": args.max_tokens}
     )
-    # Chunked log-probs (fsdp2 / deepspeed strategies) unless the flag says otherwise.
+    # Chunked log-probs (every trainer and reference strategy) unless the flag says otherwise.
     chunking = (
         {}
         if args.logprob_chunk_tokens is None
@@ -313,8 +313,8 @@ def main() -> int:
     parser.add_argument(
         "--logprob-chunk-tokens",
         type=int,
-        help="strategy_config.logprob_chunk_tokens of the trainer and the reference (fsdp2 and "
-        "deepspeed strategies; 0: full-vocabulary logits); default: the strategies' own",
+        help="strategy_config.logprob_chunk_tokens of the trainer and the reference (0: "
+        "full-vocabulary logits); default: the strategies' own",
     )
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
     parser.add_argument(
@@ -325,8 +325,6 @@ def main() -> int:
         "(79.6 for an H100 80GB), from the shape's config alone",
     )
     args = parser.parse_args()
-    if args.logprob_chunk_tokens is not None and "megatron" in args.trainer + str(args.reference):
-        parser.error("--logprob-chunk-tokens: megatron strategies compute log-probs their own way")
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
