@@ -137,3 +137,21 @@ class TestDeepSpeedRefusesAtStart:
         assert "UserError: role actor_train: DeepSpeed refused the config" in message, message
         assert "Input should be a valid boolean" in message, message
         assert "reduce_scatter" in message and '"stage": 2' in message, message
+
+
+@pytest.mark.parametrize("plugins_loaded", [True, False], ids=["plugins", "bare"])
+def test_an_import_of_deepspeed_by_another_library_does_not_warn_in_a_run(plugins_loaded):
+    """accelerate imports deepspeed in every save_pretrained (a preset's build, an export), in
+    runs of any strategy; without CUDA, DeepSpeed's first import warns that it guessed the CPU
+    accelerator. Every posttrain process loads the plugins first, which keep that line out."""
+    load = "from posttrain.host.plugin_host import create_plugin_host; create_plugin_host(); "
+    code = (load if plugins_loaded else "") + "import deepspeed"
+    env = {k: v for k, v in os.environ.items() if k != "DS_ACCELERATOR"}
+    env["CUDA_VISIBLE_DEVICES"] = ""  # no GPU: DeepSpeed guesses the CPU
+    proc = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert proc.returncode == 0, proc.stderr
+    guessed = "Setting accelerator to CPU" in proc.stdout + proc.stderr
+    # Bare, the warning shows: the test would catch a DeepSpeed that no longer logs it so.
+    assert guessed == (not plugins_loaded), proc.stdout + proc.stderr

@@ -7,6 +7,8 @@ This module is cheap to import (no torch, no deepspeed): ``posttrain validate``,
 
 from __future__ import annotations
 
+import logging
+
 from posttrain import Capabilities, EngineHooks, EnvCheck, ErrorReport, StrategySpec, hookimpl
 from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
 
@@ -72,5 +74,17 @@ class DeepSpeedPlugin(EngineHooks):
             return memory.estimate_infer(query)
         return None
 
+
+def _not_the_cpu_guess(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Setting accelerator to CPU")
+
+
+# Not this plugin's import: accelerate imports deepspeed wherever it is installed (transformers'
+# save_pretrained unwraps every model through it), so runs of any strategy import it, and on a
+# machine without CUDA its first import guesses the CPU accelerator with a warning, in the
+# driver's console (a preset's build) and the ranks' logs. This plugin's engine names its
+# accelerator (DS_ACCELERATOR) and never guesses; for the others the guess is harmless. The
+# filter holds on DeepSpeed's logger, which DeepSpeed configures but does not replace.
+logging.getLogger("DeepSpeed").addFilter(_not_the_cpu_guess)
 
 plugin = DeepSpeedPlugin()
