@@ -1,14 +1,17 @@
-"""The hang watchdog's parts: stacks taken from a live process blocked in C (faulthandler on
-SIGUSR1), the one-line description of where it is, the automatic threshold, the report's files,
-and the workflow checks of the timeouts (tests/e2e/test_resume.py and test_ray.py block a rank
-of a real run)."""
+"""The hang watchdog's parts: stacks taken from a live process blocked in C (answered by a thread
+of its own; faulthandler on SIGUSR1 when its GIL is held), asked 200 times of a busy process,
+the one-line description of where it is, the automatic threshold, the report's files, and the
+workflow checks of the timeouts (tests/e2e/test_resume.py and test_ray.py block a rank of a real
+run)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 import textwrap
 import time
+from pathlib import Path
 
 import pytest
 
@@ -17,9 +20,11 @@ from posttrain.launch.stacks import (
     collect_stacks,
     describe,
     file_head,
+    is_fallback,
     main_thread_frames,
     target,
     this_node,
+    where,
 )
 
 # A process whose main thread blocks in C (a lock's acquire, as a rank blocks in a collective)
@@ -39,26 +44,119 @@ BLOCKED = textwrap.dedent(
 )
 
 
-@pytest.fixture
-def blocked(tmp_path):
-    stacks = tmp_path / "blocked.stacks"
+# The same, but its main thread sleeps in C holding the GIL (a C function called through
+# ctypes.PyDLL keeps it): no other thread of the process can run Python code.
+GIL_HELD = textwrap.dedent(
+    """
+    import ctypes, sys, threading, time
+    from posttrain.launch.stacks import install_stack_dump
+    install_stack_dump(sys.argv[1])
+    threading.Thread(target=lambda: time.sleep(600), daemon=True).start()
+    def wait_for_peer():
+        sleep = ctypes.PyDLL(None).sleep
+        print("ready", flush=True)
+        while True:  # a signal ends the C sleep early
+            sleep(600)
+    wait_for_peer()
+    """
+)
+# Threads that push and pop frames across the frame stack's chunks and start and end threads
+# (tests/e2e/busy_threads_plugin.py): faulthandler's dump, asked for from outside, crashed
+# such a process within tens of calls.
+BUSY = textwrap.dedent(
+    """
+    import sys, time
+    from posttrain.launch.stacks import install_stack_dump
+    install_stack_dump(sys.argv[1])
+    import busy_threads_plugin
+    print("ready", flush=True)
+    while True:
+        busy_threads_plugin._deep(200)
+        time.sleep(0.001)
+    """
+)
+E2E = Path(__file__).resolve().parents[1] / "e2e"
+
+
+def _start(script: str, tmp_path, label: str, env=None):
+    stacks = tmp_path / f"{label}.stacks"
     proc = subprocess.Popen(
-        [sys.executable, "-c", BLOCKED, str(stacks)], stdout=subprocess.PIPE, text=True
+        [sys.executable, "-c", script, str(stacks)], stdout=subprocess.PIPE, text=True, env=env
     )
     assert proc.stdout.readline().strip() == "ready"
-    yield target("blocked rank", proc.pid, this_node(), str(stacks))
+    return proc, target(label, proc.pid, this_node(), str(stacks))
+
+
+@pytest.fixture
+def blocked(tmp_path):
+    proc, blocked = _start(BLOCKED, tmp_path, "blocked rank")
+    yield blocked
     proc.kill()
     proc.wait(timeout=10)
 
 
+@pytest.mark.timeout(60)
 def test_stacks_of_a_process_blocked_in_c_name_its_function(blocked):
     dumps = collect_stacks([blocked])
+    assert not is_fallback(dumps["blocked rank"])  # answered by the process's own thread
     frames = main_thread_frames(dumps["blocked rank"], file_head(blocked.stacks_path))
     assert frames[0].func == "wait_for_peer"  # the main thread, not the sleeping one
     assert describe(frames).startswith("in wait_for_peer (<string>:")
     # Asked again, the process answers again (the handler stays; the process lives on).
     again = collect_stacks([blocked])["blocked rank"]
     assert "wait_for_peer" in again
+
+
+@pytest.mark.timeout(60)
+def test_a_process_whose_gil_is_held_is_dumped_by_faulthandler_and_says_so(tmp_path):
+    proc, held = _start(GIL_HELD, tmp_path, "held rank")
+    try:
+        time.sleep(0.2)  # from "ready" into the C call
+        started = time.monotonic()
+        dump = collect_stacks([held], answer_s=0.5)["held rank"]
+        assert time.monotonic() - started < 5.0
+        assert is_fallback(dump), dump
+        frames, line = where(dump, file_head(held.stacks_path))
+        assert frames[0].func == "wait_for_peer", dump
+        assert line.endswith("(faulthandler's dump: no answer in time)"), line
+        assert proc.poll() is None  # the process lives on
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_200_asks_of_a_process_with_busy_threads_leave_it_running(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(E2E), "POSTTRAIN_TEST_BUSY_THREADS": "1"}
+    proc, busy = _start(BUSY, tmp_path, "busy rank", env=env)
+    try:
+        for _ in range(200):
+            dump = collect_stacks([busy])["busy rank"]
+            assert not is_fallback(dump), dump
+            assert main_thread_frames(dump)[-1].func == "<module>", dump
+        assert proc.poll() is None
+        # Every thread of the process but the one that answers, by name.
+        assert "[busy-threads_recurse_forever]" in dump and "[MainThread]" in dump
+        assert "posttrain-stacks" not in dump
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
+
+
+@pytest.mark.timeout(60)
+def test_a_process_without_the_handler_is_never_signalled(tmp_path):
+    # Listed, but it has not registered faulthandler (a rank still starting): SIGUSR1 would
+    # kill it.
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
+    try:
+        starting = target("starting rank", proc.pid, this_node(), str(tmp_path / "none.stacks"))
+        dump = collect_stacks([starting], answer_s=0.2)["starting rank"]
+        assert dump == f"(no answer from process {proc.pid} in 0.2s)\n"
+        time.sleep(0.2)
+        assert proc.poll() is None
+    finally:
+        proc.kill()
+        proc.wait(timeout=10)
 
 
 def test_an_exited_or_recycled_pid_is_never_signalled(blocked, tmp_path):

@@ -1,16 +1,26 @@
 """Python stacks of live processes, taken from outside: the hang watchdog and ``posttrain stacks``.
 
-Each rank process (and the driver) registers :mod:`faulthandler` on ``SIGUSR1`` at start-up,
-writing into a file of its own beside its log (``RUN_DIR/logs/<roles>.rank<r>.stacks``).
-faulthandler dumps from the signal handler itself, in C, without the GIL: it answers while the
-process's main thread is blocked inside a collective or any other C++ call, where a Python-level
-side channel would wait. The process that wants the stacks records each file's size, signals the
-processes and reads what each appended.
+Each rank process (and the driver) starts a daemon thread at start-up that answers on a Unix
+socket of its own (an abstract address named after the process's pid and start time): whoever
+connects gets every other thread's stack, formatted from :func:`sys._current_frames` under the
+GIL. Frames only change under the GIL, so the answer is read while no thread can push or pop
+one. The thread answers while the main thread is blocked in a collective or any other C++ call
+that releases the GIL, as torch's do.
+
+Only a process that does not answer in ``ANSWER_S`` (its GIL held by a thread stuck in C) is
+asked the old way: :mod:`faulthandler`, registered on ``SIGUSR1``, dumps every thread into a
+file beside the process's log (``RUN_DIR/logs/<roles>.rank<r>.stacks``) from the signal handler.
+That dump reads other threads' frames without the GIL: a thread that returns from a deep call
+(freeing a chunk of its frame stack) or ends while it is read makes it read freed memory, and
+the process dies of SIGSEGV (issue 44: the driver of a live run did, asked by ``posttrain
+stacks``). With the GIL held by a stuck thread, no other thread can change its frames, which is
+when the fallback is used; its output says so.
 
 The driver lists the processes a run started in ``RUN_DIR/logs/processes.json`` (pid, start time,
 roles, rank, node, stacks file) while they live, so another terminal can ask too. A pid is
-signalled only if the process under it started when the listed one did: a recycled pid is
-never sent a signal its owner would die of.
+signalled only if the process under it started when the listed one did, and has registered the
+handler (its stacks file says so): a recycled pid, or a process still starting, is never sent a
+signal it would die of.
 """
 
 from __future__ import annotations
@@ -19,18 +29,27 @@ import faulthandler
 import json
 import os
 import re
+import selectors
 import signal
 import socket
+import struct
+import sys
 import threading
 import time
 
 import attrs
 
 DUMP_SIGNAL = signal.SIGUSR1
+# How long a process gets to answer from its own thread before faulthandler is asked instead.
+ANSWER_S = 2.0
 PROCESSES_FILE = "processes.json"
 _MAIN_THREAD_HEADER = "posttrain main thread: "
+_END_OF_ANSWER = "-- end of stacks --\n"  # an answer without it was cut short
+_FALLBACK_NOTE = "(faulthandler's dump: the process did not answer from its own thread in {}s)\n"
+_SERVER_THREAD = "posttrain-stacks"
 _REPORTERS = ("stacks.py", "hang_watch.py")
-_registered: dict[str, object] = {}  # the open stacks file of this process (kept open)
+# This process's open stacks file (kept open for faulthandler) and its answering thread.
+_registered: dict[str, object] = {}
 
 
 @attrs.frozen(kw_only=True)
@@ -50,12 +69,76 @@ def stacks_path_for(log_path: str) -> str:
 
 
 def install_stack_dump(path: str) -> None:
-    """Let this process dump every thread's Python stack into ``path`` on ``SIGUSR1``."""
+    """Let this process answer for every thread's Python stack: from a thread of its own, on
+    its socket, and, as a fallback, by faulthandler into ``path`` on ``SIGUSR1``."""
     os.makedirs(os.path.dirname(path), exist_ok=True)
     f = open(path, "w", buffering=1, encoding="utf-8")  # noqa: SIM115 (lives with the process)
-    f.write(f"{_MAIN_THREAD_HEADER}0x{threading.main_thread().ident:016x}\n")
     faulthandler.register(DUMP_SIGNAL, file=f, all_threads=True, chain=False)
+    # Written once the handler is registered: a file that names the main thread is a process
+    # that SIGUSR1 does not kill.
+    f.write(f"{_MAIN_THREAD_HEADER}0x{threading.main_thread().ident:016x}\n")
     _registered["file"] = f
+    if "server" not in _registered:  # once per process (a driver may start several runs)
+        _registered["server"] = _start_stack_server()
+
+
+def _address(pid: int, start_time: str) -> bytes:
+    """A process's stacks socket: an abstract Unix address (no file to leave behind, gone with
+    the process), named after the process's identity."""
+    return f"\0posttrain-stacks-{pid}-{start_time}".encode()
+
+
+def _start_stack_server() -> socket.socket | None:
+    start_time = process_start_time(os.getpid())
+    if not start_time:  # no /proc: no way to find this process again (abstract sockets neither)
+        return None
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(_address(os.getpid(), start_time))
+    server.listen(16)
+    threading.Thread(target=_serve_stacks, args=(server,), name=_SERVER_THREAD, daemon=True).start()
+    return server
+
+
+def _serve_stacks(server: socket.socket) -> None:
+    """Answer each connection with this process's stacks, for the same user only: an abstract
+    address has no file permissions to keep others out."""
+    while True:
+        conn, _ = server.accept()
+        with conn:
+            _pid, uid, _gid = struct.unpack(
+                "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+            )
+            if uid not in (os.getuid(), 0):
+                continue
+            # An asker that stops reading does not hold this thread forever.
+            conn.settimeout(2 * ANSWER_S)
+            try:
+                conn.sendall(format_stacks().encode("utf-8", "replace"))
+            except OSError:  # the asker gave up (its wait ran out) and closed its end
+                continue
+
+
+def format_stacks() -> str:
+    """Every thread's stack but the answering thread's, the main thread first, in
+    faulthandler's format (innermost frame first), which :func:`main_thread_frames` reads;
+    ended by a line that shows the answer is whole."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    main = threading.main_thread().ident
+    frames = sys._current_frames()
+    lines = [f"{_MAIN_THREAD_HEADER}0x{main:016x}"]
+    for ident in sorted(frames, key=lambda i: i != main):
+        if ident == threading.get_ident():
+            continue
+        lines.append(f"Thread 0x{ident:016x} [{names.get(ident, '?')}] (most recent call first):")
+        frame = frames[ident]
+        while frame is not None:
+            code = frame.f_code
+            lines.append(
+                f'  File "{code.co_filename}", line {frame.f_lineno or 0} in {code.co_name}'
+            )
+            frame = frame.f_back
+        lines.append("")
+    return "\n".join(lines) + "\n" + _END_OF_ANSWER
 
 
 def process_start_time(pid: int) -> str:
@@ -105,24 +188,89 @@ def remove_processes(run_dir: str) -> None:
         os.remove(path)
 
 
-def collect_stacks(targets: list[StackTarget], wait_s: float = 5.0) -> dict[str, str]:
-    """Each target's stacks (every thread's, as faulthandler prints them), by label; a target
-    that cannot be asked (another node, gone, no answer) gets a line that says why."""
+def collect_stacks(
+    targets: list[StackTarget], wait_s: float = 5.0, answer_s: float = ANSWER_S
+) -> dict[str, str]:
+    """Each target's stacks (every thread's, in faulthandler's format), by label; a target that
+    cannot be asked (another node, gone, no answer) gets a line that says why. Each process is
+    asked on its socket; one that does not answer in ``answer_s`` is asked by faulthandler,
+    and its dump starts with a line that says so."""
     here = this_node()
-    sizes: dict[str, int] = {}
     out: dict[str, str] = {}
+    asked: dict[str, socket.socket] = {}
     for t in targets:
         if t.node != here:
             out[t.label] = f"(on node {t.node}: stacks are taken on this node only)\n"
         elif process_start_time(t.pid) != t.start_time or not t.start_time:
             out[t.label] = f"(process {t.pid} has exited)\n"
         else:
-            sizes[t.label] = _size(t.stacks_path)
-            try:
-                os.kill(t.pid, DUMP_SIGNAL)
-            except OSError as exc:
-                out[t.label] = f"(process {t.pid} could not be signalled: {exc})\n"
-                sizes.pop(t.label)
+            asked[t.label] = _connect(t)
+    answers = _answers({label: conn for label, conn in asked.items() if conn}, answer_s)
+    out.update(answers)
+    late = [t for t in targets if t.label in asked and t.label not in answers]
+    out.update(_faulthandler_dumps(late, max(wait_s - answer_s, 1.0), answer_s))
+    return {t.label: out[t.label] for t in targets}
+
+
+def _connect(t: StackTarget) -> socket.socket | None:
+    """A connection to the target's stacks socket, or None where nothing listens (a process
+    that started before it could, or that runs an older posttrain)."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.connect(_address(t.pid, t.start_time))
+    except OSError:
+        conn.close()
+        return None
+    return conn
+
+
+def _answers(conns: dict[str, socket.socket], wait_s: float) -> dict[str, str]:
+    """The whole answers that came on ``conns`` within ``wait_s``, read side by side."""
+    received = {label: bytearray() for label in conns}
+    whole: dict[str, str] = {}
+    with selectors.DefaultSelector() as selector:
+        for label, conn in conns.items():
+            conn.setblocking(False)
+            selector.register(conn, selectors.EVENT_READ, label)
+        deadline = time.monotonic() + wait_s
+        while selector.get_map() and time.monotonic() < deadline:
+            for key, _ in selector.select(max(0.0, deadline - time.monotonic())):
+                label = key.data
+                try:
+                    chunk = key.fileobj.recv(1 << 16)
+                except OSError:  # reset by a process that ended while it answered
+                    chunk = b""
+                if chunk:
+                    received[label] += chunk
+                    continue
+                selector.unregister(key.fileobj)
+                text = received[label].decode("utf-8", "replace")
+                if text.endswith(_END_OF_ANSWER):
+                    whole[label] = text.removesuffix(_END_OF_ANSWER)
+    for conn in conns.values():
+        conn.close()
+    return whole
+
+
+def _faulthandler_dumps(
+    targets: list[StackTarget], wait_s: float, answer_s: float
+) -> dict[str, str]:
+    """Stacks dumped by faulthandler, on ``SIGUSR1``, into each target's stacks file: for the
+    processes that did not answer from their own thread."""
+    note = _FALLBACK_NOTE.format(f"{answer_s:g}")
+    out: dict[str, str] = {}
+    sizes: dict[str, int] = {}
+    for t in targets:
+        if not file_head(t.stacks_path).startswith(_MAIN_THREAD_HEADER):
+            # Not registered yet (SIGUSR1 would kill it), or its stacks file is gone.
+            out[t.label] = f"(no answer from process {t.pid} in {answer_s:g}s)\n"
+            continue
+        sizes[t.label] = _size(t.stacks_path)
+        try:
+            os.kill(t.pid, DUMP_SIGNAL)
+        except OSError as exc:
+            out[t.label] = f"(process {t.pid} could not be signalled: {exc})\n"
+            sizes.pop(t.label)
     by_label = {t.label: t for t in targets}
     deadline = time.monotonic() + wait_s
     waiting = dict(sizes)
@@ -134,14 +282,15 @@ def collect_stacks(targets: list[StackTarget], wait_s: float = 5.0) -> dict[str,
             seen = last_seen.get(label)
             # Done once the file grew and stayed the same size for a moment (a dump is a burst).
             if size > before and seen and seen[0] == size and time.monotonic() - seen[1] > 0.2:
-                out[label] = _read_from(by_label[label].stacks_path, before)
+                out[label] = note + _read_from(by_label[label].stacks_path, before)
                 del waiting[label]
             elif not seen or seen[0] != size:
                 last_seen[label] = (size, time.monotonic())
     for label, before in waiting.items():
         text = _read_from(by_label[label].stacks_path, before)
-        out[label] = text or f"(no answer from process {by_label[label].pid} in {wait_s:.0f}s)\n"
-    return {t.label: out[t.label] for t in targets}
+        pid = by_label[label].pid
+        out[label] = note + text if text else f"(no answer from process {pid} in {wait_s:.0f}s)\n"
+    return out
 
 
 def _size(path: str) -> int:
@@ -174,10 +323,12 @@ class Frame:
 
 
 def main_thread_frames(dump: str, stacks_file_head: str = "") -> list[Frame]:
-    """The main thread's frames in a faulthandler dump, innermost first. The thread is known by
-    the ident its process wrote at the top of its stacks file (else: the dump's first thread)."""
+    """The main thread's frames in a dump, innermost first. The thread is known by the ident its
+    process wrote at the top of its answer or of its stacks file (else: the dump's first
+    thread)."""
     ident = None
-    head = re.search(re.escape(_MAIN_THREAD_HEADER) + r"(0x[0-9a-f]+)", stacks_file_head)
+    named = re.escape(_MAIN_THREAD_HEADER) + r"(0x[0-9a-f]+)"
+    head = re.search(named, stacks_file_head) or re.search(named, dump)
     if head:
         ident = head.group(1)
     blocks = list(_THREAD.finditer(dump))
@@ -250,7 +401,15 @@ def where(dump: str, head: str) -> tuple[list[Frame], str]:
     """A process's main-thread frames in ``dump`` and the line that says where it is (or, when
     there was no dump, why)."""
     frames = main_thread_frames(dump, head)
-    return frames, describe(frames) if frames else dump.strip()
+    if not frames:
+        return frames, dump.strip()
+    fallback = " (faulthandler's dump: no answer in time)" if is_fallback(dump) else ""
+    return frames, describe(frames) + fallback
+
+
+def is_fallback(dump: str) -> bool:
+    """Whether ``dump`` is faulthandler's (the process did not answer from its own thread)."""
+    return dump.startswith(_FALLBACK_NOTE.split("{")[0])
 
 
 def summary_lines(dumps: dict[str, str], heads: dict[str, str]) -> list[str]:
@@ -290,7 +449,8 @@ def live_run_stacks(run_dir: str, all_threads: bool = False) -> str:
         frames, line = where(dump, file_head(t.stacks_path))
         out.append(f"== {t.label} (pid {t.pid}, node {t.node}): {line}")
         if all_threads and frames:
-            out.append(dump.rstrip())
+            threads = [x for x in dump.splitlines() if not x.startswith(_MAIN_THREAD_HEADER)]
+            out.append("\n".join(threads).rstrip())
         elif frames:
             out.extend(format_frames(frames))
     return "\n".join(out)
