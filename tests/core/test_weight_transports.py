@@ -266,7 +266,7 @@ def test_dead_shared_process_names_every_role_it_hosted(tiny_model_path, tmp_pat
             groups["actor_infer"].call("compute_logprobs", synthetic_train_batch())
         assert err.value.roles == ("actor_infer", "reference")
         assert str(err.value).startswith(
-            "actor_infer rank 0 (its process also hosted reference): worker process exited"
+            "actor_infer rank 0 (its process also hosted reference): worker process died of SIGKILL"
         )
     finally:
         launcher.shutdown()

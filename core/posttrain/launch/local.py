@@ -26,6 +26,7 @@ from posttrain.launch.base import (
     rank_log_path,
     tail,
 )
+from posttrain.launch.fatal import last_words, signal_name
 from posttrain.launch.rank_main import START_CALL, serve
 from posttrain.launch.stacks import StackTarget, stacks_path_for, target, this_node
 
@@ -201,9 +202,19 @@ class LocalProcesses:
         proc = self.procs[rank]
         if proc.exitcode is None:
             proc.join(timeout=2.0)  # a closed pipe: the process is most likely on its way out
-        what = "lost" if proc.exitcode is None else f"exited with code {proc.exitcode}"
+        died_of = signal_name(proc.exitcode)
+        if proc.exitcode is None:
+            what = "lost"
+        elif died_of:
+            what = f"died of {died_of}"
+        else:
+            what = f"exited with code {proc.exitcode}"
         return WorkerError(
-            role, rank, f"worker process {what} {when}", tail(self.log_paths[rank]), self.roles
+            role,
+            rank,
+            f"worker process {what} {when}",
+            last_words(self.log_paths[rank]),
+            self.roles,
         )
 
     def shutdown(self) -> None:

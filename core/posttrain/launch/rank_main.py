@@ -17,6 +17,7 @@ from posttrain.errors import UserError
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.host.references import import_beside
 from posttrain.launch.base import GroupSpec
+from posttrain.launch.fatal import report_fatal_signals
 from posttrain.launch.stacks import install_stack_dump, is_public_call, stacks_path_for
 from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
@@ -101,6 +102,7 @@ def serve(
     os.dup2(log.fileno(), 2)
     sys.stdout = sys.stderr = log
     install_stack_dump(stacks_path_for(log_path))  # for the hang watchdog, posttrain stacks
+    report_fatal_signals(log)  # a crash's stack, for the driver's report (launch/fatal.py)
     os.environ.update(env)
     # Ctrl-C in a terminal reaches every process of the run: the driver's, which stops the ranks
     # in order and says how to resume; a rank dying of it first would be reported as a crash.
@@ -134,8 +136,6 @@ def serve(
         conn.send((call_id, "ok", result, ""))
 
 
-def describe_error(exc: BaseException) -> str:
-    """The error a rank reports: its type and message and, when it was raised inside
 def error_status(exc: BaseException) -> str:
     """How a rank's answer names a failure: ``user_error`` for a user's mistake (a
     :class:`UserError`, such as running out of GPU memory), which the driver reports without
@@ -143,6 +143,8 @@ def error_status(exc: BaseException) -> str:
     return "user_error" if isinstance(exc, UserError) else "error"
 
 
+def describe_error(exc: BaseException) -> str:
+    """The error a rank reports: its type and message and, when it was raised inside
     torch.distributed (a collective that timed out, a peer that went away), the collective and
     its process group."""
     text = f"{type(exc).__name__}: {exc}"

@@ -23,8 +23,8 @@ from posttrain.launch.base import (
     WorkerGroup,
     check_same_mapping,
     rank_log_path,
-    tail,
 )
+from posttrain.launch.fatal import last_words, report_fatal_signals
 from posttrain.launch.rank_main import RankServer, describe_error, error_status
 from posttrain.launch.stacks import (
     StackTarget,
@@ -53,6 +53,7 @@ class RankActor:
         os.dup2(log.fileno(), 2)
         sys.stdout = sys.stderr = log
         install_stack_dump(stacks_path_for(log_path))  # for the hang watchdog, posttrain stacks
+        report_fatal_signals(log)  # a crash's stack, for the driver's report (launch/fatal.py)
         self.server = None
 
     def node_info(self) -> tuple[str, int, int, str]:
@@ -270,7 +271,7 @@ class RayProcesses:
 
     def _error(self, role: str, rank: int, message: str, trace: str) -> WorkerError:
         log = self.log_paths[rank]
-        lines = tail(log)
+        lines = last_words(log)
         detail = trace.rstrip()
         if lines:
             detail += f"\nlast lines of {display_path(log)}:\n{lines.rstrip()}"

@@ -25,6 +25,7 @@ from posttrain.config.sections import Workflow
 from posttrain.errors import RunInterrupted, WorkerError
 from posttrain.evaluation.phase import Evaluation, load_held_out
 from posttrain.launch.base import Launcher, WorkerGroup
+from posttrain.launch.fatal import driver_fatal_report
 from posttrain.launch.hang_watch import HangWatch
 from posttrain.launch.placement import TimeSharing
 from posttrain.launch.plan import resolve_device, start_groups
@@ -102,20 +103,23 @@ class Trainer:
                 self.nothing_to_run = checkpoint.path  # and the run directory stays as it is
                 return self.history
         self._prepare_run_dir()
-        try:
-            self._start(checkpoint)
-            self._loop()
-            if self.checkpoints is not None:
-                self.checkpoints.wait()  # the run ends when its last checkpoint is complete
-        except KeyboardInterrupt:
-            self._close()  # a save in flight stays incomplete, and is never resumed from
-            raise RunInterrupted(self._rerun_hint()) from None
-        except WorkerError as exc:  # a rank failed or timed out: the checkpoints stay as they are
-            self._close()
-            exc.hint = self._knobs(exc) + f"the run stopped {self._rerun_hint()}"
-            raise
-        finally:
-            self._close()
+        history = os.path.join(self.run_dir, HISTORY)
+        # A fatal signal in the driver itself is reported by a watcher (launch/fatal.py).
+        with driver_fatal_report(self.run_dir, history, self.wf.trainer.resume):
+            try:
+                self._start(checkpoint)
+                self._loop()
+                if self.checkpoints is not None:
+                    self.checkpoints.wait()  # the run ends when its last checkpoint is complete
+            except KeyboardInterrupt:
+                self._close()  # a save in flight stays incomplete, and is never resumed from
+                raise RunInterrupted(self._rerun_hint()) from None
+            except WorkerError as exc:  # a rank failed or timed out: checkpoints stay as they are
+                self._close()
+                exc.hint = self._knobs(exc) + f"the run stopped {self._rerun_hint()}"
+                raise
+            finally:
+                self._close()
         self.host.hook.posttrain_run_finished(run_dir=self.run_dir, history=self.history)
         return self.history
 
