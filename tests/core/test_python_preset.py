@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 import statistics
+from pathlib import Path
 
 from posttrain.config.data_sections import SyntheticData
 from posttrain.tasks import presets
@@ -41,3 +42,19 @@ def test_the_decision_to_call_is_trained_in_1_episode_of_4_the_copy_in_9_of_10()
         start = ids.index(call_id) + 1
         prompt_len = ids.index(call_id)
         assert all(mask[start : start + prompt_len])  # the expression and </call>
+
+
+def test_building_a_warm_started_preset_says_so_and_how_long(tmp_path, monkeypatch, capsys):
+    def build(preset, out_dir):  # the minute of training is not what this test checks
+        (Path(out_dir) / "config.json").write_text("{}")
+
+    monkeypatch.setenv("POSTTRAIN_CACHE", str(tmp_path))
+    monkeypatch.setattr(presets, "build_preset", build)
+    presets.preset_path("preset:tiny-qwen2-python")
+    [line] = capsys.readouterr().err.splitlines()
+    assert line == (
+        "preset:tiny-qwen2-python: building it once: 600 steps of warm-start training, about "
+        "90 s on one CPU core (no download), then it is cached"
+    )
+    presets.preset_path("preset:tiny-qwen2-python")  # cached: nothing to say
+    assert capsys.readouterr().err == ""

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 
 import attrs
@@ -152,12 +153,24 @@ def preset_path(name: str) -> str:
         return target
     os.makedirs(os.path.dirname(target), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix=f".{key}-", dir=os.path.dirname(target))
+    # A warm-started preset trains for up to a minute: say so, or the first run looks stuck.
+    print(f"{PRESET_PREFIX}{key}: {_building(PRESETS[key])}", file=sys.stderr, flush=True)
     build_preset(PRESETS[key], tmp)
     try:
         os.rename(tmp, target)
     except OSError:  # another process built it first: keep theirs
         shutil.rmtree(tmp, ignore_errors=True)
     return target
+
+
+def _building(preset: Preset) -> str:
+    if preset.warm_start is None:
+        return "building it once (a few seconds; no download), then it is cached"
+    recipe = RECIPES[preset.warm_start]
+    return (
+        f"building it once: {recipe.steps} steps of warm-start training, about "
+        f"{recipe.about_s} s on one CPU core (no download), then it is cached"
+    )
 
 
 def _dir_name(key: str) -> str:

@@ -42,6 +42,9 @@ class ToolCallRecipe:
     call_share: float | None = None
     # 1000 steps copy the result right in ~97% of calls; 700 in ~85%. ~40 s on one core.
     steps: int = 1000
+    # Roughly how long the training takes on one CPU core (it runs one thread), for the line
+    # that says a preset is being built.
+    about_s: int = 40
     batch_size: int = 64
     learning_rate: float = 3e-3
     warmup_steps: int = 100
@@ -118,7 +121,7 @@ RECIPES = {
     # calculator's 1 call in 4 copy right in 0% of calls: 9 episodes in 10 call, teaching the
     # copy, and 600 steps copy right in ~85% (benchmarks/calculator_preset.py).
     "python_long_sum": ToolCallRecipe(
-        problem=long_sum_problem, call_share=0.9, steps=600, warmup_steps=60
+        problem=long_sum_problem, call_share=0.9, steps=600, warmup_steps=60, about_s=90
     ),
 }
 
