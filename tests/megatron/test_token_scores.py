@@ -314,3 +314,35 @@ def test_chunked_head_in_the_model_matches_whole_logits(tmp_path):
     # the step moved the weights (equal untouched weights would prove nothing)
     initial = load_file(f"{model}/model.safetensors")
     assert max(float((params[k] - initial[k]).abs().max()) for k in initial) > 1e-4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_chunked_head_on_the_gpu():
+    """Qwen2-1.5B's output layer (151,936 x 1536, bf16) over 16k tokens on the Triton kernels:
+    chunks of 1024 tokens give the whole logits' scores and gradients, and the head's forward
+    and backward peak at a fraction of the whole logits' (4.6 GiB, and their gradient)."""
+    h, weight, targets, grads = head_case(16384, 1536, 151936 + 3, seed=6)
+    h, weight, targets, grads = (
+        h.cuda().bfloat16(),
+        weight.cuda().bfloat16(),
+        targets.cuda(),
+        grads.cuda(),
+    )
+    peaks, results = {}, {}
+    for chunk in (0, 1024):
+        torch.cuda.synchronize()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        results[chunk] = head_scores(h, weight, targets, grads, chunk=chunk, vocab_size=151936)
+        torch.cuda.synchronize()
+        peaks[chunk] = torch.cuda.max_memory_allocated() - base
+    errors = relative_errors(results[1024], results[0])
+    # One bf16 rounding of a logit (2**-8 relative) moves a log-prob by up to ~0.03.
+    assert errors[0] < 5e-2 and errors[1] < 5e-2, errors
+    assert errors[2] < 5e-2 and errors[3] < 5e-2, errors
+    whole_logits = 16384 * 151936 * 2
+    assert peaks[0] > 2 * whole_logits, peaks
+    # a chunk's logits and their gradient (0.6 GB), the float32 weight gradient (0.9 GB) and
+    # a chunk's bf16 share of it (0.5 GB), the weight's copy here (0.5 GB): ~2.3 GB, not ~10.9
+    assert peaks[1024] < 0.6 * whole_logits, peaks
