@@ -36,12 +36,14 @@ DRIVER = textwrap.dedent(
     """
     import json, os, signal, sys
     from posttrain.launch.fatal import driver_fatal_report
+    from posttrain.launch.stacks import write_processes
     run_dir, how = sys.argv[1], sys.argv[2]
     history = os.path.join(run_dir, "history.jsonl")
     os.makedirs(run_dir, exist_ok=True)
     def die_here():
         os.kill(os.getpid(), getattr(signal, how))
     with driver_fatal_report(run_dir, history, "auto"):
+        write_processes(run_dir, [])  # for posttrain stacks, while the run lives
         with open(history, "w") as f:
             f.writelines(json.dumps({"step": s, "reward/mean": 0.5}) + "\\n" for s in (1, 2))
         if how != "none":
@@ -94,6 +96,7 @@ def test_a_driver_dead_of_sigsegv_is_reported_with_its_stack_and_the_rerun_line(
         "the run stopped after step 2, with no checkpoint yet: a rerun starts over at step 1"
     )
     assert "die_here" in (tmp_path / "run" / "logs" / "driver.fatal.log").read_text()
+    assert not (tmp_path / "run" / "logs" / "processes.json").exists()  # no live run left
 
 
 @pytest.mark.timeout(60)

@@ -28,7 +28,7 @@ import sys
 from collections.abc import Iterator
 from typing import TextIO
 
-from posttrain.launch.stacks import process_start_time
+from posttrain.launch.stacks import process_start_time, remove_processes
 from posttrain.paths import display_path
 
 DRIVER_FATAL_LOG = "driver.fatal.log"
@@ -224,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--resume", required=True)
     args = parser.parse_args(argv)
     if not _wait_for_driver(args.pid, args.start_time):
+        remove_processes(args.run_dir)  # posttrain stacks: no live run here any more
         report = driver_death(args.pid, args.log, args.run_dir, args.history, args.resume)
         sys.stderr.write(report)
         sys.stderr.flush()

@@ -48,7 +48,7 @@ _END_OF_ANSWER = "-- end of stacks --\n"  # an answer without it was cut short
 _FALLBACK_NOTE = "(faulthandler's dump: the process did not answer from its own thread in {}s)\n"
 _SERVER_THREAD = "posttrain-stacks"
 _REPORTERS = ("stacks.py", "hang_watch.py")
-# This process's open stacks file (kept open for faulthandler) and its answering thread.
+# This process's open stacks file (kept open for faulthandler) and its stacks socket.
 _registered: dict[str, object] = {}
 
 
@@ -93,7 +93,11 @@ def _start_stack_server() -> socket.socket | None:
     if not start_time:  # no /proc: no way to find this process again (abstract sockets neither)
         return None
     server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    server.bind(_address(os.getpid(), start_time))
+    try:
+        server.bind(_address(os.getpid(), start_time))
+    except OSError:  # the name is taken (by no process of ours): faulthandler still answers
+        server.close()
+        return None
     server.listen(16)
     threading.Thread(target=_serve_stacks, args=(server,), name=_SERVER_THREAD, daemon=True).start()
     return server
@@ -214,11 +218,18 @@ def collect_stacks(
 
 def _connect(t: StackTarget) -> socket.socket | None:
     """A connection to the target's stacks socket, or None where nothing listens (a process
-    that started before it could, or that runs an older posttrain)."""
+    that started before it could, or that runs an older posttrain) or where another process
+    listens under its name."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
         conn.connect(_address(t.pid, t.start_time))
+        pid, _uid, _gid = struct.unpack(
+            "3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+        )
     except OSError:
+        conn.close()
+        return None
+    if pid != t.pid:
         conn.close()
         return None
     return conn
