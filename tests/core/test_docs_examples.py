@@ -317,12 +317,13 @@ def test_prose_names_what_exists(doc, host):
 
 def hook_like_names(text: str) -> set[str]:
     """The `posttrain_*` names used as hook names: not a package (`posttrain_fsdp`), a module
-    path (`posttrain_mybackend.engine`, `posttrain_megatron/...`) or an import."""
+    path (`posttrain_mybackend.engine`, `posttrain_megatron/...`), a package glob
+    (`posttrain_mybackend*`) or an import."""
     packages = {p.name for p in REPO.glob("plugins/*/posttrain_*")} | {
         p.name for p in EXAMPLE_PLUGIN_SRC.glob("posttrain_*")
     }
     names = set()
-    for match in re.finditer(r"\bposttrain_[a-z0-9_]*[a-z0-9]\b(?![./:])", text):
+    for match in re.finditer(r"\bposttrain_[a-z0-9_]*[a-z0-9]\b(?![./:*])", text):
         before = text[max(0, match.start() - 5) : match.start()]
         if match[0] not in packages and not before.endswith(("from ", "import ")):
             names.add(match[0])

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
+import zipfile
 
 import pytest
 from plugin_venv import REPO, build_plugin_venv, run_in_venv
@@ -283,3 +286,35 @@ def test_example_source_imports_only_documented_names():
             if module.startswith("posttrain_example_plugin"):
                 continue
             assert module in documented or f"`{module}" in guide, (source, module)
+
+
+def test_the_guides_pyproject_builds_beside_workflows_and_runs(tmp_path):
+    """Section 1's pyproject.toml, in a plugin folder that also holds what a user keeps there
+    (a workflow, a script, a run directory): it builds, and the wheel holds only the package."""
+    text = GUIDE.read_text(encoding="utf-8")
+    section = text[text.index("## 1. Packaging") :]
+    toml = section[section.index("```toml\n") + len("```toml\n") :]
+    toml = toml[: toml.index("```")]
+    folder = tmp_path / "my-plugin"
+    package = folder / "posttrain_mybackend"
+    package.mkdir(parents=True)
+    (folder / "pyproject.toml").write_text(toml)
+    for name in ("__init__.py", "plugin.py"):
+        (package / name).write_text("")
+    (folder / "workflow.yaml").write_text("trainer: {max_steps: 1}\n")
+    (folder / "train.py").write_text("print('a script beside the plugin')\n")
+    (folder / "runs" / "quickstart").mkdir(parents=True)
+    (folder / "runs" / "quickstart" / "history.jsonl").write_text("{}\n")
+    wheels = tmp_path / "wheels"
+    offline = ("--no-deps", "--no-build-isolation", "--no-index", "--disable-pip-version-check")
+    proc = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", *offline, "-q", "-w", str(wheels), str(folder)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr
+    [wheel] = wheels.glob("*.whl")
+    with zipfile.ZipFile(wheel) as archive:
+        tops = {name.split("/")[0] for name in archive.namelist()}
+    assert tops == {"posttrain_mybackend", "posttrain_mybackend-0.1.0.dist-info"}, tops
