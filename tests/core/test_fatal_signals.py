@@ -59,7 +59,8 @@ def test_a_crashed_process_log_gives_its_fatal_error_and_stack(tmp_path):
     assert proc.returncode == -signal.SIGSEGV
     assert signal_name(proc.returncode) == "SIGSEGV" and signal_name(1) is None
     words = last_words(str(log))
-    first, *stack = words.splitlines()
+    printed, first, *stack = words.splitlines()
+    assert printed == "rank starting"  # what it wrote before (a library's message)
     assert first == "Fatal Python error: Segmentation fault"
     assert stack[0].startswith("Current thread 0x"), words
     assert stack[1].endswith("in crash_here"), words  # the crashed thread, innermost first

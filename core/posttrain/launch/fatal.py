@@ -65,18 +65,21 @@ def fatal_error(text: str) -> str | None:
     return "\n".join([lines[0], *crashed])
 
 
-def last_words(log_path: str, lines: int = 20) -> str:
-    """What a process that ended left at the end of its log: its fatal error with the stack
-    where it has one, else the last ``lines`` lines."""
+def last_words(log_path: str, lines: int = 20, before_fatal: int = 8) -> str:
+    """What a process that ended left at the end of its log: its fatal error with the stack,
+    after the ``before_fatal`` lines it wrote before it (a native library's own message, such
+    as NCCL's before an abort), where it has one; else the last ``lines`` lines."""
     try:
         with open(log_path, encoding="utf-8", errors="replace") as f:
             text = f.read()
     except OSError:
         return ""
     fatal = fatal_error(text)
-    if fatal is not None:
-        return f"{fatal}\n(every thread's stack is in {display_path(log_path)})\n"
-    return "".join(text.splitlines(keepends=True)[-lines:])
+    if fatal is None:
+        return "".join(text.splitlines(keepends=True)[-lines:])
+    before = text[: text.rfind(_FATAL)].splitlines(keepends=True)[-before_fatal:]
+    where = f"(every thread's stack is in {display_path(log_path)})"
+    return "".join(before) + f"{fatal}\n{where}\n"
 
 
 def signal_name(exitcode: int | None) -> str | None:
