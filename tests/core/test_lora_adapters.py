@@ -95,3 +95,27 @@ def test_checkpoint_record_refuses_another_base_or_shape(tmp_path):
         check(types.SimpleNamespace(**{**vars(saved), "model_args": full}), str(tmp_path))
     with pytest.raises(CheckpointError, match="full weights"):
         check(saved, str(tmp_path / "elsewhere"))
+
+
+def test_an_exported_adapter_names_a_base_peft_can_load(tmp_path):
+    from peft import AutoPeftModelForCausalLM
+
+    from posttrain import write_lora_adapter
+    from posttrain.tasks.presets import preset_path
+
+    w = types.SimpleNamespace(**vars(worker(rank=4, target_modules=["q_proj"])), base_dir=".")
+    model = wrap_lora(w, hf_model("preset:tiny-qwen3"))
+    torch.manual_seed(0)
+    for layer in lora_layers(model).values():  # trained adapters: they change the logits
+        torch.nn.init.normal_(layer.lora_B[LORA_ADAPTER].weight)
+    adapters = {n: t for n, t in model.state_dict().items() if is_lora_adapter_entry(n)}
+    write_lora_adapter(w, model, adapters, str(tmp_path / "adapter"))
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    # Not "preset:tiny-qwen3", which peft would look up on the hub.
+    assert config["base_model_name_or_path"] == preset_path("preset:tiny-qwen3")
+    loaded = AutoPeftModelForCausalLM.from_pretrained(str(tmp_path / "adapter"))
+    ids = torch.tensor([[5, 6, 7]])
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        torch.testing.assert_close(loaded(input_ids=ids).logits, want)
+        assert not torch.allclose(hf_model("preset:tiny-qwen3")(input_ids=ids).logits, want)

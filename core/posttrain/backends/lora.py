@@ -191,14 +191,20 @@ def write_lora_adapter(
 ) -> None:
     """Write the adapter in peft's format (``PeftModel.from_pretrained(base, path)`` loads it):
     ``tensors`` are the gathered adapters under their state-dict names; the config records the
-    run's base. Called on rank 0."""
+    run's base where peft can load it (a preset's or a relative path's directory, a hub id as
+    given), so ``AutoPeftModelForCausalLM.from_pretrained(path)`` needs nothing else. Called on
+    rank 0."""
     from safetensors.torch import save_file
+
+    from posttrain.backends.models import resolve_model_path
 
     os.makedirs(path, exist_ok=True)
     saved = {name.replace(f".{LORA_ADAPTER}.", "."): t for name, t in tensors.items()}
     save_file(saved, os.path.join(path, "adapter_model.safetensors"))
     config = peft_model.peft_config[LORA_ADAPTER].to_dict()
-    config["base_model_name_or_path"] = worker.model_args.model_name_or_path
+    # peft reads "preset:NAME" as a hub id and fails: the preset's directory is what it loads.
+    base = resolve_model_path(worker.model_args.model_name_or_path, worker.base_dir)
+    config["base_model_name_or_path"] = os.path.abspath(base) if os.path.exists(base) else base
     config["target_modules"] = sorted(config["target_modules"])
     with open(os.path.join(path, "adapter_config.json"), "w", encoding="utf-8") as f:
         json.dump(config, f, indent=2, default=sorted)
