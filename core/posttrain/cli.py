@@ -25,6 +25,20 @@ def _console(stderr: bool = False):
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
 
 
+# The width of tables written to a pipe or a file: rich would take 80 columns there and cut
+# names to fit; as wide as this, a table is as wide as its longest cells.
+_UNBOUNDED_WIDTH = 1000
+
+
+def _table_console():
+    """stdout's console for tables: the terminal's width in a terminal, else unbounded (a
+    table sizes itself to its cells, so ``posttrain doctor | grep`` sees whole names)."""
+    console = _console()
+    if not console.is_terminal:
+        console.width = _UNBOUNDED_WIDTH
+    return console
+
+
 def _parse_overrides(items: list[str]) -> dict:
     """``--set KEY=VALUE`` items; each value is parsed as YAML, and a relative path given for
     a path setting is made absolute against the current directory (:func:`_from_cwd`)."""
@@ -194,10 +208,10 @@ def cmd_doctor(args, host) -> int:
 
     from posttrain.host.doctor import run_check
 
-    console = _console()
+    console = _table_console()
     table = Table(title="posttrain doctor")
     for column in ("plugin", "package", "installed", "tested", "status"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")  # a narrow terminal wraps, never cuts
     worst = EXIT_OK
     colors = {"ok": "green", "untested": "yellow", "missing": "red", "optional-missing": "dim"}
     for checks in host.hook.posttrain_environment_checks():
@@ -228,7 +242,7 @@ def _sandbox_table():
 
     table = Table(title="sandbox guarantees on this machine (docs/sandbox.md)")
     for column in ("guarantee", "holds", "how"):
-        table.add_column(column)
+        table.add_column(column, overflow="fold")
     colors = {"no": "red", "yes": "green"}
     for name, holds, how in guarantee_rows():
         table.add_row(name, f"[{colors.get(holds, 'bold')}]{holds}[/]", how)

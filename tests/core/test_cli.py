@@ -220,6 +220,32 @@ def test_doctor_lists_torch_ok(capsys, monkeypatch):
     assert installed == importlib.metadata.version("torch")  # read from metadata, not imported
 
 
+def test_doctor_piped_cuts_no_name(capsys, monkeypatch):
+    """A pipe is not a terminal: rich would take 80 columns and cut names with "…"."""
+    from posttrain import hookimpl
+    from posttrain.host.doctor import EnvCheck
+    from posttrain.host.plugin_host import create_plugin_host
+
+    monkeypatch.delenv("COLUMNS", raising=False)
+    long_name = "posttrain-a-plugin-with-a-name-longer-than-a-column-of-80"
+
+    class LongNames:
+        @hookimpl
+        def posttrain_environment_checks(self):
+            package = "a-package-name-as-long-as-" + "x" * 20
+            return [EnvCheck(plugin=long_name, package=package, tested=">=1")]
+
+    host = create_plugin_host(extra_plugins=[LongNames()])
+    monkeypatch.setattr("posttrain.host.plugin_host.create_plugin_host", lambda: host)
+    main(["doctor"])
+    out = capsys.readouterr().out
+    assert "…" not in out, out
+    [row] = [line for line in out.splitlines() if long_name in line]
+    assert "a-package-name-as-long-as-" + "x" * 20 in row
+    # The sandbox table's explanations stay whole too: one row, one line.
+    assert any("│ CPU-time limit " in line and "RLIMIT_CPU" in line for line in out.splitlines())
+
+
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="torch is not installed")
 def test_preset_build_and_model_load_draw_no_progress_bars(tmp_path, monkeypatch, capfd):
     """transformers' "Writing model shards" / "Loading weights" bars printed at a run's start
