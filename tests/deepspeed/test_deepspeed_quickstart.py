@@ -1,6 +1,6 @@
 """examples/quickstart_deepspeed.yaml (deepspeed_train ZeRO-2 + hf_infer, hybrid layout) learns
 single-digit addition: the first 150 of its 400 GRPO steps, with real DeepSpeed over gloo on 2 CPU
-ranks."""
+ranks, reach a last-10 reward of at least 0.8."""
 
 from __future__ import annotations
 
@@ -14,10 +14,15 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 WORKFLOW = REPO / "examples" / "quickstart_deepspeed.yaml"
-# The example's first 150 of 400 steps show it learning (the fsdp quickstart's 10-step mean is
-# 0.68 at step 150, from 0.05; tests/e2e/test_readme_commands.py runs all 400 to 0.8): ten
-# times chance, the threshold below, shows the backend learning in 40% of the example's time.
+# The example's first 150 of 400 steps (40% of its time) show it learning; the README quotes
+# this test's setting and threshold. Last-10 reward on 2 CPU ranks (2026-11-28), seed 42 (this
+# test's): 0.046 over the first 5 steps, 0.930 at step 150, 0.994 at step 400 (last-50 0.992);
+# seed 7: 0.836 at step 150, 0.952 at step 400. The example trains on the quickstart's 44 train
+# problems (examples/quickstart.yaml's split). On all 55 sums, as before, its step-400 figure
+# moved with float-level changes alone (0.896 when written, 0.770 in issue 44, 0.865 with
+# logprob_chunk_tokens 0): where one run ended there was luck, not a floor to test against.
 STEPS = 150
+LAST10_AT_LEAST = 0.8
 
 
 @pytest.mark.slow
@@ -62,7 +67,10 @@ def test_quickstart_deepspeed_learns_addition(tmp_path, posttrain_cache):
     print(f"\nquickstart_deepspeed: {len(rewards)} steps in {wall:.0f}s, last-10 reward {last:.3f}")
     assert len(rewards) == STEPS
     assert sum(rewards[:5]) / 5 < 0.2, "the tiny model should start near chance"
-    assert last >= 0.5
+    assert last >= LAST10_AT_LEAST
+    # The held-out problems (examples/quickstart.yaml's evaluation) are scored every 50 steps.
+    evaluated = [m["step"] for m in metrics if "val/heldout/reward_mean" in m]
+    assert evaluated == [50, 100, 150], evaluated
     manifest = json.loads((run_dir / f"checkpoint-{STEPS}" / "manifest.json").read_text())
     assert manifest["step"] == STEPS
     assert manifest["roles"]["actor_train"]["layout"]["zero_stage"] == 2
