@@ -89,9 +89,15 @@ SET_HELP = (
 
 
 def _load(args, host):
+    """The workflow and its report; its warnings are shown here, for every command that
+    loads one (a run goes on after them)."""
+    from rich.markup import escape
+
     from posttrain.config.workflow import load_workflow
 
     workflow, report = load_workflow(args.workflow, host, _parse_overrides(args.set))
+    for warning in report.warnings:
+        _console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(warning.render())}")
     return workflow, report
 
 
@@ -102,8 +108,6 @@ def cmd_validate(args, host) -> int:
     console = _console()
     for note in report.notes:
         console.print(f"[dim]note: {escape(note.render())}[/dim]")
-    for warning in report.warnings:
-        _console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(warning.render())}")
     report.raise_if_errors(display_path(args.workflow))
     roles = ", ".join(
         f"{n}={r.strategy_args.strategy_name}[{r.num_ranks}]" for n, r in workflow.roles().items()

@@ -28,6 +28,9 @@ def last_mean(run_dir: Path, key: str, n: int = 10) -> float:
 # decayed rate (barely decayed by then): the rolling 10-step mean went 0.05 -> 0.75 (seed 42)
 # and 0.06 -> 0.83 (seed 7) by step 160; the last 20 steps averaged 0.74 / 0.82.
 PPO_STEPS = 160
+# The full example's schedule (400 steps x 2 mini-batches), which a shortened run would
+# otherwise compress into its own 160 steps: these are the first steps of that run.
+PPO_SCHEDULE = "actor_train.training_args.max_steps=800"
 
 
 @pytest.mark.slow
@@ -44,6 +47,8 @@ def test_ppo_quickstart_learns_addition(tmp_path, e2e_cache):
         f"trainer.max_steps={PPO_STEPS}",
         "--set",
         f"trainer.save_steps={PPO_STEPS}",
+        "--set",
+        PPO_SCHEDULE,
         workflow=PPO,
         timeout=580,
     )

@@ -44,6 +44,8 @@ def test_ppo_with_megatron_critic_learns_addition(tmp_path, posttrain_cache):
         "trainer.logger": "[jsonl]",
         "trainer.max_steps": str(STEPS),
         "trainer.save_steps": str(STEPS),
+        # The full example's schedule (400 steps x 2 mini-batches): its first 80 steps.
+        "actor_train.training_args.max_steps": "800",
     }
     command = [sys.executable, "-m", "posttrain.cli", "run", str(WORKFLOW)]
     for key, value in overrides.items():

@@ -14,6 +14,7 @@ from posttrain.launch.base import partial_overlaps
 from posttrain.paths import display_path
 from posttrain.rollout.partial import segment_tokens
 from posttrain.tasks.presets import PRESETS, is_preset
+from posttrain.training.lr_schedule import run_optimizer_steps
 
 # Roles every workflow has (the critic and reference depend on the algorithm's settings).
 REQUIRED_ROLES = ("actor_train", "actor_infer")
@@ -44,6 +45,8 @@ def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorRep
         _check_batches(workflow, strategies, report)
     if "trainer" not in failed:
         _check_trainer(workflow, report)
+    if not failed & {"trainer", "algorithm"}:
+        _check_schedules(workflow, report)
     if not failed & {"algorithm", "actor_infer", "cluster"}:
         _check_async_rollout(workflow, report)
     if not failed & {"algorithm", "actor_infer", "environment"}:
@@ -155,6 +158,28 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
                 "checks that need its config were skipped",
             )
     check_cached(wf, report)  # hub ids: in the local cache? (no network)
+
+
+def _check_schedules(wf: Workflow, report: ErrorReport) -> None:
+    """A learning-rate schedule given its own length that is not the run's: a warning, since a
+    longer one may be meant (the first steps of a longer run), but it no longer follows
+    trainer.max_steps."""
+    run = run_optimizer_steps(wf)
+    for name, role in wf.roles().items():
+        args = role.training_args
+        if args is None or args.max_steps in (-1, run):
+            continue
+        if args.lr_scheduler_type == "constant" and not args.warmup_ratio:
+            continue  # the length changes nothing
+        algo = wf.algorithm
+        report.warn(
+            join_path(name, "training_args", "max_steps"),
+            f"{args.max_steps}: the {args.lr_scheduler_type} learning-rate schedule ends at "
+            f"optimizer step {args.max_steps}, the run at {run} (trainer.max_steps "
+            f"{wf.trainer.max_steps} x {algo.ppo_epochs * algo.num_mini_batches} updates a step: "
+            "algorithm.ppo_epochs x num_mini_batches)",
+            "leave it unset to follow trainer.max_steps",
+        )
 
 
 def _check_data(wf: Workflow, report: ErrorReport) -> None:

@@ -90,8 +90,12 @@ class TrainingArgs:
     per_device_train_batch_size: int = attrs.field(default=1, validator=at_least(1))
     gradient_accumulation_steps: int = attrs.field(default=1, validator=at_least(1))
     num_train_epochs: int = attrs.field(default=1, validator=at_least(1))
-    # Length of the LR schedule (decay ends here); trainer.max_steps sets the run's length.
-    max_steps: int = attrs.field(default=-1, validator=at_least(1, also={-1: "unset: no decay"}))
+    # Length of the LR schedule in optimizer steps (decay ends here). Unset: the run's own,
+    # trainer.max_steps x algorithm.ppo_epochs x num_mini_batches, so it follows
+    # --set trainer.max_steps.
+    max_steps: int = attrs.field(
+        default=-1, validator=at_least(1, also={-1: "unset: the run's optimizer steps"})
+    )
     # Dynamic micro-batches: pack sequences under a token budget instead of a fixed count.
     use_dynamic_batch_size: bool = False
     max_tokens_per_micro_batch: int = attrs.field(default=4096, validator=at_least(1))

@@ -17,6 +17,7 @@ from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.errors import UserError
 from posttrain.hookspecs import hookimpl
 from posttrain.launch.base import GroupSpec, Launcher, WorkerGroup
+from posttrain.training.lr_schedule import with_schedule
 
 if TYPE_CHECKING:
     from posttrain.host.plugin_host import PluginHost
@@ -85,7 +86,7 @@ def group_spec(
         threads = max(1, (os.cpu_count() or 1) // ranks)
     return GroupSpec(
         role=role_name,
-        config=role,
+        config=with_schedule(role, workflow),
         algorithm=workflow.algorithm,
         seed=workflow.trainer.seed,
         run_dir=run_dir,
