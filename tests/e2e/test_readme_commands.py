@@ -17,9 +17,10 @@ import pytest
 from conftest import REPO, posttrain_cmd, read_metrics, run_env
 
 # Commands of the README that this test does not run, and why: the pip installs are what set
-# this environment up, the test suite is what runs this test, and the other backends'
-# quickstarts have tests of their own (tests/megatron, tests/deepspeed, tests/vllm,
-# tests/sglang).
+# this environment up, the test suite is what runs this test, and the other examples have tests
+# of their own, which the README names beside each: tests/megatron, tests/deepspeed, tests/vllm,
+# tests/sglang, tests/e2e/test_lora.py, tests/e2e/test_algorithms_e2e.py (PPO),
+# tests/e2e/test_calculator_example.py and tests/e2e/test_python_tool_example.py.
 NOT_HERE = (
     "pip ",
     "python -m pytest",
@@ -27,7 +28,20 @@ NOT_HERE = (
     ".venv-",
     "quickstart_megatron",
     "quickstart_deepspeed",
+    "quickstart_lora",
+    "quickstart_ppo",
+    "calculator_tool",
+    "python_tool",
 )
+# Each example the README runs elsewhere, and the test that runs it.
+OWN_TESTS = {
+    "quickstart_megatron": "tests/megatron/test_megatron_quickstart.py",
+    "quickstart_deepspeed": "tests/deepspeed/test_deepspeed_quickstart.py",
+    "quickstart_lora": "tests/e2e/test_lora.py",
+    "quickstart_ppo": "tests/e2e/test_algorithms_e2e.py",
+    "calculator_tool": "tests/e2e/test_calculator_example.py",
+    "python_tool": "tests/e2e/test_python_tool_example.py",
+}
 # The asynchronous runs train for the quickstart's 400 steps; 20 show the same, and 10 without
 # checkpoints show partial rollouts run (the plain asynchronous run's checkpoints are exported).
 SHORTER = {
@@ -86,6 +100,11 @@ def test_readme_commands_in_order_then_every_checkpoint_exports(tmp_path, e2e_ca
             assert _tree(quickstart) == before, command
         if before and command == commands[0]:
             assert "nothing to run" in proc.stdout
+        if any("quickstart_partial" in a for a in command):
+            # The README's claim: samples span a weight sync on most steps, not on a few early
+            # ones (every step after the first, where it was measured).
+            fracs = [m["rollout/partial_frac"] for m in read_metrics(runs / "quickstart_partial")]
+            assert sum(f > 0 for f in fracs[1:]) > len(fracs[1:]) / 2, fracs
         if command == commands[0] and not before:
             rewards = [m["reward/mean"] for m in read_metrics(quickstart)]
             assert len(rewards) == 400
@@ -128,3 +147,16 @@ def _check_export_loads_as_trained(run_dir, exported) -> None:
     assert torch.isfinite(logits).all()
     modes = {p.name: p.stat().st_mode & 0o777 for p in exported.iterdir()}
     assert len(set(modes.values())) == 1, modes
+
+
+def test_every_example_the_readme_shows_has_a_test_that_runs_it():
+    """The README's ``posttrain run examples/X.yaml`` commands that the test above leaves out
+    are each run by the test named in OWN_TESTS (and named beside the command in the README)."""
+    text = (REPO / "README.md").read_text()
+    shown = set(re.findall(r"posttrain run examples/(\w+)\.yaml", text)) - {"quickstart"}
+    assert shown, "the README shows the other examples"
+    for name in sorted(shown):
+        assert name in OWN_TESTS, f"examples/{name}.yaml: name the test that runs it"
+        test = OWN_TESTS[name]
+        assert test in text, f"the README does not name {test} beside examples/{name}.yaml"
+        assert name in (REPO / test).read_text(), f"{test} does not run examples/{name}.yaml"
