@@ -270,3 +270,18 @@ def test_eval_command_refuses_bad_arguments(tmp_path, capsys):
     assert main(["eval", str(workflow), "--checkpoint", "latest"]) == EXIT_USER
     err = capsys.readouterr().err
     assert "no evaluation.datasets" in err and "Traceback" not in err
+
+
+def test_the_eval_summary_is_a_line_per_dataset():
+    from posttrain.evaluation.command import summary
+
+    metrics = {
+        "val/heldout/reward_mean": 0.72727,
+        "val/heldout/pass@1": 0.72727,
+        "val/heldout/prompts": 11.0,
+        "val/gsm8k/test/reward_mean": 0.5,  # a name with a slash keeps it
+    }
+    assert summary(metrics) == [
+        "  heldout: reward_mean 0.727, pass@1 0.727, prompts 11",
+        "  gsm8k/test: reward_mean 0.500",
+    ]

@@ -76,10 +76,17 @@ def test_evaluation_logs_val_metrics_and_posttrain_eval_reproduces_the_last(tmp_
         timeout=240,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert f"report: {out}" in " ".join(proc.stdout.split())
+    printed = " ".join(proc.stdout.split())
+    checkpoint = run_dir / "checkpoint-4"
+    assert f"evaluating checkpoint {checkpoint} (step 4) on heldout, fingerprint" in printed
+    assert "resumed from" not in printed  # nothing trains
+    assert f"report: {out}" in printed
     report = json.loads(out.read_text())
-    assert report["step"] == 4 and report["checkpoint"] == str(run_dir / "checkpoint-4")
+    assert report["step"] == 4 and report["checkpoint"] == str(checkpoint)
     assert report["metrics"] == last  # greedy on the same weights: exactly equal
+    # The report's summary follows its path: a line per dataset, its metrics as in the file.
+    [line] = [ln.strip() for ln in proc.stdout.splitlines() if ln.strip().startswith("heldout:")]
+    assert f"reward_mean {last['val/heldout/reward_mean']:.3f}" in line and "prompts 11" in line
     assert (run_dir / "eval" / "logs").is_dir()  # the eval's processes logged beside the run
 
 

@@ -73,6 +73,10 @@ def evaluate_checkpoint(
     # The roles' processes write their logs beside the report, not over the run's.
     trainer_cfg = attrs.evolve(workflow.trainer, output_dir=eval_dir)
     trainer = Trainer(attrs.evolve(workflow, trainer=trainer_cfg), host, console, source)
+    datasets = ", ".join(d.name for d in workflow.evaluation.datasets)
+    console.print(
+        f"evaluating checkpoint {display_path(path)} (step {resumable.manifest.step}) on {datasets}"
+    )
     metrics = trainer.score_checkpoint(resumable)
     report = {
         "version": REPORT_VERSION,
@@ -86,4 +90,17 @@ def evaluate_checkpoint(
         json.dump(report, f, indent=2)
         f.write("\n")
     console.print(f"report: {display_path(out)}")
+    for line in summary(metrics):
+        console.print(line, markup=False, highlight=False)
     return out
+
+
+def summary(metrics: dict[str, float]) -> list[str]:
+    """The report's metrics, one line per dataset: ``  heldout: reward_mean 0.727, pass@1 ...``
+    (``val/<dataset>/<metric>``; counts as integers)."""
+    by_set: dict[str, list[str]] = {}
+    for key, value in metrics.items():
+        name, metric = key.removeprefix("val/").rsplit("/", 1)
+        shown = f"{value:.0f}" if metric == "prompts" else f"{value:.3f}"
+        by_set.setdefault(name, []).append(f"{metric} {shown}")
+    return [f"  {name}: {', '.join(parts)}" for name, parts in by_set.items()]

@@ -212,6 +212,10 @@ class Trainer:
         self.rollout = rollout
         if checkpoint:
             self._resume(checkpoint, sampler)
+            if loop:  # posttrain eval loads a checkpoint too, but says so its own way
+                self.console.print(
+                    f"resumed from {display_path(checkpoint.path)} at step {self.state.step}"
+                )
         if not loop:
             return
         self.batches, self._stats_groups = batch_source(
@@ -239,9 +243,6 @@ class Trainer:
             files=plugin_files.read(checkpoint.path, checkpoint.manifest.files),
         )
         self._sync_weights()
-        self.console.print(
-            f"resumed from {display_path(checkpoint.path)} at step {self.state.step}"
-        )
 
     def _close(self) -> None:
         """Stop everything the run started, once: the producer, the environments' processes,
