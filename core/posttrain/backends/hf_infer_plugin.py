@@ -106,7 +106,9 @@ def estimate_memory(query: MemoryQuery) -> RoleMemory:
     knobs = [f"{path}.param_offload: true (the weights wait in host memory while others run)"]
     rows = query.role.infer_batch_size or cfg.batch_size
     if query.role_name == "actor_infer":
-        rows = min(rows, -(-work.rows // query.gpus))
+        # A batch of prompts decodes every sample of each at once: its rows are its prompts
+        # times the samples a prompt (work.rows / work.prompts), at most a replica's share.
+        rows = min(rows * work.samples_per_prompt, -(-work.rows // query.gpus))
         kv_cache = rows * work.sequence_tokens * g.kv_cache_bytes_per_token(b)
         fixed_shape = cfg.decode != "dynamic" and query.device == "cuda"
         step = {

@@ -48,6 +48,7 @@ class Workload:
     response_tokens: int
     bucket_bytes: int
     mini_batches: int = 1  # optimizer steps a step's rows are split into
+    samples_per_prompt: int = 1  # a rollout's rows for each prompt (GRPO's group)
 
     @property
     def sequence_tokens(self) -> int:

@@ -80,6 +80,7 @@ def workload_of(workflow: Workflow) -> Workload:
         response_tokens=generating.max_new_tokens if generating is not None else 0,
         bucket_bytes=workflow.trainer.weight_sync_bucket_mb * 2**20,
         mini_batches=algorithm.num_mini_batches,
+        samples_per_prompt=algorithm.group_size,
     )
 
 
