@@ -104,6 +104,18 @@ def test_colocated_roles_share_bundles(ray_setup):
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
+def test_the_launcher_says_which_ray_cluster_it_uses(ray_setup):
+    import ray
+
+    _, launcher, _ = ray_setup
+    line = launcher.description()
+    address = ray.get_runtime_context().gcs_address
+    assert line.startswith(f"ray: a local cluster started for this run ({address}), 1 node ")
+    assert "(2 CPUs, 0 GPUs)" in line, line
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
 def test_group_env_logs_and_errors(ray_setup):
     from posttrain.launch.plan import group_spec
 

@@ -129,6 +129,11 @@ class Launcher(abc.ABC):
             raise
         return groups
 
+    def description(self) -> str:
+        """One line on where the rank processes run, printed when the run starts ("" for
+        this machine's own processes, which need no saying)."""
+        return ""
+
     def start_group(self, spec: GroupSpec) -> WorkerGroup:
         """Start the ranks of one role in processes of their own."""
         return self.start_processes([spec])[spec.role]

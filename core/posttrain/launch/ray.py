@@ -66,6 +66,7 @@ class RayLauncher(Launcher):
         self.placements: dict[tuple[str, ...], Placement] = {}
         self.owns_ray = False
         self.temp_dir: str | None = None
+        self.where = ""  # which Ray cluster, for description()
         self._init_ray()
         try:
             self._place(roles, plan or [(name,) for name in roles])
@@ -86,6 +87,7 @@ class RayLauncher(Launcher):
             "runtime_env": _runtime_env(c.runtime_env),
         }
         if ray.is_initialized():  # e.g. a driver that runs posttrain from its own Ray job
+            self.where = "the Ray session this process had started"
             return
         if c.address is None:
             # A short temp dir: Ray's socket paths must stay under 108 characters.
@@ -100,8 +102,21 @@ class RayLauncher(Launcher):
                 **common,
             )
             self.owns_ray = True
+            self.where = "a local cluster started for this run"
         else:
             ray.init(address=c.address, **common)
+            self.where = f"cluster.address {c.address}"
+
+    def description(self) -> str:
+        """``ray: ADDRESS, N nodes (C CPUs, G GPUs)``: which cluster the run's ranks are on."""
+        alive = [node for node in ray.nodes() if node.get("Alive")]
+        resources = ray.cluster_resources()
+        address = ray.get_runtime_context().gcs_address
+        return (
+            f"ray: {self.where} ({address}), {len(alive)} node{'s' if len(alive) != 1 else ''} "
+            f"({resources.get('CPU', 0):g} CPUs, {resources.get('GPU', 0):g} GPUs); the ranks' "
+            "logs go to RUN_DIR/logs/ on their nodes"
+        )
 
     # -- placement -------------------------------------------------------------------------
 
