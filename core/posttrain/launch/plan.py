@@ -123,8 +123,9 @@ def start_groups(
     roles = workflow.roles()
     plan = plan_processes(workflow, host)
     launcher = make_launcher(workflow, plan)
-    if launcher.description():
-        console.print(launcher.description(), markup=False, highlight=False)
+    where = launcher.description()
+    if where:
+        console.print(where, markup=False, highlight=False)
     if watch is not None:
         launcher.hang_watch, watch.launcher = watch, launcher
     processes = sum(roles[members[0]].num_ranks for members in plan)
