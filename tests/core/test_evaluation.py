@@ -201,7 +201,7 @@ def test_curves_draw_each_held_out_reward_beside_the_train_reward():
     fig, ax = plt.subplots()
     _plot_held_out(ax, history)
     (line,) = ax.get_lines()
-    assert line.get_label() == "heldout (held out)"
+    assert line.get_label() == "eval: heldout"  # not "heldout (held out)"
     assert list(line.get_xdata()) == [1, 3, 5]
     assert list(line.get_ydata()) == [0.05, 0.15, 0.25]
     plt.close(fig)

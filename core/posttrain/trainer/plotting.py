@@ -55,6 +55,7 @@ def _plot_held_out(ax, history) -> None:
     for key in (k for k in keys if k.endswith("/reward_mean")):
         points = [(h["step"], h[key]) for h in history if key in h]
         name = key.removeprefix("val/").removesuffix("/reward_mean")
-        ax.plot(*zip(*points), marker="o", markersize=3, linewidth=1, label=f"{name} (held out)")
+        # "eval: NAME", beside "train": the dataset's own name often says "held out" already.
+        ax.plot(*zip(*points), marker="o", markersize=3, linewidth=1, label=f"eval: {name}")
     if keys:
         ax.legend(fontsize=7)
