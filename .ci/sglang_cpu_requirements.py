@@ -3,7 +3,7 @@
     python .ci/sglang_cpu_requirements.py sglang-0.5.23-*.whl > requirements.txt
 
 SGLang's wheel requires a CUDA torch and CUDA-only kernels; its pure-Python requirements are
-what the CPU engine needs. The ones left out, and why (shared/BACKENDS.md, "SGLang"):
+what the CPU engine needs. The ones left out, and why:
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 # Build (or refresh) a virtual environment with SGLang (CPU), the SGLang plugin and its tests.
 #   .ci/sglang_env.sh VENV_PATH [--editable]
 # SGLang's wheel pins a CUDA torch and CUDA-only kernels, so it gets a venv of its own, built by
-# the CPU recipe of shared/BACKENDS.md: CPU torch 2.13.0, SGLang's pure-Python requirements
+# a CPU recipe (plugins/sglang/README.md): CPU torch 2.13.0, SGLang's pure-Python requirements
 # (.ci/sglang_cpu_requirements.py), then SGLang itself without dependencies. Idempotent.
 set -euo pipefail
 cd "$(dirname "$0")/.."

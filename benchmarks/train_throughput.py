@@ -10,7 +10,7 @@ CUDA, with each row's ratio to the first strategy's tokens/s.
 
 Mixed precision (``--dtype bf16``): float32 master weights and bf16 compute for every strategy
 (fsdp2_train's ``param_dtype``; deepspeed_train's bf16 mode through ``model_args.dtype``).
-TFLOP/s counts 6 x params + causal attention per token (as shared/BACKENDS.md does).
+TFLOP/s counts 6 x params + causal attention per token (the usual training-FLOPs estimate).
 ``lora_*`` entries of a strategy are ``model_args.lora``'s (``lora_rank=16``: adapters on every
 attention and MLP projection), not ``strategy_config``'s: LoRA against full fine-tuning.
 """
