@@ -2,10 +2,10 @@
 
 Each rank process (and the driver) starts a daemon thread at start-up that answers on a Unix
 socket of its own (an abstract address named after the process's pid and start time): whoever
-connects gets every other thread's stack, formatted from :func:`sys._current_frames` under the
-GIL. Frames only change under the GIL, so the answer is read while no thread can push or pop
-one. The thread answers while the main thread is blocked in a collective or any other C++ call
-that releases the GIL, as torch's do.
+connects gets every other thread's stack, which the thread has :func:`faulthandler.dump_traceback`
+write while it holds the GIL. Frames only change under the GIL, so they are read while no thread
+can push or pop one, or end. The thread answers while the main thread is blocked in a
+collective or any other C++ call that releases the GIL, as torch's do.
 
 Only a process that does not answer in ``ANSWER_S`` (its GIL held by a thread stuck in C) is
 asked the old way: :mod:`faulthandler`, registered on ``SIGUSR1``, dumps every thread into a
@@ -33,7 +33,6 @@ import selectors
 import signal
 import socket
 import struct
-import sys
 import threading
 import time
 
@@ -48,6 +47,10 @@ _END_OF_ANSWER = "-- end of stacks --\n"  # an answer without it was cut short
 _FALLBACK_NOTE = "(faulthandler's dump: the process did not answer from its own thread in {}s)\n"
 _SERVER_THREAD = "posttrain-stacks"
 _REPORTERS = ("stacks.py", "hang_watch.py")
+# A thread's first line and a frame's, in faulthandler's dumps (and in the answers, which use
+# its format).
+_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
+_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
 # This process's open stacks file (kept open for faulthandler) and its stacks socket.
 _registered: dict[str, object] = {}
 
@@ -124,25 +127,37 @@ def _serve_stacks(server: socket.socket) -> None:
 
 def format_stacks() -> str:
     """Every thread's stack but the answering thread's, the main thread first, in
-    faulthandler's format (innermost frame first), which :func:`main_thread_frames` reads;
-    ended by a line that shows the answer is whole."""
+    faulthandler's format (innermost frame first) with each thread's name; ended by a line
+    that shows the answer is whole.
+
+    faulthandler reads the frames, called here with the GIL held: one C call that never lets
+    it go, so no thread pushes or pops a frame or ends meanwhile. Walking the frames in Python
+    (``sys._current_frames()`` and ``f_back``) lets other threads run between two steps, and
+    on CPython 3.11 ``f_back`` of a frame that changed meanwhile crashed a rank of a live run
+    (python/cpython#99110, #111363 report the same)."""
+    fd = os.memfd_create("posttrain-stacks")
+    try:
+        faulthandler.dump_traceback(fd, all_threads=True)
+        size = os.lseek(fd, 0, os.SEEK_CUR)
+        os.lseek(fd, 0, os.SEEK_SET)
+        dump = os.read(fd, size).decode("utf-8", "replace")
+    finally:
+        os.close(fd)
     names = {t.ident: t.name for t in threading.enumerate()}
     main = threading.main_thread().ident
-    frames = sys._current_frames()
-    lines = [f"{_MAIN_THREAD_HEADER}0x{main:016x}"]
-    for ident in sorted(frames, key=lambda i: i != main):
-        if ident == threading.get_ident():
+    blocks = []
+    for block in dump.split("\n\n"):
+        head = _THREAD.match(block)
+        if head is None or block.startswith("Current thread"):  # this thread, answering
             continue
-        lines.append(f"Thread 0x{ident:016x} [{names.get(ident, '?')}] (most recent call first):")
-        frame = frames[ident]
-        while frame is not None:
-            code = frame.f_code
-            lines.append(
-                f'  File "{code.co_filename}", line {frame.f_lineno or 0} in {code.co_name}'
-            )
-            frame = frame.f_back
-        lines.append("")
-    return "\n".join(lines) + "\n" + _END_OF_ANSWER
+        ident = int(head.group(1), 16)
+        name = names.get(ident, "?")
+        named = block.replace(
+            " (most recent call first):", f" [{name}] (most recent call first):", 1
+        )
+        blocks.append((ident != main, named.rstrip("\n")))
+    body = "\n\n".join(block for _, block in sorted(blocks, key=lambda b: b[0]))
+    return f"{_MAIN_THREAD_HEADER}0x{main:016x}\n{body}\n\n{_END_OF_ANSWER}"
 
 
 def process_start_time(pid: int) -> str:
@@ -318,9 +333,6 @@ def _read_from(path: str, offset: int) -> str:
 
 
 # -- reading a dump --------------------------------------------------------------------------
-
-_THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-f]+)", re.M)
-_FRAME = re.compile(r'^\s+File "(?P<file>[^"]+)", line (?P<line>\d+) in (?P<func>\S+)', re.M)
 
 
 @attrs.frozen
