@@ -11,12 +11,16 @@ process it was asked of (docs/hangs.md). The threads sleep most of the time, so 
 keeps its pace on two cores; they touch no random state, so the run's results are unchanged.
 
 Enabled by ``POSTTRAIN_TEST_BUSY_THREADS=1`` in the driver's environment (local ranks inherit
-it).
+it). With ``POSTTRAIN_TEST_BUSY_HOLD_AT_STEP=N`` and ``POSTTRAIN_TEST_BUSY_RELEASE=PATH``, the
+driver waits after step N until PATH exists (at most 120 s), so that a test asks a live run as
+often as it means to, however fast the steps go; the run's results are the same.
 """
 
 import os
 import threading
 import time
+
+from posttrain import hookimpl
 
 # Deeper than one 16 KiB chunk of frames holds (about 100 of these).
 DEPTH = 300
@@ -44,3 +48,14 @@ def _start_and_end_threads() -> None:
 if os.environ.get("POSTTRAIN_TEST_BUSY_THREADS") == "1":
     for body in (_recurse_forever, _start_and_end_threads):
         threading.Thread(target=body, name=f"busy-threads{body.__name__}", daemon=True).start()
+
+
+@hookimpl
+def posttrain_step_metrics(step, metrics):
+    hold_at = os.environ.get("POSTTRAIN_TEST_BUSY_HOLD_AT_STEP")
+    release = os.environ.get("POSTTRAIN_TEST_BUSY_RELEASE", "")
+    if hold_at and step == int(hold_at):
+        deadline = time.monotonic() + 120
+        while not os.path.exists(release) and time.monotonic() < deadline:
+            time.sleep(0.05)
+    return None

@@ -1,5 +1,6 @@
 """A run killed with SIGKILL (between checkpoints, and while writing one) resumes with
-``resume: auto`` and ends bitwise equal to an uninterrupted run."""
+``resume: auto`` and ends bitwise equal to an uninterrupted run; a run whose stacks are asked for
+over and over ends as the uninterrupted run did."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import json
 import re
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +181,102 @@ def test_a_blocked_rank_is_reported_then_the_run_stops_and_resumes_bitwise(tmp_p
     ), err
     run(run_dir)
     assert_same_run(run_dir, uninterrupted)
+
+
+STACKS_CALLS = 200
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_stacks_asked_200_times_of_a_busy_run_leave_it_as_an_uninterrupted_run(
+    tmp_path, uninterrupted
+):
+    """``posttrain stacks``'s collection, called in a loop on a live run whose processes run
+    threads that push and pop frames and start and end threads (busy_threads_plugin): the
+    stacks asked for in a signal handler, by faulthandler, crashed such a process within tens
+    of calls. Every call answers for every process, and the run ends as the uninterrupted one."""
+    from posttrain.errors import UserError
+    from posttrain.launch.stacks import live_run_stacks
+
+    run_dir = tmp_path / "asked"
+    release = tmp_path / "asked-enough"
+    proc = subprocess.Popen(
+        posttrain_cmd(
+            "run",
+            str(QUICKSTART),
+            *SMALL,
+            "--set",
+            "plugins=[busy_threads_plugin]",
+            "--set",
+            f"trainer.output_dir={run_dir}",
+        ),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        # The driver waits after step 9 until the asking is done: 200 calls on a live run
+        # on a slow machine too (about 70 ms a call on 2 loaded cores; steps take less).
+        env=run_env(
+            POSTTRAIN_TEST_BUSY_THREADS="1",
+            POSTTRAIN_TEST_BUSY_HOLD_AT_STEP="9",
+            POSTTRAIN_TEST_BUSY_RELEASE=str(release),
+        ),
+    )
+    listed = run_dir / "logs" / "processes.json"
+    deadline = time.monotonic() + 240
+    while not listed.exists() and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    answers = []
+    started = time.monotonic()
+    try:
+        while len(answers) < STACKS_CALLS and proc.poll() is None:
+            try:
+                answers.append(live_run_stacks(str(run_dir)))
+            except UserError:  # the run ended: its processes are listed no more
+                break
+            time.sleep(0.02)  # spread over more of the run's phases
+    finally:
+        release.touch()
+    asked_s = time.monotonic() - started
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-3000:] + err[-3000:]
+    assert len(answers) == STACKS_CALLS, f"the run ended after {len(answers)} in {asked_s:.0f}s"
+    for text in answers:
+        heads = [line.split(" (pid")[0] for line in text.splitlines() if line.startswith("== ")]
+        assert heads == [
+            "== driver",
+            "== actor_train+actor_infer+reference rank 0",
+            "== actor_train+actor_infer+reference rank 1",
+        ], text
+        assert text.count('  File "') >= 3, text  # a stack of each process, not a line
+        assert "faulthandler" not in text, text  # each process answered from its own thread
+    assert rewards_by_step(run_dir) == rewards_by_step(uninterrupted[0])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_rank_dead_of_sigsegv_is_reported_with_its_stack_and_the_rerun_line(tmp_path):
+    """Rank 1 dies of SIGSEGV at the start of step 5's update (kill_plugin): the console names
+    the rank and the signal, shows the stack faulthandler wrote into the rank's log, and says
+    what a rerun does."""
+    run_dir = tmp_path / "segfault"
+    crashed = run(
+        run_dir,
+        "--set",
+        "plugins=[kill_plugin]",
+        check=False,
+        env=run_env(POSTTRAIN_TEST_KILL_AT_STEP="5", POSTTRAIN_TEST_KILL_SIGNAL="SIGSEGV"),
+    )
+    assert crashed.returncode == 1, crashed.stdout[-3000:] + crashed.stderr[-3000:]
+    err = crashed.stderr
+    assert "Traceback" not in err, err
+    flat = " ".join(err.split())
+    assert "actor_train rank 1" in flat and "worker process died of SIGSEGV during" in flat, err
+    assert "Fatal Python error: Segmentation fault" in err, err
+    stack = err[err.index("Current thread 0x") :]
+    assert re.search(r'File "\S+kill_plugin\.py", line \d+ in posttrain_train_step', stack), err
+    assert "rank_main.py" in stack, err  # the whole stack, down to the rank's serving loop
+    assert re.search(
+        r"the run stopped after step 4; the last complete checkpoint is \S+checkpoint-3: "
+        r"rerun the same command to continue from step 3, redoing step 4",
+        flat,
+    ), err
