@@ -91,20 +91,32 @@ SET_HELP = (
 def _load(args, host):
     """The workflow and its report; its warnings are shown here, for every command that
     loads one (a run goes on after them)."""
-    from rich.markup import escape
-
     from posttrain.config.workflow import load_workflow
 
     workflow, report = load_workflow(args.workflow, host, _parse_overrides(args.set))
-    for warning in report.warnings:
-        _console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(warning.render())}")
+    _print_warnings(report.warnings)
     return workflow, report
 
 
-def cmd_validate(args, host) -> int:
-    workflow, report = _load(args, host)
+def _print_warnings(warnings) -> None:
     from rich.markup import escape
 
+    for warning in warnings:
+        _console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(warning.render())}")
+
+
+def cmd_validate(args, host) -> int:
+    from rich.markup import escape
+
+    from posttrain.config.hub_models import warn_uncached
+    from posttrain.config.report import ErrorReport
+
+    workflow, report = _load(args, host)
+    if workflow is not None:
+        # Only here: a run asks the hub itself (check_reachable), and says what it found.
+        uncached = ErrorReport()
+        warn_uncached(workflow, uncached)
+        _print_warnings(uncached.warnings)
     console = _console()
     for note in report.notes:
         console.print(f"[dim]note: {escape(note.render())}[/dim]")

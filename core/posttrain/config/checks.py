@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 import os
 
-from posttrain.config.hub_models import check_cached, looks_local
+from posttrain.config.hub_models import check_hub_ids, looks_local
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_HEADS, Workflow
 from posttrain.hookspecs import hookimpl
@@ -157,7 +157,7 @@ def _check_models(wf: Workflow, report: ErrorReport) -> None:
                 f"'{path}' is not a local directory: treated as a hub id; "
                 "checks that need its config were skipped",
             )
-    check_cached(wf, report)  # hub ids: in the local cache? (no network)
+    check_hub_ids(wf, report)
 
 
 def _check_schedules(wf: Workflow, report: ErrorReport) -> None:

@@ -1,8 +1,9 @@
 """Models a workflow names by hub id (neither a preset nor a local path): found in the local HF
 cache, or on a hub that answers, before any process starts.
 
-``posttrain validate`` looks only in the cache (no network): an id it cannot find there is a
-warning, since a run may still download it. ``posttrain run`` and ``posttrain eval`` ask the hub
+Every command refuses a name that is neither a path nor a valid hub id. ``posttrain validate``
+looks only in the cache (no network): an id it cannot find there is a warning, since a run may
+still download it. ``posttrain run`` and ``posttrain eval`` ask the hub
 once (one metadata request, no retries) about an id the cache lacks: without the check,
 transformers retries for about 50 s in the driver and ends with a traceback, after the run
 directory was made.
@@ -82,11 +83,9 @@ def _download_hint(repo_id: str) -> str:
     )
 
 
-def check_cached(workflow, report: ErrorReport) -> None:
-    """``posttrain validate``: a hub id that is not a valid one is an error; one the local
-    cache lacks, a warning (no network is used)."""
-    from huggingface_hub import constants
-
+def check_hub_ids(workflow, report: ErrorReport) -> None:
+    """A name that is neither a local path nor a valid hub id is an error (before any process:
+    the hub would refuse it after transformers' retries)."""
     for model in hub_models(workflow):
         problem = invalid_id(model.repo_id)
         if problem:
@@ -95,7 +94,15 @@ def check_cached(workflow, report: ErrorReport) -> None:
                 f"'{model.repo_id}' is neither a local path nor a hub id: {problem}",
                 "give an HF model directory, a hub id (org/name) or a preset (preset:NAME)",
             )
-        elif not in_cache(model):
+
+
+def warn_uncached(workflow, report: ErrorReport) -> None:
+    """``posttrain validate``: a hub id the local cache lacks is a warning (no network is used;
+    a run asks the hub itself, :func:`check_reachable`)."""
+    from huggingface_hub import constants
+
+    for model in hub_models(workflow):
+        if not invalid_id(model.repo_id) and not in_cache(model):
             report.warn(
                 model.where,
                 f"'{model.repo_id}' is not a local directory and not in the HF cache "
