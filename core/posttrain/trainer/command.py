@@ -14,13 +14,8 @@ from posttrain.trainer.run import Trainer
 def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> list[dict]:
     from rich.console import Console
 
-    from posttrain.launch.plan import resolve_device
-    from posttrain.memory.command import checked_for_memory
-
     console = console or Console()
     check_reachable(workflow)  # before the run directory is made
-    # Before any process starts: a plan that cannot fit is refused, auto checkpointing resolved.
-    workflow = checked_for_memory(workflow, host, resolve_device(workflow), console)
     trainer = Trainer(workflow, host, console, source=source)
     console.print(f"run directory: {display_path(trainer.run_dir)}")
     history = trainer.run()

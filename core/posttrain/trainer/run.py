@@ -33,6 +33,7 @@ from posttrain.launch.stacks import (
     remove_processes,
     write_processes,
 )
+from posttrain.memory.command import checked_for_memory
 from posttrain.paths import display_path
 from posttrain.protocol import build_sequence_batch
 from posttrain.rewards.pool import RuleRewards
@@ -67,7 +68,6 @@ class DriverState:
 
 class Trainer:
     def __init__(self, workflow: Workflow, host, console, source: str = ""):
-        self.wf = workflow
         self.host = host
         self.console = console
         out = workflow.trainer.output_dir
@@ -77,7 +77,12 @@ class Trainer:
         self.launcher: Launcher | None = None
         self.watch: HangWatch | None = None  # the hang watchdog, made with the rank processes
         self.state = DriverState()
+        # The workflow as the user wrote it: a resume or an eval elsewhere resolves `auto`
+        # settings for its own GPUs, and must still find the same run.
         self.record = workflow_record(workflow, source)
+        # Before any process starts: a plan that cannot fit is refused, auto checkpointing
+        # resolved (posttrain.memory).
+        self.wf = checked_for_memory(workflow, host, self.device, console)
         self.rule_rewards: RuleRewards | None = None
         self.evaluation: Evaluation | None = None  # the held-out evaluation phase
         self.batches: SynchronousBatches | AsyncBatches | None = None
