@@ -23,6 +23,8 @@ class ModelGeometry:
     intermediate_size: int
     vocab_size: int
     tie_word_embeddings: bool = True
+    attention_bias: bool = False  # q/k/v biases (Qwen2's)
+    qk_norm: bool = False  # per-head RMS norms of queries and keys (Qwen3's)
 
     @property
     def kv_width(self) -> int:
@@ -31,10 +33,13 @@ class ModelGeometry:
 
     @property
     def params(self) -> int:
-        """Parameters (the tied embedding counted once; biases and norms included, so a Qwen2
-        comes within a few thousand of transformers' count)."""
+        """Parameters, as transformers counts them (the tied embedding once)."""
         h, q, kv = self.hidden_size, self.num_attention_heads * self.head_dim, self.kv_width
-        attention = h * q + q + 2 * (h * kv + kv) + q * h
+        attention = h * q + 2 * h * kv + q * h
+        if self.attention_bias:
+            attention += q + 2 * kv
+        if self.qk_norm:
+            attention += 2 * self.head_dim
         layer = attention + 3 * h * self.intermediate_size + 2 * h
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
         return self.num_hidden_layers * layer + embeddings + h
@@ -65,6 +70,8 @@ def geometry_from_config(config: dict) -> ModelGeometry | None:
             intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
             vocab_size=int(text["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
+            attention_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")),
+            qk_norm=text.get("model_type") in ("qwen3", "qwen3_moe"),
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -100,6 +107,7 @@ def preset_geometry(name: str) -> ModelGeometry:
 
     preset = PRESETS[preset_name(name)]
     hidden, heads = preset.hidden_size, preset.num_attention_heads
+    # Qwen2 projects q/k/v with biases, Qwen3 normalises them (presets.build_preset's classes).
     return ModelGeometry(
         hidden_size=hidden,
         num_hidden_layers=preset.num_hidden_layers,
@@ -109,6 +117,8 @@ def preset_geometry(name: str) -> ModelGeometry:
         intermediate_size=preset.intermediate_size or 4 * hidden,
         vocab_size=len(SPECIAL_TOKENS) + len(ARITH_ALPHABET) + len(preset.added_tokens),
         tie_word_embeddings=preset.tie_word_embeddings,
+        attention_bias=preset.arch == "qwen2",
+        qk_norm=preset.arch == "qwen3",
     )
 
 
