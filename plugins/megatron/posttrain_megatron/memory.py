@@ -79,6 +79,8 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     recompute = _recompute(query)
     phases = {
         "train": {
+            # The float16 optimizer's float32 copy of the gradients, freed after its step.
+            "main_grads": 4 * params // optimizer_shards,
             "activations": training_activation_bytes(
                 rank, train_tokens // sequence_split, compute, recompute
             ),

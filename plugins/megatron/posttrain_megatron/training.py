@@ -267,6 +267,10 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
         group["lr"] = lr
     reduced = _run_schedule(worker, items, loss_for, forward_only=False)
     updated, grad_norm, _ = optimizer.step()
+    # Megatron's float16 optimizer keeps float32 copies of the gradients on its master weights
+    # until its next zero_grad: 4 bytes a parameter (5.8 GiB at 1.5B) that would stay through
+    # the rollout and the scoring of the next step on a colocated GPU.
+    optimizer.zero_grad()
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     if updated:
         worker.state["updates"] += 1
