@@ -24,7 +24,8 @@ two forward passes (old policy, reference) over every token, the update one trai
         --set actor_train.strategy_args.strategy_config.tensor_model_parallel_size=2  # 4 GPUs
 
 Workloads: ``short`` (16 prompts x 8, 16-token prompts, 64 new tokens), ``long`` (32 prompts x
-8, 256-token prompts, 1024 new tokens) and ``tiny`` (2 prompts x 2, 8 + 4 tokens). Layouts over
+8, 256-token prompts, 1024 new tokens), ``realistic`` (as long, lengths long-tailed: mean ~1K,
+at most 4K; see REALISTIC_MEAN) and ``tiny`` (2 prompts x 2, 8 + 4 tokens). Layouts over
 ``--gpus`` GPUs: ``hybrid`` (every role on every GPU, one process a GPU; 1 GPU by default),
 ``disaggregated`` (trainer and reference on the first GPUs, rollout on the last
 ``--rollout-gpus``; 2 GPUs by default), ``colocated`` (hybrid on 2 GPUs by default).
@@ -64,8 +65,14 @@ HERE = Path(__file__).resolve().parent
 WORKLOADS = {
     "short": (16, 8, 16, 64),
     "long": (32, 8, 256, 1024),
+    "realistic": (32, 8, 256, 4096),
     "tiny": (2, 2, 8, 4),
 }
+# ``realistic``: responses end at any of REALISTIC_STOPS-th of the vocabulary's tokens. A random
+# model samples nearly uniformly, so a response's length is geometric with mean ~1,000 tokens,
+# capped at 4,096 (e^-4, about 2% of them): NeMo-RL's long-tailed shape of work (4K max, ~1K
+# mean), where the longest rows hold the step.
+REALISTIC_MEAN = 1000
 LAYOUTS = ("hybrid", "disaggregated", "colocated")
 INFER_OF = {
     "fsdp2_train": "fsdp2_infer",
@@ -94,6 +101,16 @@ def devices(args) -> tuple[list[int], list[int]]:
         return every, every
     split = gpus - args.rollout_gpus
     return every[:split], every[split:]
+
+
+def stops(args) -> list[int]:
+    """The ``realistic`` workload's stop tokens: one in REALISTIC_MEAN of the vocabulary's ids
+    past the tokenizer's own (none for the other workloads: their lengths are forced)."""
+    if args.workload != "realistic":
+        return []
+    vocab = SHAPES[args.shape]["vocab_size"]
+    count = max(1, vocab // REALISTIC_MEAN)
+    return list(range(vocab - count, vocab))
 
 
 def workflow(args, model: str, data: Path) -> dict:
@@ -147,7 +164,11 @@ def workflow(args, model: str, data: Path) -> dict:
             "strategy_args": {"strategy_name": "hf_infer"},
             "device_mapping": infer_devices,
             "infer_batch_size": prompts,
-            "generating_args": {"max_new_tokens": new_tokens, "ignore_eos": True},
+            "generating_args": {
+                "max_new_tokens": new_tokens,
+                "ignore_eos": True,
+                "stop_token_ids": stops(args),
+            },
         },
         "reference": {
             "strategy_args": {
