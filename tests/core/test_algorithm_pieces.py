@@ -19,6 +19,8 @@ from posttrain.config.workflow import build_workflow
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.protocol import SequenceBatch, build_sequence_batch
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 
 def response_batch(lengths: list[int], prompt_len: int = 2, **tensors) -> SequenceBatch:
     batch = build_sequence_batch(

@@ -15,6 +15,8 @@ from posttrain.algorithms.policy_loss import PolicyLoss
 from posttrain.config.sections import AlgorithmConfig
 from posttrain.protocol import SequenceBatch, build_sequence_batch
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 # -- advantages --------------------------------------------------------------------------------
 
 

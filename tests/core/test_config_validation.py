@@ -18,6 +18,8 @@ from posttrain.config.sections import ModelArgs, TrainingArgs
 from posttrain.config.workflow import build_workflow, load_workflow
 from posttrain.host.strategy import Capabilities, StrategySpec
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 CONTRACT_FAKE_TRAIN = "contract_fake_train"  # declared by conftest's fake plugin
 
 

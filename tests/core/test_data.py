@@ -16,6 +16,8 @@ from posttrain.tasks.data import (
     synthetic_single_digit_addition,
 )
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 TEMPLATE = (
     "{% for m in messages %}<bos>{{ m['content'] }}{% endfor %}"
     "{% if add_generation_prompt %} {% endif %}"

@@ -14,6 +14,8 @@ from posttrain.config.device_mapping import (
 from posttrain.config.report import ErrorReport
 from posttrain.config.workflow import build_workflow
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 
 @pytest.mark.parametrize(
     ("value", "expected"),

@@ -55,6 +55,8 @@ from posttrain.host.plugin_host import ENTRY_POINT_GROUP, create_plugin_host
 from posttrain.host.strategy import StrategySpec
 from posttrain.tasks.presets import PRESETS
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 REPO = Path(__file__).resolve().parents[2]
 DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"

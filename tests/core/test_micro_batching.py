@@ -14,6 +14,8 @@ from posttrain.training.micro_batching import (
     token_budget_micro_batches,
 )
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 
 def _flat(parts):
     return sorted(i for p in parts for i in p)

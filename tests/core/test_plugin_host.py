@@ -18,6 +18,8 @@ from posttrain.host.plugin_host import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, creat
 from posttrain.host.references import WHERE_MODULES_ARE
 from posttrain.host.strategy import Capabilities, StrategySpec
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 FAKE_EP_MODULE = "posttrain_contract_fake_ep"
 CONTRACT_FAKE_TRAIN = "contract_fake_train"  # declared by conftest's fake plugin
 

@@ -18,6 +18,8 @@ from posttrain.protocol import (
     fused_group,
 )
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 PROMPTS = [[1, 5, 14], [1, 6], [1, 7, 14, 9], [2]]
 RESPONSES = [[4, 5], [6, 7, 8, 9], [10], [11, 12, 13]]
 

@@ -9,6 +9,8 @@ import pytest
 from posttrain.errors import UserError
 from posttrain.rewards.functions import exact_match, numeric_match, resolve_reward_function
 
+pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
+
 
 @pytest.fixture(scope="module")
 def hook():

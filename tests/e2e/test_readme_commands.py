@@ -160,3 +160,19 @@ def test_every_example_the_readme_shows_has_a_test_that_runs_it():
         test = OWN_TESTS[name]
         assert test in text, f"the README does not name {test} beside examples/{name}.yaml"
         assert name in (REPO / test).read_text(), f"{test} does not run examples/{name}.yaml"
+
+
+def test_the_quick_subset_the_readme_names_exists():
+    """Command 2's comment names ``python -m pytest -m quick``: the marker is registered and
+    marks tests of the core, the docs' examples and the conformance kit."""
+    text = (REPO / "README.md").read_text()
+    assert "python -m pytest -m quick" in text
+    assert '"quick: ' in (REPO / "pyproject.toml").read_text()
+    marked = {
+        p.name for p in (REPO / "tests").rglob("test_*.py") if "pytest.mark.quick" in p.read_text()
+    }
+    assert {
+        "test_config_validation.py",
+        "test_docs_examples.py",
+        "test_hf_infer_contract.py",
+    } <= marked
