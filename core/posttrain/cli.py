@@ -279,6 +279,15 @@ def cmd_plan(args, host) -> int:
 
     workflow, report = _load(args, host)
     report.raise_if_errors(display_path(args.workflow))
+    if args.gpus is not None and args.from_run is None:
+        raise UserError("--gpus N goes with --from-run RUN_DIR (the GPUs to split)")
+    if args.from_run is not None:  # the trainer/rollout split from a run's phase times
+        from posttrain.memory.split import print_split
+
+        fits = print_split(
+            workflow, host, _table_console(), args.from_run, args.gpus, args.gpu_memory_gib
+        )
+        return EXIT_OK if fits else EXIT_USER
     fits = print_plan(workflow, host, _console(), args.gpu_memory_gib)
     return EXIT_OK if fits else EXIT_USER
 
@@ -346,6 +355,18 @@ def build_parser(host) -> argparse.ArgumentParser:
         type=float,
         metavar="GIB",
         help="the memory of one GPU (default: this machine's first GPU; 80 for an H100)",
+    )
+    p.add_argument(
+        "--from-run",
+        metavar="RUN_DIR",
+        help="suggest the trainer/rollout GPU split and max_staleness from this run's measured "
+        "phase times (its metrics.jsonl), with the device_mapping lines to paste",
+    )
+    p.add_argument(
+        "--gpus",
+        type=int,
+        metavar="N",
+        help="with --from-run: the GPUs to split (default: the run's, or this machine's)",
     )
     p = workflow_command(
         "eval", cmd_eval, "score a checkpoint on the workflow's held-out datasets, no training"
