@@ -180,3 +180,113 @@ def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras:
         train=lambda rt: train_one(rt, 0, rank, world_size),
     )
     save(chunked, "chunked.pt")
+
+
+def _reachable(obj, path="", depth=0, seen=None):
+    """``(path, tensor)`` for every tensor reachable from a DeepSpeed object: its attributes,
+    lists and dicts, a torch optimizer's state and groups, a tensor's ``.grad``."""
+    import torch
+
+    seen = set() if seen is None else seen
+    if id(obj) in seen or depth > 5:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        if obj.grad is not None:
+            yield f"{path}.grad", obj.grad
+        return
+    if isinstance(obj, dict):
+        items = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif isinstance(obj, torch.optim.Optimizer) or (
+        type(obj).__module__.startswith("deepspeed") and not isinstance(obj, torch.nn.Module)
+    ):
+        items = vars(obj).items()
+    else:
+        return
+    for key, value in items:
+        yield from _reachable(value, f"{path}.{key}", depth + 1, seen)
+
+
+def held_bytes(engine) -> dict[str, int]:
+    """What a DeepSpeed engine holds, by part, in bytes of distinct storages: ``weights`` (the
+    module's parameters: ZeRO-1/2's flat buffer, ZeRO-3's partitions and its persistent whole
+    parameters), ``optimizer`` (the float32 master partitions the inner optimizer steps and
+    AdamW's state) and ``grads`` (every other tensor the ZeRO optimizer keeps under a name of
+    gradients or of its reduce buckets)."""
+    import torch
+
+    parts: dict[str, dict[int, int]] = {"weights": {}, "optimizer": {}, "grads": {}}
+    owner: dict[int, str] = {}
+
+    def add(part, tensor):
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in owner:
+            owner[storage.data_ptr()] = part
+            parts[part][storage.data_ptr()] = storage.nbytes()
+
+    for param in engine.module.parameters():
+        add("weights", param.data)
+        if getattr(param, "ds_tensor", None) is not None:
+            add("weights", param.ds_tensor)
+    zero = engine.optimizer
+    # The float32 master partitions (ZeRO-3 hands them to the inner optimizer only in its step).
+    for name in ("single_partition_of_fp32_groups", "fp32_partitioned_groups_flat"):
+        for master in getattr(zero, name, None) or []:
+            add("optimizer", master)
+    inner = zero.optimizer
+    for group in inner.param_groups:
+        for master in group["params"]:
+            add("optimizer", master)
+    for state in inner.state.values():
+        for value in state.values():
+            if torch.is_tensor(value):
+                add("optimizer", value)
+    for path, tensor in _reachable(zero):
+        if "grad" in path.lower() or "ipg" in path.lower():
+            add("grads", tensor)
+    return {part: sum(storages.values()) for part, storages in parts.items()}
+
+
+def scenario_memory(rank, world_size, out_dir, stages, reduce_bucket_size):
+    """One step at each ZeRO stage of ``stages``; what the engine holds by part after it, the
+    gradients also when the ZeRO optimizer steps, and the largest reduce buckets backward
+    allocated (ZeRO-1/2). Writes ``memory_z{stage}.pt``: a dict of parts per rank."""
+    import torch
+
+    for stage in stages:
+        rt = make_runtime(
+            rank, world_size, config=_config(stage, reduce_bucket_size=reduce_bucket_size)
+        )
+        engine = rt.ctx.model
+        zero = engine.optimizer
+        measured = {"buckets": 0}
+        step = zero.step
+
+        def at_step(*args, step=step, measured=measured, engine=engine, **kwargs):
+            measured["grads_at_step"] = held_bytes(engine)["grads"]
+            return step(*args, **kwargs)
+
+        zero.step = at_step
+        if stage < 3:
+            setup = zero.setup_buckets
+
+            def buckets(setup=setup, measured=measured, zero=zero):
+                setup()
+                held = sum(
+                    b.untyped_storage().nbytes()
+                    for bucket in zero.ipg_buckets.values()
+                    for b in bucket.buffer
+                )
+                measured["buckets"] = max(measured["buckets"], held)
+
+            zero.setup_buckets = buckets
+        train_one(rt, 0, rank, world_size)
+        measured.update(held_bytes(engine))
+        everyone = [None] * world_size
+        torch.distributed.all_gather_object(everyone, measured)
+        if rank == 0:
+            torch.save(everyone, os.path.join(out_dir, f"memory_z{stage}.pt"))
+        del rt, engine, zero  # not shutdown(): that ends the process group the next one needs

@@ -236,3 +236,43 @@ def scenario_resume(rank: int, world_size: int, out_dir: str):
     probe = probe_batch(ref.ctx.model.config.vocab_size)
     save(ref.compute_logprobs(rank_share(probe, rank, world_size)), "ref_logprobs_rank0.pt")
     rt.shutdown()
+
+
+def storage_bytes(tensors) -> int:
+    """Bytes of the distinct storages under ``tensors`` (a DTensor counts its local shard; a
+    storage several tensors view is counted once)."""
+    storages = {}
+    for tensor in tensors:
+        if tensor is None:
+            continue
+        if hasattr(tensor, "to_local"):
+            tensor = tensor.to_local()
+        storage = tensor.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def scenario_memory(rank: int, world_size: int, out_dir: str):
+    """One step; what the trainer holds, by part: weights and optimizer state after the step,
+    gradients when the optimizer steps (their peak) and after the step."""
+    import torch
+
+    rt = make_runtime(rank, world_size)
+    model, optimizer = rt.ctx.model, rt.ctx.state["optimizer"]
+    params = list(model.parameters())
+    measured = {}
+
+    def at_step(opt, args, kwargs):
+        measured["grads_at_step"] = storage_bytes(p.grad for p in params)
+
+    optimizer.register_step_pre_hook(at_step)
+    train_one(rt, 0, rank, world_size)
+    measured["weights"] = storage_bytes(params)
+    measured["grads"] = storage_bytes(p.grad for p in params)
+    measured["optimizer"] = storage_bytes(
+        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+    )
+    all_measured = [None] * world_size
+    torch.distributed.all_gather_object(all_measured, measured)
+    if rank == 0:
+        torch.save(all_measured, os.path.join(out_dir, "memory.pt"))

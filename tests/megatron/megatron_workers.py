@@ -274,3 +274,55 @@ def scenario_chunked_head(rank, world_size, out_dir, model, layout, chunk):
         }
     if rank == 0:
         torch.save(out, os.path.join(out_dir, "chunked_head.pt"))
+
+
+def held_bytes(runtime) -> dict[str, int]:
+    """What a megatron trainer holds, by part, in bytes of distinct storages: ``weights`` (the
+    model chunks' parameters), ``grads`` (their ``main_grad``: the DDP gradient buffers) and
+    ``optimizer`` (the inner optimizers' state and the float32 master parameters they step,
+    where those are not the model's own)."""
+    import torch
+
+    from posttrain_megatron.wrappers import inner_optimizers
+
+    parts: dict[str, dict[int, int]] = {"weights": {}, "grads": {}, "optimizer": {}}
+    owner: dict[int, str] = {}
+
+    def add(part, tensor):
+        if tensor is None:
+            return
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in owner:
+            owner[storage.data_ptr()] = part
+            parts[part][storage.data_ptr()] = storage.nbytes()
+
+    params = [p for model in runtime.ctx.model for p in model.parameters()]
+    for param in params:
+        add("weights", param.data)
+    for param in params:
+        add("grads", getattr(param, "main_grad", None))
+        add("grads", param.grad)
+    for inner in inner_optimizers(runtime.ctx.state["optimizer"]):
+        for group in inner.param_groups:
+            for master in group["params"]:
+                add("optimizer", master)
+        for state in inner.state.values():
+            for value in state.values():
+                if torch.is_tensor(value):
+                    add("optimizer", value)
+    return {part: sum(storages.values()) for part, storages in parts.items()}
+
+
+def scenario_memory(rank, world_size, out_dir, model, layout):
+    """One RL step under ``layout``; what the trainer holds by part after it (``memory.pt``:
+    a dict of parts per rank)."""
+    import torch
+
+    rt = make_runtime(rank, world_size, model, **layout)
+    train_one(rt, 0)
+    measured = held_bytes(rt)
+    everyone = [None] * world_size
+    torch.distributed.all_gather_object(everyone, measured)
+    if rank == 0:
+        torch.save(everyone, os.path.join(out_dir, "memory.pt"))
+    rt.shutdown()

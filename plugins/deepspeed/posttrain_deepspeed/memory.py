@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from posttrain import (
     MemoryQuery,
+    ModelGeometry,
     RoleMemory,
     dtype_bytes,
     forward_working_bytes,
@@ -12,20 +13,56 @@ from posttrain import (
     training_activation_bytes,
 )
 
-# AdamW's two float32 moments and the float32 master copy: 12 bytes a parameter.
+# AdamW's two float32 moments and the float32 master copy: 12 bytes a parameter. DeepSpeed's
+# ZeRO optimizers keep the master partition (``single_partition_of_fp32_groups`` at ZeRO-1/2,
+# ``fp32_partitioned_groups_flat`` at ZeRO-3) as a copy of their own even when the model is
+# float32 (measured: tests/deepspeed/test_deepspeed_memory_plan.py), so 12 in every dtype.
 MASTER_AND_ADAM = 12
+FLOAT32 = 4
+
+
+def tensor_numels(g: ModelGeometry) -> list[int]:
+    """The elements of each of the model's parameter tensors (as transformers names them)."""
+    h, q, kv, i = g.hidden_size, g.num_attention_heads * g.head_dim, g.kv_width, g.intermediate_size
+    layer = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]
+    if g.attention_bias:
+        layer += [q, kv, kv]
+    if g.qk_norm:
+        layer += [g.head_dim, g.head_dim]
+    heads = [g.vocab_size * h] * (1 if g.tie_word_embeddings else 2)
+    return layer * g.num_hidden_layers + heads + [h]
 
 
 def estimate_train(query: MemoryQuery) -> RoleMemory:
-    """Compute-dtype weights (partitioned at ZeRO-3), gradients (partitioned from ZeRO-2) and
-    the float32 master weights with AdamW's state (partitioned always; on the host with
-    ``offload_optimizer``), plus a micro-batch's activations and logits."""
+    """Compute-dtype weights (partitioned at ZeRO-3, but for its persistent small parameters),
+    gradients (partitioned from ZeRO-2; resident at ZeRO-3 with its reduce bucket, only while
+    training below it) and the float32 master weights with AdamW's state (partitioned always;
+    on the host with ``offload_optimizer``), plus a micro-batch's activations and logits."""
     g, cfg, ranks = query.geometry, query.config, query.gpus
     compute = query.dtype_bytes
-    mixed = compute < 4  # bf16 / fp16: a float32 master copy besides the compute weights
-    weights = g.params * compute // (ranks if cfg.zero_stage == 3 else 1)
-    grads = g.params * 4 // (ranks if cfg.zero_stage >= 2 else 1)
-    master = (MASTER_AND_ADAM if mixed else 8) * g.params // ranks
+    zero3 = cfg.zero_stage == 3
+    # The reduce bucket: with contiguous_gradients DeepSpeed allocates reduce_bucket_size
+    # elements whatever the model's size (2 GB in float32 at the default 5e8): at ZeRO-3 once,
+    # kept; at ZeRO-1/2 for each backward (two with overlap_comm), in the gradients' dtype.
+    bucket = cfg.reduce_bucket_size * compute if cfg.contiguous_gradients else 0
+    if zero3:
+        # Parameters of at most stage3_param_persistence_threshold elements stay whole on
+        # every rank beside their partition (norms, biases; a tiny model's every tensor).
+        persistent = sum(n for n in tensor_numels(g) if n <= cfg.stage3_param_persistence_threshold)
+        weights = compute * (g.params // ranks + persistent)
+        # The partitioned float32 gradients (grad_partitions_flat_buffer) and the bucket stay
+        # allocated between steps.
+        grads = FLOAT32 * g.params // ranks + bucket
+        training_grads = 0
+    else:
+        weights = compute * g.params
+        grads = 0
+        # ZeRO-1/2 free their gradients in the optimizer's step. ZeRO-2's partition keeps every
+        # parameter its boundaries cut whole (grads_in_partition): up to one more tensor.
+        cut = max(tensor_numels(g)) if ranks > 1 and cfg.zero_stage == 2 else 0
+        partition = g.params // ranks + cut if cfg.zero_stage == 2 else g.params
+        training_grads = FLOAT32 * partition + bucket * (2 if cfg.overlap_comm else 1)
+    master = MASTER_AND_ADAM * g.params // ranks
     resident = {
         "weights": 0 if cfg.offload_param else weights,
         "grads": grads,
@@ -39,6 +76,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     chunk = cfg.logprob_chunk_tokens
     phases = {
         "train": {
+            "grads": training_grads,
             "activations": training_activation_bytes(g, train_tokens, compute, query.recompute),
             "logits": logit_bytes(g, train_tokens, chunk, compute, training=True),
             "gathered": gathered,

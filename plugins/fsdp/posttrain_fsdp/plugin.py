@@ -130,12 +130,17 @@ class FSDPPlugin(EngineHooks):
 
 
 def estimate_train(query: MemoryQuery) -> RoleMemory:
-    """Float32 master weights, gradients and AdamW's state sharded over the role's GPUs (none
-    on the GPU with ``cpu_offload``), two layers gathered in the compute dtype, and a
-    micro-batch's activations and logits."""
+    """Float32 master weights and AdamW's state sharded over the role's GPUs (none on the GPU
+    with ``cpu_offload``); while training, the float32 gradients (as sharded), two layers
+    gathered in the compute dtype, and a micro-batch's activations and logits."""
     g, cfg = query.geometry, query.config
     compute = dtype_bytes(cfg.param_dtype or query.role.model_args.dtype)
     state = adam_trainer_state(g.params, query.gpus)
+    # The gradients live only inside a train call: train_step ends with
+    # optimizer.zero_grad(set_to_none=True), so between calls (while a colocated rollout runs)
+    # the trainer holds weights and optimizer state only (measured:
+    # tests/fsdp/test_fsdp_memory_plan.py).
+    grads = state.pop("grads")
     resident = {} if cfg.cpu_offload else state
     gathered = 2 * g.layer_params * compute + g.vocab_size * g.hidden_size * compute
     train_tokens = query.train_micro_batch_tokens(cfg.micro_batch_size)
@@ -145,6 +150,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     chunk = cfg.logprob_chunk_tokens
     phases = {
         "train": {
+            "grads": 0 if cfg.cpu_offload else grads,
             "activations": training_activation_bytes(g, train_tokens, compute, query.recompute),
             "logits": logit_bytes(g, train_tokens, chunk, compute, training=True),
             "gathered": gathered,

@@ -17,6 +17,10 @@ from posttrain import (
 
 # AdamW's two float32 moments and the float32 master copy: 12 bytes a parameter.
 MASTER_AND_ADAM = 12
+# A float32 model has no master copy: megatron's FP32Optimizer (and the distributed optimizer's
+# float32 shards, views of the parameters) step the parameters themselves (measured:
+# tests/megatron/test_megatron_memory_plan.py).
+ADAM = 8
 
 
 def shard_params(g: ModelGeometry, tp: int, pp: int) -> int:
@@ -56,9 +60,9 @@ def _recompute(query: MemoryQuery) -> bool:
 
 
 def estimate_train(query: MemoryQuery) -> RoleMemory:
-    """Weights and the DDP gradient buffer in the compute dtype, the float32 master weights and
-    AdamW's state (split over data-parallel ranks with ``use_distributed_optimizer``), and a
-    micro-batch's activations over this rank's widths."""
+    """Weights and the DDP gradient buffer in the compute dtype, the float32 master weights
+    (below float32 only) and AdamW's state (split over data-parallel ranks with
+    ``use_distributed_optimizer``), and a micro-batch's activations over this rank's widths."""
     g, cfg = query.geometry, query.config
     tp, pp, dp = _layout(query)
     compute = query.dtype_bytes
@@ -67,7 +71,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     resident = {
         "weights": params * compute,
         "grads": params * compute,
-        "optimizer": MASTER_AND_ADAM * params // optimizer_shards,
+        "optimizer": (MASTER_AND_ADAM if compute < 4 else ADAM) * params // optimizer_shards,
     }
     rank = _per_rank_geometry(g, tp)
     sequence_split = tp if cfg.sequence_parallel else 1
@@ -79,8 +83,9 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     recompute = _recompute(query)
     phases = {
         "train": {
-            # The float16 optimizer's float32 copy of the gradients, freed after its step.
-            "main_grads": 4 * params // optimizer_shards,
+            # The float16 optimizer's float32 copy of the gradients, freed after its step (a
+            # float32 model steps on the DDP buffer itself: none).
+            "main_grads": 4 * params // optimizer_shards if compute < 4 else 0,
             "activations": training_activation_bytes(
                 rank, train_tokens // sequence_split, compute, recompute
             ),

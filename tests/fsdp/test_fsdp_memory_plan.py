@@ -1,0 +1,58 @@
+"""The memory plan's estimate of fsdp2_train against what a rank really holds after one step
+on 2 gloo ranks (tiny preset, fp32): each part of ``RoleMemory.resident``, and the gradients
+(which live only inside a train call) at the optimizer's step."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
+
+RANKS = 2
+
+
+def estimate(config):
+    from fsdp_workers import BATCH_ROWS, MODEL
+
+    from posttrain import MemoryQuery, Workload
+    from posttrain.config.sections import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
+    from posttrain.memory.geometry import read_geometry
+    from posttrain_fsdp.plugin import plugin
+
+    role = RoleConfig(
+        strategy_args=StrategyArgs(strategy_name="fsdp2_train", strategy_config=config),
+        device_mapping=tuple(range(RANKS)),
+        model_args=ModelArgs(model_name_or_path=MODEL, disable_gradient_checkpointing=False),
+        training_args=TrainingArgs(),
+    )
+    query = MemoryQuery(
+        role_name="actor_train",
+        role=role,
+        config=config,
+        geometry=read_geometry(MODEL),
+        workload=Workload(rows=BATCH_ROWS, prompt_tokens=6, response_tokens=11, bucket_bytes=0),
+        device="cpu",
+    )
+    return plugin.posttrain_estimate_memory(query=query)
+
+
+def test_estimate_matches_what_a_rank_holds_after_a_step(tmp_path):
+    from fsdp_workers import launch
+
+    from posttrain_fsdp.plugin import FSDP2TrainConfig
+
+    launch("memory", RANKS, str(tmp_path))
+    measured = torch.load(tmp_path / "memory.pt", weights_only=False)
+    planned = estimate(FSDP2TrainConfig(micro_batch_size=3))
+    for rank, held in enumerate(measured):
+        print(f"rank {rank}: measured {held}; resident {dict(planned.resident)}")
+        # Float32 master weights and AdamW's two moments, each rank's shard (FSDP pads a
+        # parameter's first dimension to the ranks; Adam's step counters are a few bytes).
+        assert held["weights"] == pytest.approx(planned.resident["weights"], rel=0.01)
+        assert held["optimizer"] == pytest.approx(planned.resident["optimizer"], rel=0.01)
+        # Gradients exist only within a train call (set to None after the step): not resident,
+        # a part of the train phase.
+        assert held["grads"] == 0
+        assert "grads" not in planned.resident
+        assert held["grads_at_step"] == pytest.approx(planned.phases["train"]["grads"], rel=0.01)
