@@ -4,12 +4,14 @@ split, and the command end to end on a synthetic run directory. No process start
 
 from __future__ import annotations
 
+import io
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from rich.console import Console
 
 from posttrain.checkpoint.record import workflow_record
 from posttrain.config.workflow import load_workflow
@@ -23,6 +25,7 @@ from posttrain.memory.split import (
     candidates,
     check_fit,
     phase_times,
+    print_split,
     read_run,
     yaml_lines,
 )
@@ -189,6 +192,17 @@ def test_a_colocated_run_prices_a_disaggregated_sync_by_its_bytes(tmp_path):
     # 1 + 1: the trainer's 4 s of work on 2 GPUs now on one, the rollout's 8 likewise.
     assert split.trainer_side == pytest.approx(8.3) and split.rollout_side == pytest.approx(8.2)
 
+    # The command compares the best split with the run's own colocated layout, as measured.
+    host = create_plugin_host()
+    workflow, _ = load_workflow(str(QUICKSTART), host, hybrid)
+    out = io.StringIO()
+    console = Console(file=out, width=1000, highlight=False)
+    assert print_split(workflow, host, console, str(tmp_path / "run"), None, 80)
+    text = out.getvalue()
+    assert "synchronous, colocated, trainer on 2 GPU(s), rollout on 2" in text
+    assert "best split: 1 trainer + 1 rollout GPUs, max_staleness 1" in text
+    assert "against the run's own colocated layout (8.52 s a step): 1.02x" in text
+
 
 def test_a_split_whose_memory_plan_does_not_fit_is_refused(tmp_path, host, model_1_5b):
     workflow, report = load_workflow(str(QUICKSTART), host, bf16_1_5b(model_1_5b))
@@ -258,13 +272,30 @@ def test_posttrain_plan_from_run_prints_the_splits_and_the_lines_to_paste(tmp_pa
     assert "best split: 2 trainer + 2 rollout GPUs" in tight.stdout
     assert "  actor_infer.device_mapping: [2, 3]\n" in tight.stdout
 
-    none = plan_from_run(run_dir, "--gpus", "4", "--gpu-memory-gib", "4", overrides=model)
-    assert none.returncode == 2
-    assert "no split of 4 GPUs is valid and fits" in none.stdout
 
-    # The run's own GPUs by default; a directory that is not a run is a user error.
-    default = plan_from_run(run_dir, "--gpu-memory-gib", "80", overrides=model)
-    assert default.returncode == 0 and "best split: 1 trainer + 1 rollout GPUs" in default.stdout
-    missing = plan_from_run(tmp_path / "nothing", "--gpu-memory-gib", "80")
-    assert missing.returncode == 2 and "has no workflow.yaml" in missing.stderr
-    assert "Traceback" not in missing.stderr
+def test_plan_from_run_exits_2_where_no_split_fits_or_there_is_no_run(tmp_path, model_1_5b, capsys):
+    from posttrain.cli import main
+
+    model = bf16_1_5b(model_1_5b)
+    steps = [async_step(s, rollout=9.0) for s in range(1, 6)]
+    run_dir = write_run(tmp_path / "run", {**model, **ASYNC_1_1}, steps)
+    sets = [f"--set={k}={json.dumps(v)}" for k, v in model.items()]
+    plan = ["plan", str(QUICKSTART), *sets, "--from-run"]
+
+    assert main([*plan, str(run_dir), "--gpus", "4", "--gpu-memory-gib", "4"]) == 2
+    assert "no split of 4 GPUs is valid and fits" in capsys.readouterr().out
+    # The run's own GPUs by default.
+    assert main([*plan, str(run_dir), "--gpu-memory-gib", "80"]) == 0
+    assert "best split: 1 trainer + 1 rollout GPUs" in capsys.readouterr().out
+    # What asynchronous rollout also needs of this workflow is named under the lines.
+    epochs = ["--set=algorithm.ppo_epochs=2", "--gpu-memory-gib", "80"]
+    assert main([*plan, str(run_dir), *epochs]) == 0
+    out = capsys.readouterr().out
+    assert "also needed: algorithm.tis_cap" in out
+    assert "the workflow differs from the run's beyond its layout (algorithm.ppo_epochs" in out
+    # A directory that is not a run, and --gpus alone, are user errors.
+    assert main([*plan, str(tmp_path / "nothing"), "--gpu-memory-gib", "80"]) == 2
+    err = capsys.readouterr().err
+    assert "has no workflow.yaml" in err and "Traceback" not in err
+    assert main(["plan", str(QUICKSTART), "--gpus", "4"]) == 2
+    assert "--gpus N goes with --from-run" in capsys.readouterr().err
