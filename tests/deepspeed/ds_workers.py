@@ -28,7 +28,9 @@ def hook_relay():
     return engine_hook_relay(posttrain_deepspeed.plugin.plugin, "deepspeed")
 
 
-def make_runtime(rank: int, world_size: int, strategy="deepspeed_train", config=None, **training):
+def make_runtime(
+    rank: int, world_size: int, strategy="deepspeed_train", config=None, dtype="fp32", **training
+):
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
@@ -48,7 +50,9 @@ def make_runtime(rank: int, world_size: int, strategy="deepspeed_train", config=
         role="actor_train" if train else "reference",
         strategy_name=strategy,
         config=config,
-        model_args=ModelArgs(model_name_or_path=MODEL, disable_gradient_checkpointing=False),
+        model_args=ModelArgs(
+            model_name_or_path=MODEL, disable_gradient_checkpointing=False, dtype=dtype
+        ),
         training_args=TrainingArgs(**targs) if train else None,
         rank=rank,
         world_size=world_size,
@@ -250,16 +254,15 @@ def held_bytes(engine) -> dict[str, int]:
     return {part: sum(storages.values()) for part, storages in parts.items()}
 
 
-def scenario_memory(rank, world_size, out_dir, stages, reduce_bucket_size):
-    """One step at each ZeRO stage of ``stages``; what the engine holds by part after it, the
-    gradients also when the ZeRO optimizer steps, and the largest reduce buckets backward
-    allocated (ZeRO-1/2). Writes ``memory_z{stage}.pt``: a dict of parts per rank."""
+def scenario_memory(rank, world_size, out_dir, runs, reduce_bucket_size):
+    """One step for each ``(ZeRO stage, dtype)`` of ``runs``; what the engine holds by part
+    after it, the gradients also when the ZeRO optimizer steps, and the largest reduce buckets
+    backward allocated (ZeRO-1/2). Writes ``memory_z{stage}_{dtype}.pt``: parts per rank."""
     import torch
 
-    for stage in stages:
-        rt = make_runtime(
-            rank, world_size, config=_config(stage, reduce_bucket_size=reduce_bucket_size)
-        )
+    for stage, dtype in runs:
+        config = _config(stage, reduce_bucket_size=reduce_bucket_size)
+        rt = make_runtime(rank, world_size, config=config, dtype=dtype)
         engine = rt.ctx.model
         zero = engine.optimizer
         measured = {"buckets": 0}
@@ -288,5 +291,5 @@ def scenario_memory(rank, world_size, out_dir, stages, reduce_bucket_size):
         everyone = [None] * world_size
         torch.distributed.all_gather_object(everyone, measured)
         if rank == 0:
-            torch.save(everyone, os.path.join(out_dir, f"memory_z{stage}.pt"))
+            torch.save(everyone, os.path.join(out_dir, f"memory_z{stage}_{dtype}.pt"))
         del rt, engine, zero  # not shutdown(): that ends the process group the next one needs

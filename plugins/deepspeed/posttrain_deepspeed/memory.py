@@ -18,7 +18,6 @@ from posttrain import (
 # ``fp32_partitioned_groups_flat`` at ZeRO-3) as a copy of their own even when the model is
 # float32 (measured: tests/deepspeed/test_deepspeed_memory_plan.py), so 12 in every dtype.
 MASTER_AND_ADAM = 12
-FLOAT32 = 4
 
 
 def tensor_numels(g: ModelGeometry) -> list[int]:
@@ -50,18 +49,20 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         # every rank beside their partition (norms, biases; a tiny model's every tensor).
         persistent = sum(n for n in tensor_numels(g) if n <= cfg.stage3_param_persistence_threshold)
         weights = compute * (g.params // ranks + persistent)
-        # The partitioned float32 gradients (grad_partitions_flat_buffer) and the bucket stay
-        # allocated between steps.
-        grads = FLOAT32 * g.params // ranks + bucket
+        # The partitioned gradients (grad_partitions_flat_buffer, in the compute dtype: its
+        # gradient_accumulation_dtype) and the bucket stay allocated between steps.
+        grads = compute * g.params // ranks + bucket
         training_grads = 0
     else:
         weights = compute * g.params
         grads = 0
-        # ZeRO-1/2 free their gradients in the optimizer's step. ZeRO-2's partition keeps every
-        # parameter its boundaries cut whole (grads_in_partition): up to one more tensor.
+        # ZeRO-1/2 free their gradients in the optimizer's step. While backward runs they are
+        # in the compute dtype; ZeRO-2's partition keeps every parameter its boundaries cut
+        # whole (grads_in_partition): up to one more tensor. (The step's float32 copy of the
+        # partition comes after the activations are freed.)
         cut = max(tensor_numels(g)) if ranks > 1 and cfg.zero_stage == 2 else 0
         partition = g.params // ranks + cut if cfg.zero_stage == 2 else g.params
-        training_grads = FLOAT32 * partition + bucket * (2 if cfg.overlap_comm else 1)
+        training_grads = compute * partition + bucket * (2 if cfg.overlap_comm else 1)
     master = MASTER_AND_ADAM * g.params // ranks
     resident = {
         "weights": 0 if cfg.offload_param else weights,
