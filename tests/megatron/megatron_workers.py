@@ -91,7 +91,15 @@ def hook_relay():
     return engine_hook_relay(posttrain_megatron.plugin.plugin, "megatron")
 
 
-def make_runtime(rank, world_size, model_path, strategy="megatron_train", training=None, **layout):
+def make_runtime(
+    rank,
+    world_size,
+    model_path,
+    strategy="megatron_train",
+    training=None,
+    dtype="fp32",
+    **layout,
+):
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
@@ -116,7 +124,7 @@ def make_runtime(rank, world_size, model_path, strategy="megatron_train", traini
         role="actor_train" if train else "reference",
         strategy_name=strategy,
         config=config,
-        model_args=ModelArgs(model_name_or_path=model_path),
+        model_args=ModelArgs(model_name_or_path=model_path, dtype=dtype),
         training_args=targs if train else None,
         rank=rank,
         world_size=world_size,
@@ -313,16 +321,17 @@ def held_bytes(runtime) -> dict[str, int]:
     return {part: sum(storages.values()) for part, storages in parts.items()}
 
 
-def scenario_memory(rank, world_size, out_dir, model, layout):
-    """One RL step under ``layout``; what the trainer holds by part after it (``memory.pt``:
-    a dict of parts per rank)."""
+def scenario_memory(rank, world_size, out_dir, model, layout, dtypes=("fp32",)):
+    """One RL step under ``layout`` in each of ``dtypes``; what the trainer holds by part after
+    it (``memory_{dtype}.pt``: a dict of parts per rank)."""
     import torch
 
-    rt = make_runtime(rank, world_size, model, **layout)
-    train_one(rt, 0)
-    measured = held_bytes(rt)
-    everyone = [None] * world_size
-    torch.distributed.all_gather_object(everyone, measured)
-    if rank == 0:
-        torch.save(everyone, os.path.join(out_dir, "memory.pt"))
-    rt.shutdown()
+    for dtype in dtypes:
+        rt = make_runtime(rank, world_size, model, dtype=dtype, **layout)
+        train_one(rt, 0)
+        measured = held_bytes(rt)
+        everyone = [None] * world_size
+        torch.distributed.all_gather_object(everyone, measured)
+        if rank == 0:
+            torch.save(everyone, os.path.join(out_dir, f"memory_{dtype}.pt"))
+        del rt  # not shutdown(): that ends the process groups the next one needs
