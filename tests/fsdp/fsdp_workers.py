@@ -252,27 +252,32 @@ def storage_bytes(tensors) -> int:
     return sum(storages.values())
 
 
-def scenario_memory(rank: int, world_size: int, out_dir: str):
-    """One step; what the trainer holds, by part: weights and optimizer state after the step,
-    gradients when the optimizer steps (their peak) and after the step."""
+def scenario_memory(rank: int, world_size: int, out_dir: str, param_dtypes=(None,)):
+    """One step for each compute dtype of ``param_dtypes`` (None: the model's, fp32); what the
+    trainer holds, by part: weights and optimizer state after the step, gradients when the
+    optimizer steps (their peak) and after the step. Writes ``memory_{param_dtype}.pt``."""
     import torch
 
-    rt = make_runtime(rank, world_size)
-    model, optimizer = rt.ctx.model, rt.ctx.state["optimizer"]
-    params = list(model.parameters())
-    measured = {}
+    from posttrain_fsdp.plugin import FSDP2TrainConfig
 
-    def at_step(opt, args, kwargs):
-        measured["grads_at_step"] = storage_bytes(p.grad for p in params)
+    for param_dtype in param_dtypes:
+        config = FSDP2TrainConfig(micro_batch_size=3, param_dtype=param_dtype)
+        rt = make_runtime(rank, world_size, config=config)
+        model, optimizer = rt.ctx.model, rt.ctx.state["optimizer"]
+        params = list(model.parameters())
+        measured = {}
 
-    optimizer.register_step_pre_hook(at_step)
-    train_one(rt, 0, rank, world_size)
-    measured["weights"] = storage_bytes(params)
-    measured["grads"] = storage_bytes(p.grad for p in params)
-    measured["optimizer"] = storage_bytes(
-        v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
-    )
-    all_measured = [None] * world_size
-    torch.distributed.all_gather_object(all_measured, measured)
-    if rank == 0:
-        torch.save(all_measured, os.path.join(out_dir, "memory.pt"))
+        def at_step(opt, args, kwargs, params=params, measured=measured):
+            measured["grads_at_step"] = storage_bytes(p.grad for p in params)
+
+        optimizer.register_step_pre_hook(at_step)
+        train_one(rt, 0, rank, world_size)
+        measured["weights"] = storage_bytes(params)
+        measured["grads"] = storage_bytes(p.grad for p in params)
+        measured["optimizer"] = storage_bytes(
+            v for state in optimizer.state.values() for v in state.values() if torch.is_tensor(v)
+        )
+        everyone = [None] * world_size
+        torch.distributed.all_gather_object(everyone, measured)
+        if rank == 0:
+            torch.save(everyone, os.path.join(out_dir, f"memory_{param_dtype}.pt"))
