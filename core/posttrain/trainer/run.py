@@ -80,6 +80,7 @@ class Trainer:
         # The workflow as the user wrote it: a resume or an eval elsewhere resolves `auto`
         # settings for its own GPUs, and must still find the same run.
         self.record = workflow_record(workflow, source)
+        self.requested = workflow  # ... which a checkpoint's record is compared with
         # Before any process starts: a plan that cannot fit is refused, auto checkpointing
         # resolved (posttrain.memory).
         self.wf = checked_for_memory(workflow, host, self.device, console)
@@ -101,7 +102,7 @@ class Trainer:
     def run(self) -> list[dict[str, float]]:
         path = checkpoint_to_resume(self.wf, self.run_dir)
         # Verified before any process starts: a checkpoint that cannot be used is refused fast.
-        checkpoint = verified(path, self.wf) if path else None
+        checkpoint = verified(path, self.requested) if path else None
         if checkpoint is not None:
             self.state = DriverState(checkpoint.state["step"], checkpoint.state["sampler"])
             if self.state.step >= self.wf.trainer.max_steps:
