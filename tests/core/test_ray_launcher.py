@@ -4,6 +4,7 @@ environment, logs, and errors naming role/rank/node and every role of a dead act
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 import textwrap
@@ -59,6 +60,80 @@ def test_validate_refuses_partial_overlap_with_ray_only_and_imports_no_ray():
     assert "RESULT rc=0 ray=False" in proc.stdout, proc.stdout + proc.stderr
     proc = _validate("cluster.launcher=ray")
     assert "RESULT rc=0 ray=False" in proc.stdout, proc.stdout + proc.stderr
+
+
+def test_devices_per_node_is_refused_without_ray():
+    proc = _validate("cluster.devices_per_node=2")
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert "RESULT rc=2 ray=False" in out, out
+    assert "cluster.devices_per_node: 2 with cluster.launcher: local: only the ray launcher" in out
+    assert "set cluster.launcher: ray (docs/multi-node.md), or leave devices_per_node out" in out
+    proc = _validate("cluster.launcher=ray", "cluster.devices_per_node=2")
+    assert "RESULT rc=0 ray=False" in proc.stdout, proc.stdout + proc.stderr
+
+
+def _node(node_id, ip, cpus=2.0, gpus=0.0, head=False, alive=True) -> dict:
+    """A node as ray.nodes() describes it."""
+    resources = {"CPU": cpus, "GPU": gpus, **({"node:__internal_head__": 1.0} if head else {})}
+    return {
+        "NodeID": node_id,
+        "NodeManagerAddress": ip,
+        "Alive": alive,
+        "Resources": resources,
+        "Labels": {"ray.io/node-id": node_id},
+    }
+
+
+def test_devices_per_node_fills_the_head_then_nodes_by_ip():
+    pytest.importorskip("ray")
+    from posttrain.launch.ray import live_nodes, nodes_for_devices
+
+    nodes = live_nodes(
+        [
+            _node("b2", "10.0.0.10"),
+            _node("dead", "10.0.0.1", alive=False),
+            _node("b1", "10.0.0.9"),
+            _node("a", "10.0.0.20", head=True),
+            _node("c0", "10.0.0.9"),  # a second node of one host: by node id after b1
+        ]
+    )
+    assert [n.node_id for n in nodes] == ["a", "b1", "c0", "b2"]
+    placed = nodes_for_devices([0, 1, 2, 3, 4], 2, nodes, gpu=False, where="the cluster")
+    assert {d: n.node_id for d, n in placed.items()} == {0: "a", 1: "a", 2: "b1", 3: "b1", 4: "c0"}
+    # On GPUs, a head without GPUs takes no devices; nodes with fewer than 8 neither.
+    gpus = live_nodes(
+        [
+            _node("head", "10.0.0.1", head=True),
+            _node("w1", "10.0.0.2", gpus=8),
+            _node("small", "10.0.0.3", gpus=4),
+            _node("w2", "10.0.0.4", gpus=8),
+        ]
+    )
+    placed = nodes_for_devices(range(16), 8, gpus, gpu=True, where="the cluster")
+    assert [placed[d].node_id for d in (0, 7, 8, 15)] == ["w1", "w1", "w2", "w2"]
+
+
+def test_too_few_nodes_names_them_and_what_to_do():
+    pytest.importorskip("ray")
+    from posttrain.errors import UserError
+    from posttrain.launch.ray import live_nodes, nodes_for_devices
+
+    one = live_nodes([_node("0315da53a058b544", "192.0.2.2", head=True)])
+    with pytest.raises(UserError) as raised:
+        nodes_for_devices([0, 1], 1, one, gpu=False, where="cluster.address auto")
+    assert str(raised.value) == (
+        "cluster.devices_per_node: 1 puts device_mapping device 1 on node 2, but "
+        "cluster.address auto has 1 node with CPUs (192.0.2.2 [Ray node 0315da53]: 2 CPUs); "
+        "start 1 more (ray start --address=HEAD_IP:PORT on each: docs/multi-node.md), or set "
+        "cluster.devices_per_node to 2 or more"
+    )
+    # On GPUs, a larger devices_per_node is suggested only where the nodes have the GPUs.
+    eight = live_nodes([_node("w1", "10.0.0.2", gpus=8, head=True)])
+    with pytest.raises(UserError) as raised:
+        nodes_for_devices(range(16), 8, eight, gpu=True, where="the cluster")
+    text = str(raised.value)
+    assert "has 1 node with at least 8 GPUs (10.0.0.2 [Ray node w1]: 8 GPUs); start 1 more" in text
+    assert "or set" not in text
 
 
 @pytest.fixture(scope="module")
@@ -144,7 +219,9 @@ def test_group_env_logs_and_errors(ray_setup):
         group.call("run_function", "ray_rank_helpers:boom")
     text = f"{raised.value}\n{raised.value.remote_traceback}"
     shared = "actor_infer rank 0 (its process also hosted reference)"
-    assert f"{shared}: ValueError: boom (node {group.master_address()})" in text
+    # The node: its IP, its host and its Ray node id (two nodes of one host differ by that).
+    node = rf"\(node {re.escape(group.master_address())} \[[^,\]]+, Ray node [0-9a-f]{{8}}\]\)"
+    assert re.search(rf"{re.escape(shared)}: ValueError: boom {node}", text), text
     assert "last lines of" in text and "about to fail" in text
 
     start = time.monotonic()

@@ -391,6 +391,14 @@ def _check_cluster(wf: Workflow, report: ErrorReport) -> None:
                 f"set it below {c.call_timeout_s:g}, or leave it null (automatic)",
             )
     if c.launcher != "ray":
+        if c.devices_per_node is not None:
+            report.error(
+                "cluster.devices_per_node",
+                f"{c.devices_per_node} with cluster.launcher: {c.launcher}: only the ray "
+                "launcher places ranks on several nodes; the local launcher runs every rank on "
+                "this machine",
+                "set cluster.launcher: ray (docs/multi-node.md), or leave devices_per_node out",
+            )
         return  # the local launcher runs any mapping
     for _, b, message in partial_overlaps(wf.roles()):
         report.error(

@@ -336,6 +336,10 @@ class ClusterConfig:
     num_cpus: int | None = attrs.field(default=None, validator=at_least(1))
     object_store_memory: int | None = attrs.field(default=None, validator=at_least(1))  # bytes
     runtime_env: dict[str, Any] = attrs.field(factory=dict)
+    # Ray only: device_mapping counts devices across nodes, this many a node (ROLL's
+    # num_gpus_per_node, NeMo-RL's cluster.gpus_per_node): device d runs on the (d // N)-th node,
+    # the head first, then by IP (docs/multi-node.md). null: Ray packs each role's bundles.
+    devices_per_node: int | None = attrs.field(default=None, validator=at_least(1))
     start_timeout_s: float = attrs.field(default=300.0, validator=greater_than(0))
     # A call to a role that runs longer fails the run (docs/hangs.md: how the timeouts relate).
     call_timeout_s: float = attrs.field(default=1800.0, validator=greater_than(0))

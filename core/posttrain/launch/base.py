@@ -134,6 +134,11 @@ class Launcher(abc.ABC):
         this machine's own processes, which need no saying)."""
         return ""
 
+    def placement_of_last(self) -> str:
+        """Where the ranks of the set of rank processes started last run, for the console
+        ("" for this machine's own processes)."""
+        return ""
+
     def start_group(self, spec: GroupSpec) -> WorkerGroup:
         """Start the ranks of one role in processes of their own."""
         return self.start_processes([spec])[spec.role]

@@ -145,6 +145,9 @@ def start_groups(
             count = f"{ranks} rank process{'es' if ranks > 1 else ''}"
             shared = ", shared" if len(members) > 1 else ""
             console.print(f"started {what}: {count}{shared} ({time.perf_counter() - t0:.1f}s)")
+            placement = launcher.placement_of_last()
+            if placement:
+                console.print(f"  {placement}", markup=False, highlight=False)
     except BaseException:
         launcher.shutdown()
         raise

@@ -13,10 +13,10 @@ import traceback
 from typing import Any
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from posttrain.errors import WorkerError
+from posttrain.errors import UserError, WorkerError
 from posttrain.launch.base import (
     GroupSpec,
     PendingCall,
@@ -56,13 +56,15 @@ class RankActor:
         report_fatal_signals(log)  # a crash's stack, for the driver's report (launch/fatal.py)
         self.server = None
 
-    def node_info(self) -> tuple[str, int, int, str]:
-        """This actor's node IP, a port free on that node (for the group's rendezvous), its pid
-        and its host's name (for its stacks)."""
+    def node_info(self) -> tuple[str, int, int, str, str]:
+        """This actor's node IP, a port free on that node (for the group's rendezvous), its pid,
+        its host's name (for its stacks) and its Ray node id (which tells apart two nodes of
+        one host)."""
         ip = ray.util.get_node_ip_address()
+        node_id = ray.get_runtime_context().get_node_id()
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
             s.bind(("", 0))
-            return ip, s.getsockname()[1], os.getpid(), this_node()
+            return ip, s.getsockname()[1], os.getpid(), this_node(), node_id
 
     def start(self, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str]):
         os.environ.update(env)
@@ -92,6 +94,15 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
+def _ranks(ranks: list[int]) -> str:
+    """``rank 3``, ``ranks 0-7`` or ``ranks 0, 2, 5``."""
+    if len(ranks) == 1:
+        return f"rank {ranks[0]}"
+    if ranks == list(range(ranks[0], ranks[-1] + 1)):
+        return f"ranks {ranks[0]}-{ranks[-1]}"
+    return "ranks " + ", ".join(map(str, ranks))
+
+
 class _RayPending(PendingCall):
     def __init__(self, processes: RayProcesses, role: str, method: str, refs: list):
         self.processes = processes
@@ -104,13 +115,22 @@ class _RayPending(PendingCall):
 
 
 class Placement:
-    """Where each rank of a role goes: a placement group and a bundle index per rank."""
+    """Where each rank of a role goes: a placement group and a bundle index per rank (and,
+    with cluster.devices_per_node, the Ray node id each rank's bundle is pinned to)."""
 
-    def __init__(self, pg, bundles: list[int], cpus: list[float], gpus: list[float]):
+    def __init__(
+        self,
+        pg,
+        bundles: list[int],
+        cpus: list[float],
+        gpus: list[float],
+        node_ids: list[str] | None = None,
+    ):
         self.pg = pg
         self.bundles = bundles
         self.cpus = cpus
         self.gpus = gpus
+        self.node_ids = node_ids
 
 
 class RayProcesses:
@@ -132,7 +152,8 @@ class RayProcesses:
         self.timeout_s = timeout_s
         self.watch = None  # the driver's HangWatch, once the launcher hands it over
         self.calls = 0
-        self.nodes = ["?"] * self.world_size
+        self.nodes = ["?"] * self.world_size  # each rank's node IP
+        self.node_ids = ["?"] * self.world_size  # ... and Ray node id
         self._pids: list[tuple[int, str]] = []  # each rank's (pid, host name)
         self.log_paths = [
             rank_log_path(first.run_dir, self.roles, r) for r in range(self.world_size)
@@ -167,6 +188,8 @@ class RayProcesses:
             )
             self.nodes = [info[0] for info in infos]
             self._pids = [(info[2], info[3]) for info in infos]
+            self.node_ids = [info[4] for info in infos]
+            self._check_nodes(placement)
             master_addr, master_port = infos[0][:2]
             refs = []
             for rank, actor in enumerate(self.actors):
@@ -176,7 +199,7 @@ class RayProcesses:
                     "RANK": str(rank),
                     "WORLD_SIZE": str(self.world_size),
                     "LOCAL_RANK": self._local_rank(rank),
-                    "LOCAL_WORLD_SIZE": str(self.nodes.count(self.nodes[rank])),
+                    "LOCAL_WORLD_SIZE": str(self.node_ids.count(self.node_ids[rank])),
                     **env_extra,
                 }
                 if threads:
@@ -186,6 +209,19 @@ class RayProcesses:
         except BaseException:
             self.shutdown()
             raise
+
+    def _check_nodes(self, placement: Placement) -> None:
+        """Each rank on the node its bundle was pinned to: Ray versions whose placement ignored
+        bundle label selectors (ray-project/ray#55590) would put a node's ranks elsewhere."""
+        for rank, wanted in enumerate(placement.node_ids or []):
+            if self.node_ids[rank] != wanted:
+                raise UserError(
+                    f"cluster.devices_per_node: {'+'.join(self.roles)} rank {rank} (device "
+                    f"{self.devices[rank % len(self.devices)]}) was pinned to Ray node "
+                    f"{wanted[:8]} but runs on {self.node_label(rank)}: this Ray "
+                    f"({ray.__version__}) does not honour bundle label selectors; upgrade ray "
+                    "(tested with 2.60), or leave devices_per_node out"
+                )
 
     def _local_rank(self, rank: int) -> str:
         if self.device == "cuda":
@@ -219,6 +255,7 @@ class RayProcesses:
         results: list[Any] = [None] * len(refs)
         pending = {ref: rank for rank, ref in enumerate(refs)}
         first_error: WorkerError | None = None
+        first_lost = False
         call = (id(self), id(refs))
         while pending:
             if self.watch is not None and wrapped:
@@ -230,10 +267,17 @@ class RayProcesses:
             for ref in ready:
                 rank = pending.pop(ref)
                 error = None
+                lost = False
                 try:
                     answer = ray.get(ref, timeout=max(1.0, remaining))
+                except ActorUnavailableError as exc:
+                    # Its process, or its whole node, stopped answering (max_restarts=0: it is
+                    # not coming back); Ray marks a node dead only after its health checks fail.
+                    what = f"worker actor lost during {method}: its process or its node is gone"
+                    error, lost = self._error(role, rank, what, str(exc)), True
                 except RayActorError as exc:
                     error = self._error(role, rank, f"worker actor died during {method}", str(exc))
+                    lost = True
                 except GetTimeoutError:
                     pending[ref] = rank
                     continue
@@ -249,10 +293,16 @@ class RayProcesses:
                         error.user_error = status == "user_error"
                     else:
                         results[rank] = value
-                if error is not None and first_error is None:
-                    first_error = error
+                if error is None:
+                    continue
+                if first_error is None:
                     self._failed = True
                     deadline = min(deadline, time.monotonic() + PEER_GRACE_S)
+                # A rank whose process (or node) is gone is the cause; a peer's error in the
+                # collective they shared (gloo's "connection closed") is its consequence, and
+                # often comes first: a loss reported within the grace wins.
+                if first_error is None or (lost and not first_lost):
+                    first_error, first_lost = error, lost
         if first_error is not None:
             raise first_error
         if pending:
@@ -278,8 +328,26 @@ class RayProcesses:
         else:
             detail += f"\n(log: {display_path(log)})"
         return WorkerError(
-            role, rank, f"{message} (node {self.nodes[rank]})", detail.strip(), self.roles
+            role, rank, f"{message} (node {self.node_label(rank)})", detail.strip(), self.roles
         )
+
+    def node_label(self, rank: int) -> str:
+        """``IP [host, Ray node 1a2b3c4d]``: the IP and host a user knows the node by, and the
+        Ray node id that ``ray status`` and Ray's logs use (and that tells apart two nodes of
+        one host)."""
+        ip, node_id = self.nodes[rank], self.node_ids[rank]
+        if node_id == "?":  # it failed before saying where it runs
+            return "not known yet"
+        host = self._pids[rank][1] if rank < len(self._pids) else "?"
+        return f"{ip} [{host}, Ray node {node_id[:8]}]"
+
+    def placement(self) -> str:
+        """``on 2 nodes: rank 0 on IP [...]; rank 1 on IP [...]``: where the ranks run."""
+        by_node: dict[str, list[int]] = {}
+        for rank in range(self.world_size):
+            by_node.setdefault(self.node_label(rank), []).append(rank)
+        where = "; ".join(f"{_ranks(ranks)} on {label}" for label, ranks in by_node.items())
+        return f"on {len(by_node)} node{'s' if len(by_node) != 1 else ''}: {where}"
 
     def shutdown(self) -> None:
         if self._stopped:
