@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import pytest
@@ -199,9 +198,7 @@ def test_two_ray_nodes_one_rank_each_node_killed_then_rerun(tmp_path, e2e_cache)
         del sets[at - 1 : at + 1]
         run_dir = tmp_path / "two_nodes"
         command = (*sets, *SHORT, *KILL_NODE_AT_STEP_4)
-        started = time.monotonic()
         crash = run_quickstart(run_dir, *command, env=env, check=False, workflow=REPO / run_line[2])
-        crashed_in = time.monotonic() - started
         out, err = flat(crash.stdout), flat(crash.stderr)
 
         # (a) One rank on each node (Ray's node ids, from the raylets' command lines).
@@ -211,9 +208,11 @@ def test_two_ray_nodes_one_rank_each_node_killed_then_rerun(tmp_path, e2e_cache)
         # (c) The node is gone, and the error names it, with the exit code and the rerun line.
         assert crash.returncode == 1, crash.stdout[-3000:] + crash.stderr[-3000:]
         assert not [c for c in session_members(session_b).values() if "raylet" in c]
-        assert err.count("error:") == 1, err
+        assert [line.startswith("error:") for line in crash.stderr.splitlines()].count(True) == 1
         lost = re.search(r"error: actor_train rank 1 \([^)]*\): (.*?) \(node ([^()]*\])\)", err)
         assert lost, err[-3000:]
+        # "died" once Ray's health checks have found the node dead, "lost" before; never a
+        # timeout, nor rank 0's error in the collective it shared with rank 1.
         assert lost[1] in (
             "worker actor lost during train_step: its process or its node is gone",
             "worker actor died during train_step",
@@ -224,7 +223,6 @@ def test_two_ray_nodes_one_rank_each_node_killed_then_rerun(tmp_path, e2e_cache)
         assert f"the last complete checkpoint is {checkpoint}: rerun the same command to " in err
         assert "continue from step 2, redoing step 3" in err
         assert (checkpoint / "manifest.json").exists() and not (run_dir / "checkpoint-4").exists()
-        assert crashed_in < 120, crashed_in  # stopped by the loss, not by a timeout
 
         # (d) The node started again (a new node id); the same command resumes and finishes.
         _, node_b2 = nodes.start(worker, env)
@@ -234,10 +232,12 @@ def test_two_ray_nodes_one_rank_each_node_killed_then_rerun(tmp_path, e2e_cache)
             rerun.stdout[-3000:]
         )
         assert (run_dir / "checkpoint-4" / "manifest.json").exists()
+        local.wait(timeout=300)
     finally:
         nodes.stop()
-        if local.poll() is None:
-            local.wait(timeout=300)
+        if local.poll() is None:  # the test failed before it
+            local.kill()
+            local.wait(timeout=30)
 
     # (b) Steps 1-2 (the killed run's) and 3-4 (the rerun's) equal the local launcher's, bitwise.
     assert local.returncode == 0, local_log.read_text()[-3000:]

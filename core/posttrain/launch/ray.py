@@ -45,7 +45,7 @@ def _round_down(value: float) -> float:
     return math.floor(value * 10_000) / 10_000
 
 
-# The label every Ray node carries (Ray >= 2.47), which a bundle's label selector pins it by.
+# The label every Ray node carries (Ray 2.60 does), which a bundle's label selector pins it by.
 NODE_ID_LABEL = "ray.io/node-id"
 
 
