@@ -22,28 +22,20 @@ RUNS = [(2, "fp32"), (3, "fp32"), (2, "bf16"), (3, "bf16")]
 def estimate(config, dtype):
     from ds_workers import BATCH_ROWS, MODEL
 
-    from posttrain import MemoryQuery, Workload
-    from posttrain.config.sections import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
-    from posttrain.memory.geometry import read_geometry
+    from posttrain.testing.memory import role_estimate
     from posttrain_deepspeed.plugin import plugin
 
-    role = RoleConfig(
-        strategy_args=StrategyArgs(strategy_name="deepspeed_train", strategy_config=config),
-        device_mapping=tuple(range(RANKS)),
-        model_args=ModelArgs(
-            model_name_or_path=MODEL, disable_gradient_checkpointing=False, dtype=dtype
-        ),
-        training_args=TrainingArgs(),
+    return role_estimate(
+        plugin,
+        "deepspeed_train",
+        config,
+        model=MODEL,
+        ranks=RANKS,
+        rows=BATCH_ROWS,
+        prompt_tokens=6,
+        response_tokens=11,
+        model_args={"disable_gradient_checkpointing": False, "dtype": dtype},
     )
-    query = MemoryQuery(
-        role_name="actor_train",
-        role=role,
-        config=config,
-        geometry=read_geometry(MODEL),
-        workload=Workload(rows=BATCH_ROWS, prompt_tokens=6, response_tokens=11, bucket_bytes=0),
-        device="cpu",
-    )
-    return plugin.posttrain_estimate_memory(query=query)
 
 
 @pytest.fixture(scope="module")

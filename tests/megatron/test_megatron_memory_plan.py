@@ -19,26 +19,21 @@ DTYPES = ("fp32", "bf16")
 def estimate(config, dtype):
     from megatron_workers import BATCH_ROWS
 
-    from posttrain import MemoryQuery, Workload
-    from posttrain.config.sections import ModelArgs, RoleConfig, StrategyArgs, TrainingArgs
-    from posttrain.memory.geometry import read_geometry
+    from posttrain.testing.memory import role_estimate
     from posttrain_megatron.plugin import plugin
 
-    role = RoleConfig(
-        strategy_args=StrategyArgs(strategy_name="megatron_train", strategy_config=config),
-        device_mapping=tuple(range(RANKS)),
-        model_args=ModelArgs(model_name_or_path=MODEL, dtype=dtype),
-        training_args=TrainingArgs(per_device_train_batch_size=2),
+    return role_estimate(
+        plugin,
+        "megatron_train",
+        config,
+        model=MODEL,
+        ranks=RANKS,
+        rows=BATCH_ROWS,
+        prompt_tokens=6,
+        response_tokens=11,
+        model_args={"dtype": dtype},
+        training_args={"per_device_train_batch_size": 2},
     )
-    query = MemoryQuery(
-        role_name="actor_train",
-        role=role,
-        config=config,
-        geometry=read_geometry(MODEL),
-        workload=Workload(rows=BATCH_ROWS, prompt_tokens=6, response_tokens=11, bucket_bytes=0),
-        device="cpu",
-    )
-    return plugin.posttrain_estimate_memory(query=query)
 
 
 @pytest.fixture(scope="module")
