@@ -16,8 +16,8 @@ language, and a block of any other language fails, so that a new example cannot 
   hook specifications (an unknown hook or argument fails) and its declaration hooks
   (``posttrain_add_*``, ``posttrain_environment_checks``) are called.
 * ``toml``: parsed; its entry points must be in the ``posttrain`` group.
-* ``bash``: each line is ``posttrain validate | plugins | doctor ...``, run in process from the
-  repository root; each must exit 0.
+* ``bash``: each line is ``posttrain validate | plan | plugins | doctor ...``, run in process
+  from the repository root; each must exit 0.
 
 A no-run bash block still has the paths it names checked (``examples/quickstart.yaml``,
 ``./plugins/fsdp``). The prose is checked too, where it names something the code defines:
@@ -65,7 +65,7 @@ FACE = REPO / "core" / "posttrain" / "__init__.py"
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 NO_RUN = re.compile(r"^\s*<!-- no-run: (?P<reason>\S.*?) -->\s*$")
-RUNNABLE_COMMANDS = ("validate", "plugins", "doctor")
+RUNNABLE_COMMANDS = ("validate", "plan", "plugins", "doctor")
 DECLARATION_HOOKS = (
     "posttrain_add_strategies",
     "posttrain_add_reward_functions",
