@@ -89,16 +89,16 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         },
     }
     path = f"{query.role_name}.strategy_args.strategy_config"
+    recompute = f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute"
     return RoleMemory(
         resident=resident,
         phases=phases,
         released=frozenset(resident) if cfg.release_when_idle else frozenset(),
         knobs=(
-            f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute "
-            "activations)",
+            *(() if query.recompute else (f"{recompute} activations)",)),
             f"{query.role_name}.training_args.max_tokens_per_micro_batch (with "
             "use_dynamic_batch_size: true) or per_device_train_batch_size: fewer tokens a pass",
-            f"{path}.zero_stage: 3 (weights partitioned too)",
+            *(() if cfg.zero_stage == 3 else (f"{path}.zero_stage: 3 (weights partitioned too)",)),
             f"{path}.offload_optimizer: true (AdamW's state in host memory)",
             f"{path}.release_when_idle: true (host memory while others run)",
         ),

@@ -165,9 +165,9 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     released = ({"weights", "grads"} if cfg.param_offload else set()) | (
         {"optimizer"} if cfg.optimizer_offload else set()
     )
+    recompute = f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute"
     knobs = (
-        f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute "
-        "activations)",
+        *(() if query.recompute else (f"{recompute} activations)",)),
         f"{query.role_name}.training_args.max_tokens_per_micro_batch (with "
         "use_dynamic_batch_size: true) or per_device_train_batch_size: fewer tokens a pass",
         f"{path}.optimizer_offload / param_offload: true (host memory while others run)",

@@ -96,6 +96,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
             "logits": logit_bytes(rank, score_tokens, chunk, compute, training=False),
         },
     }
+    knob = f"{query.role_name}.model_args.disable_gradient_checkpointing: false"
     released = {"weights"} if cfg.param_offload else set()
     released |= {"grads"} if cfg.grad_offload else set()
     released |= {"optimizer"} if cfg.optimizer_offload else set()
@@ -105,11 +106,16 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         phases=phases,
         released=frozenset(released),
         knobs=(
-            f"{query.role_name}.model_args.disable_gradient_checkpointing: false (or "
-            f"{path}.recompute_granularity: full)",
+            *(() if recompute else (f"{knob} (or {path}.recompute_granularity: full)",)),
             f"{query.role_name}.training_args.max_tokens_per_micro_batch (with "
             "use_dynamic_batch_size: true) or per_device_train_batch_size: fewer tokens a pass",
-            f"{path}.use_distributed_optimizer: true (optimizer state split over DP ranks)",
+            *(
+                ()
+                if cfg.use_distributed_optimizer
+                else (
+                    f"{path}.use_distributed_optimizer: true (optimizer state split over DP ranks)",
+                )
+            ),
             f"{path}.tensor_model_parallel_size / pipeline_model_parallel_size: split the model",
             f"{path}.optimizer_offload / grad_offload / param_offload: true (host memory while "
             "others run)",
