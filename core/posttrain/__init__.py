@@ -134,6 +134,7 @@ _PUBLIC = {
     "forward_working_bytes": "posttrain.memory.estimate",
     "logit_bytes": "posttrain.memory.estimate",
     "adam_trainer_state": "posttrain.memory.estimate",
+    "hf_trainer_phases": "posttrain.memory.estimate",
     # Errors
     "PosttrainError": "posttrain.errors",
     "UserError": "posttrain.errors",
@@ -266,6 +267,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         adam_trainer_state,
         dtype_bytes,
         forward_working_bytes,
+        hf_trainer_phases,
         logit_bytes,
         training_activation_bytes,
     )

@@ -176,6 +176,36 @@ def logit_bytes(
     return 2 * forward if training else forward
 
 
+def hf_trainer_phases(
+    query: MemoryQuery,
+    *,
+    dtype_bytes: int,
+    train_tokens: int,
+    score_tokens: int,
+    chunk_tokens: int,
+    gathered: int,
+    grads: int,
+) -> dict[str, dict[str, int]]:
+    """The train and log-prob phases of a trainer running a transformers model: a training
+    micro-batch's activations (checkpointed as ``query.recompute`` says) and logits
+    (``chunk_tokens`` at a time, 0: all), its ``grads`` while they live; a scoring forward's
+    working set and logits; and the ``gathered`` weights a sharded engine unshards for either."""
+    g = query.geometry
+    return {
+        "train": {
+            "grads": grads,
+            "activations": training_activation_bytes(g, train_tokens, dtype_bytes, query.recompute),
+            "logits": logit_bytes(g, train_tokens, chunk_tokens, dtype_bytes, training=True),
+            "gathered": gathered,
+        },
+        "logprobs": {
+            "forward": forward_working_bytes(g, score_tokens, dtype_bytes),
+            "logits": logit_bytes(g, score_tokens, chunk_tokens, dtype_bytes, training=False),
+            "gathered": gathered,
+        },
+    }
+
+
 def adam_trainer_state(params: int, shards: int, master_bytes: int = FLOAT32) -> dict[str, int]:
     """Weights, gradients and AdamW's state of a trainer whose ``params`` are split over
     ``shards`` ranks, master weights and gradients of ``master_bytes`` each."""

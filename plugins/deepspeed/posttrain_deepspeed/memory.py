@@ -9,8 +9,8 @@ from posttrain import (
     RoleMemory,
     dtype_bytes,
     forward_working_bytes,
+    hf_trainer_phases,
     logit_bytes,
-    training_activation_bytes,
 )
 
 # AdamW's two float32 moments and the float32 master copy: 12 bytes a parameter. DeepSpeed's
@@ -74,20 +74,15 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         cfg.logprob_micro_batch_size or cfg.micro_batch_size
     )
     gathered = _gathered(query) if cfg.zero_stage == 3 else 0
-    chunk = cfg.logprob_chunk_tokens
-    phases = {
-        "train": {
-            "grads": training_grads,
-            "activations": training_activation_bytes(g, train_tokens, compute, query.recompute),
-            "logits": logit_bytes(g, train_tokens, chunk, compute, training=True),
-            "gathered": gathered,
-        },
-        "logprobs": {
-            "forward": forward_working_bytes(g, score_tokens, compute),
-            "logits": logit_bytes(g, score_tokens, chunk, compute, training=False),
-            "gathered": gathered,
-        },
-    }
+    phases = hf_trainer_phases(
+        query,
+        dtype_bytes=compute,
+        train_tokens=train_tokens,
+        score_tokens=score_tokens,
+        chunk_tokens=cfg.logprob_chunk_tokens,
+        gathered=gathered,
+        grads=training_grads,
+    )
     path = f"{query.role_name}.strategy_args.strategy_config"
     recompute = f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute"
     return RoleMemory(

@@ -21,9 +21,9 @@ from posttrain import (
     at_least,
     dtype_bytes,
     forward_working_bytes,
+    hf_trainer_phases,
     hookimpl,
     logit_bytes,
-    training_activation_bytes,
 )
 
 TRAIN = "fsdp2_train"
@@ -147,20 +147,15 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     score_tokens = query.train_micro_batch_tokens(
         cfg.logprob_micro_batch_size or cfg.micro_batch_size
     )
-    chunk = cfg.logprob_chunk_tokens
-    phases = {
-        "train": {
-            "grads": 0 if cfg.cpu_offload else grads,
-            "activations": training_activation_bytes(g, train_tokens, compute, query.recompute),
-            "logits": logit_bytes(g, train_tokens, chunk, compute, training=True),
-            "gathered": gathered,
-        },
-        "logprobs": {
-            "forward": forward_working_bytes(g, score_tokens, compute),
-            "logits": logit_bytes(g, score_tokens, chunk, compute, training=False),
-            "gathered": gathered,
-        },
-    }
+    phases = hf_trainer_phases(
+        query,
+        dtype_bytes=compute,
+        train_tokens=train_tokens,
+        score_tokens=score_tokens,
+        chunk_tokens=cfg.logprob_chunk_tokens,
+        gathered=gathered,
+        grads=0 if cfg.cpu_offload else grads,
+    )
     path = f"{query.role_name}.strategy_args.strategy_config"
     released = ({"weights", "grads"} if cfg.param_offload else set()) | (
         {"optimizer"} if cfg.optimizer_offload else set()
