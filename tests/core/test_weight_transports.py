@@ -247,7 +247,7 @@ def test_killed_rank_fails_the_next_call_quickly(tiny_model_path, tmp_path):
             group.call("compute_logprobs", synthetic_train_batch())
         assert time.monotonic() - start < 15
         assert err.value.role == "actor_infer" and err.value.rank == 0
-        assert "exited" in str(err.value)
+        assert "died of SIGKILL" in str(err.value)
     finally:
         launcher.shutdown()
 
