@@ -155,3 +155,22 @@ def test_posttrain_plan_prints_the_plan_and_exits_2_when_it_does_not_fit():
     assert zero.returncode == 2
     assert "a GPU's memory is above 0 GiB" in zero.stderr
     assert "Traceback" not in zero.stderr
+
+
+def test_auto_resolved_in_a_reward_model_keeps_its_section(quickstart):
+    from posttrain.cli import _parse_overrides
+    from posttrain.config.sections import RewardConfig
+
+    _, host = quickstart
+    overrides = _parse_overrides(
+        [
+            "reward.strategy_args.strategy_name=hf_infer",
+            "reward.model_args.model_name_or_path=preset:tiny-qwen2-reward",
+        ]
+    )
+    workflow, report = load_workflow(str(QUICKSTART), host, overrides)
+    assert not report.errors
+    resolved = resolve_recompute(workflow, host, capacity=None)
+    assert isinstance(resolved.reward, RewardConfig)
+    assert resolved.reward.model_args.disable_gradient_checkpointing is True
+    assert resolved.roles()["reward"].strategy_args.strategy_name == "hf_infer"

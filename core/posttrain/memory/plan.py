@@ -167,10 +167,12 @@ def plan_memory(
 def with_recompute(workflow: Workflow, on: bool) -> Workflow:
     """``workflow`` with every ``auto`` checkpointing setting resolved to ``on``."""
     changes: dict[str, Any] = {}
-    for name, role in workflow.roles().items():
-        if role.model_args.disable_gradient_checkpointing == "auto":
-            model_args = attrs.evolve(role.model_args, disable_gradient_checkpointing=not on)
-            changes[name] = attrs.evolve(role, model_args=model_args)
+    for name in workflow.roles():
+        # The workflow's own section (the reward's is a RewardConfig, not the role view).
+        section = getattr(workflow, name)
+        if section.model_args.disable_gradient_checkpointing == "auto":
+            model_args = attrs.evolve(section.model_args, disable_gradient_checkpointing=not on)
+            changes[name] = attrs.evolve(section, model_args=model_args)
     return attrs.evolve(workflow, **changes) if changes else workflow
 
 
