@@ -65,12 +65,14 @@ def test_ray_matches_local_rewards_and_leaves_nothing_running(tmp_path, e2e_cach
     assert ray_ == pytest.approx(local, abs=1e-6)
     logs = sorted(p.name for p in (tmp_path / "ray" / "logs").iterdir())
     # The quickstart's three roles share their 2 rank processes (one actor per rank); each
-    # process, the driver's too, has a file for its stacks (the hang watchdog's).
+    # process, the driver's too, has a file for its stacks (the hang watchdog's), and the
+    # driver one for the stack of a fatal signal (launch/fatal.py).
     assert logs == [
         "actor_train+actor_infer+reference.rank0.log",
         "actor_train+actor_infer+reference.rank0.stacks",
         "actor_train+actor_infer+reference.rank1.log",
         "actor_train+actor_infer+reference.rank1.stacks",
+        "driver.fatal.log",
         "driver.stacks",
     ]
     # The Ray instance posttrain started is gone with its processes.
