@@ -1,14 +1,23 @@
 """The asynchronous batch source's bookkeeping (see posttrain.rollout.batches): batches come in
-step order, never more than ``max_staleness`` policy versions old, weight syncs happen between
-generations, and a producer's failure reaches the loop."""
+step order, each exactly ``max_staleness`` policy versions old whatever the timing, weight syncs
+happen between generations, what was made ahead survives a checkpoint, and a producer's failure
+reaches the loop."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
+import attrs
 import pytest
+import torch
 
-from posttrain.rollout.batches import AsyncBatches
+from posttrain.protocol import RolloutSamples
+from posttrain.rollout.ahead import batch_from_record, batch_record
+from posttrain.rollout.batches import AsyncBatches, ProducedBatch, SynchronousBatches
+from posttrain.rollout.groups import ScoredGroups
+from posttrain.tasks.data import Prompt
 from posttrain.trainer.phase_timer import PhaseTimer
 
 
@@ -16,14 +25,16 @@ class Recorder:
     """Produces a stand-in batch per step (the scored groups are not looked at here) and
     records the steps it generated for."""
 
-    def __init__(self, batches: list, fail_at: int | None = None):
+    def __init__(self, batches: list, fail_at: int | None = None, seconds: float = 0.0):
         self.batches = batches
         self.generating = threading.Event()
         self.fail_at = fail_at
+        self.seconds = seconds  # each generation's
 
     def __call__(self, index, timer):
         with timer.phase("rollout"):
             self.generating.set()
+            time.sleep(self.seconds)
             if index == self.fail_at:
                 raise ValueError(f"engine failed at step {index}")
             self.batches.append(index)
@@ -35,17 +46,19 @@ def timer():
     return PhaseTimer(console=None, total_steps=0, start_step=0, show=False)
 
 
-@pytest.mark.parametrize("max_staleness", [1, 2])
-def test_batches_in_order_within_the_staleness_bound(max_staleness):
+@pytest.mark.parametrize(("max_staleness", "seconds"), [(1, 0.0), (2, 0.0), (1, 0.05), (2, 0.05)])
+def test_batches_in_order_exactly_max_staleness_behind(max_staleness, seconds):
+    """A fast producer waits for the syncs, a slow one (``seconds``) is waited for: the policy
+    that samples each batch is the same either way."""
     produced: list = []
-    recorder = Recorder(produced)
+    recorder = Recorder(produced, seconds=seconds)
     source = AsyncBatches(recorder, 0, max_staleness, first=1, last=6, make_timer=timer)
     syncs = []
     try:
         for step in range(1, 7):
             batch = source.next(step, timer())
             assert batch.index == step and batch.sampler_state == {"position": step}
-            assert 0 <= step - 1 - batch.policy_version <= max_staleness
+            assert batch.policy_version == max(0, step - 1 - max_staleness)
             assert "async/rollout_s" in batch.timings
 
             def sync():
@@ -68,5 +81,82 @@ def test_a_producer_failure_reaches_the_loop():
         source.sync_weights(dict, version=1)
         with pytest.raises(ValueError, match="engine failed at step 2"):
             source.next(2, timer())
+    finally:
+        source.close()
+
+
+def scored_batch(index: int) -> ProducedBatch:
+    samples = RolloutSamples(
+        prompt_ids=[[1, 2], [1, 2]],
+        response_ids=[[3], [4, 5]],
+        response_logprobs=[[-0.1], [-1 / 3, -2.0]],
+        policy_versions=[[index - 2], [index - 2, index - 1]],
+    )
+    scored = ScoredGroups(
+        prompts=[Prompt(text="1+1=", answer="2", ids=(1, 2))],
+        samples=samples,
+        rewards=torch.tensor([0.1, 1 / 3]),
+        reward_metrics={"reward/rule": 0.7},
+    )
+    return ProducedBatch(index, scored, {"sampling/rounds": 1.0}, {"position": index}, index - 2)
+
+
+def test_a_batch_made_ahead_reads_back_exactly():
+    batch = scored_batch(4)
+    back = batch_from_record(json.loads(json.dumps(batch_record(batch))))
+    assert back.scored.rewards.dtype == torch.float32
+    assert torch.equal(back.scored.rewards, batch.scored.rewards)
+    for name in ("prompts", "samples", "reward_metrics", "turn_rewards"):
+        assert getattr(back.scored, name) == getattr(batch.scored, name), name
+    assert attrs.evolve(back, scored=None) == attrs.evolve(batch, scored=None)
+
+
+@pytest.mark.parametrize("asynchronous", [True, False])
+def test_batches_kept_by_a_checkpoint_come_first_then_the_producer_goes_on(asynchronous):
+    """A run that resumes at step 2 with the batches of steps 3 and 4 made ahead."""
+    produced: list = []
+    ahead = [scored_batch(3), scored_batch(4)]
+    if asynchronous:
+        source = AsyncBatches(
+            Recorder(produced), 2, 2, first=3, last=6, make_timer=timer, ahead=ahead
+        )
+    else:
+        source = SynchronousBatches(Recorder(produced), 2, ahead)
+    try:
+        assert [b.index for b in source.ahead()] == [3, 4]
+        got = [source.next(3, timer()), source.next(4, timer())]
+        assert got == ahead
+        for step in (3, 4, 5, 6):
+            if step > 4:
+                assert source.next(step, timer()).sampler_state == {"position": step}
+            source.sync_weights(dict, version=step)
+    finally:
+        source.close()
+    assert produced == [5, 6]  # nothing drawn twice
+
+
+def test_a_checkpoint_after_a_sync_finds_every_batch_the_old_policy_samples():
+    produced: list = []
+    source = AsyncBatches(Recorder(produced, seconds=0.02), 0, 2, first=1, last=8, make_timer=timer)
+    try:
+        for step in (1, 2, 3):
+            source.next(step, timer())
+            source.sync_weights(dict, version=step)
+            made = [b.index for b in source.ahead()]
+            # the batches of steps step+1 .. step+2, sampled before this step's update
+            assert made[:2] == [step + 1, step + 2], made
+            versions = [b.policy_version for b in source.ahead()][:2]
+            assert versions == [max(0, i - 3) for i in (step + 1, step + 2)]
+    finally:
+        source.close()
+
+
+def test_a_step_without_an_update_moves_the_schedule_on():
+    """A critic's warm-up: no weights change, the producer is not held back."""
+    source = AsyncBatches(Recorder([]), 0, 1, first=1, last=4, make_timer=timer)
+    try:
+        for step in (1, 2, 3, 4):
+            assert source.next(step, timer()).policy_version == 0
+            assert source.sync_weights(None, version=step) == {}
     finally:
         source.close()

@@ -79,7 +79,7 @@ def test_sigkill_between_checkpoints_then_resume(tmp_path, uninterrupted):
     assert [m["step"] for m in read_metrics(run_dir)] == list(range(1, 11))
     assert [m["step"] for m in read_metrics(run_dir, "history.jsonl")] == list(range(1, 11))
     state = json.loads((run_dir / "checkpoint-10" / "driver_state.json").read_text())
-    assert set(state) == {"step", "sampler"}
+    assert set(state) == {"step", "sampler", "ahead"} and state["ahead"] == []  # synchronous
     assert_same_run(run_dir, uninterrupted)
 
 

@@ -199,8 +199,9 @@ class AlgorithmConfig:
     # engine or dtype than the trainer's; null: off.
     tis_cap: float | None = attrs.field(default=None, validator=greater_than(0))
     # Asynchronous rollout: the batch of the next step is generated while the trainer learns
-    # from this one, by a policy at most this many updates behind the trainer's (0: the
-    # synchronous loop; 1: one-step off-policy). Needs actor_infer on devices of its own. With
+    # from this one, by the policy this many updates behind the trainer's (fewer in the first
+    # steps), whatever the timing: a rerun or a resume is the same run (0: the synchronous
+    # loop; 1: one-step off-policy). Needs actor_infer on devices of its own. With
     # one update per batch the ratio's old policy is the one that sampled (old_logprobs: auto);
     # with more, the trainer's recomputed log-probs, and tis_cap corrects for the older policy.
     max_staleness: int = attrs.field(default=0, validator=at_least(0))

@@ -4,9 +4,11 @@ rank processes the loop's thread may ask for their figures in each case."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 from posttrain.config.sections import Workflow
 from posttrain.launch.base import WorkerGroup
-from posttrain.rollout.batches import AsyncBatches, SynchronousBatches
+from posttrain.rollout.batches import AsyncBatches, ProducedBatch, SynchronousBatches
 from posttrain.rollout.generation import Rollout
 from posttrain.rollout.groups import collect_groups
 from posttrain.tasks.data import PromptSampler
@@ -21,9 +23,11 @@ def batch_source(
     groups: dict[str, WorkerGroup],
     step: int,
     console,
+    ahead: Sequence[ProducedBatch] = (),
 ) -> tuple[SynchronousBatches | AsyncBatches, dict[str, WorkerGroup]]:
     """The batches of the steps after ``step`` (the policy the rollout engine holds now), and
-    the groups the loop's thread asks for rank figures."""
+    the groups the loop's thread asks for rank figures. ``ahead``: the batches of the steps
+    after ``step`` a checkpoint kept, trained on first."""
     algo = wf.algorithm
 
     def produce(index: int, timer: PhaseTimer, engine_turn=None):
@@ -37,7 +41,7 @@ def batch_source(
         return scored, sampling, sampler.state()
 
     if not algo.max_staleness:
-        return SynchronousBatches(produce, step), groups
+        return SynchronousBatches(produce, step, ahead), groups
     # The producer's thread alone calls the rollout (and reward) processes: it also asks
     # them for their figures, the loop's thread asks the others.
     stats_groups, producers = split_by_caller(groups)
@@ -50,5 +54,6 @@ def batch_source(
         make_timer=lambda: PhaseTimer(console, 0, 0, show=False),
         rank_stats=lambda: phase_call_stats(producers),
         partial=algo.partial_rollout,
+        ahead=ahead,
     )
     return batches, stats_groups

@@ -38,6 +38,7 @@ from posttrain.paths import display_path
 from posttrain.protocol import build_sequence_batch
 from posttrain.rewards.pool import RuleRewards
 from posttrain.rewards.scoring import RewardScorer, make_rule_rewards, reward_tokenizer
+from posttrain.rollout.ahead import batch_from_record, batch_record
 from posttrain.rollout.batches import AsyncBatches, ProducedBatch, SynchronousBatches
 from posttrain.rollout.environments.registry import prompt_tools
 from posttrain.rollout.generation import Rollout
@@ -60,10 +61,17 @@ HISTORY = "history.jsonl"
 
 @attrs.define
 class DriverState:
-    """What a checkpoint holds of the driver: the step and the data position."""
+    """What a checkpoint holds of the driver: the step, the data position, and the batches an
+    asynchronous run made ahead of the step (their records, posttrain.rollout.ahead)."""
 
     step: int = 0
     sampler: dict[str, int] = attrs.field(factory=dict)
+    ahead: list[dict] = attrs.field(factory=list)
+
+    @classmethod
+    def of_checkpoint(cls, state: dict) -> DriverState:
+        # (checkpoints written before batches made ahead were kept have no "ahead")
+        return cls(state["step"], state["sampler"], state.get("ahead", []))
 
 
 class Trainer:
@@ -104,7 +112,7 @@ class Trainer:
         # Verified before any process starts: a checkpoint that cannot be used is refused fast.
         checkpoint = verified(path, self.requested) if path else None
         if checkpoint is not None:
-            self.state = DriverState(checkpoint.state["step"], checkpoint.state["sampler"])
+            self.state = DriverState.of_checkpoint(checkpoint.state)
             if self.state.step >= self.wf.trainer.max_steps:
                 self.nothing_to_run = checkpoint.path  # and the run directory stays as it is
                 return self.history
@@ -224,8 +232,9 @@ class Trainer:
                 )
         if not loop:
             return
+        ahead = [batch_from_record(record) for record in self.state.ahead]
         self.batches, self._stats_groups = batch_source(
-            wf, rollout, sampler, self.groups, self.state.step, self.console
+            wf, rollout, sampler, self.groups, self.state.step, self.console, ahead
         )
 
     def _start_loggers(self) -> None:
@@ -244,6 +253,8 @@ class Trainer:
         for role in checkpoint.manifest.roles:
             self.groups[role].call("load_checkpoint", os.path.join(checkpoint.path, role))
         sampler.load_state(self.state.sampler)
+        if self.state.ahead:  # the producer goes on after the last batch made ahead
+            sampler.load_state(self.state.ahead[-1]["sampler_state"])
         self.host.hook.posttrain_restore_checkpoint_files(
             step=self.state.step,
             files=plugin_files.read(checkpoint.path, checkpoint.manifest.files),
@@ -317,6 +328,9 @@ class Trainer:
                 try:
                     if self.checkpoints.due(self.state.step):
                         with timer.phase("checkpoint"):
+                            # What the producer made ahead is kept: the resumed run trains
+                            # on the same batches (posttrain.rollout.batches).
+                            self.state.ahead = [batch_record(b) for b in self.batches.ahead()]
                             self.checkpoints.save(self.state.step, attrs.asdict(self.state))
                         self._time_step(metrics, timer, step_start, calls_before, tokens)
                 finally:
@@ -343,7 +357,7 @@ class Trainer:
     def score_checkpoint(self, checkpoint: Resumable) -> dict[str, float]:
         """``posttrain eval``: the evaluation phase on ``checkpoint``'s policy, loaded and
         synced to the rollout role as a resume does, without training."""
-        self.state = DriverState(checkpoint.state["step"], checkpoint.state["sampler"])
+        self.state = DriverState.of_checkpoint(checkpoint.state)
         try:
             self._start(checkpoint, loop=False)
             return self.evaluation.run(self.state.step)
@@ -380,10 +394,10 @@ class Trainer:
                 self.sharing.activate("actor_train")
                 on_policy = algo.old_logprobs_source() == "rollout"
                 train_metrics.update(update(groups["actor_train"], batch, algo, on_policy))
-        sync: dict = {}
-        if policy_learns:
-            with timer.phase("weight_sync"):
-                sync = self.batches.sync_weights(self._sync_weights, version=self.state.step)
+        with timer.phase("weight_sync"):
+            # Also without an update: the asynchronous schedule counts every step's sync.
+            weights = self._sync_weights if policy_learns else None
+            sync = self.batches.sync_weights(weights, version=self.state.step)
         lengths = [len(r) for r in samples.response_ids]
         return {
             "reward/mean": float(rewards.mean()),

@@ -1,0 +1,54 @@
+"""The batches an asynchronous run produced ahead of a checkpoint's step, as the checkpoint's
+driver state holds them (JSON): everything the resumed run trains on and logs from them, exact
+(a float is written as Python's shortest repr, which reads back to the same float)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import attrs
+
+from posttrain.protocol import RolloutSamples
+from posttrain.rollout.batches import ProducedBatch
+from posttrain.rollout.groups import ScoredGroups
+from posttrain.tasks.data import Prompt
+
+
+def batch_record(batch: ProducedBatch) -> dict[str, Any]:
+    scored = batch.scored
+    return {
+        "index": batch.index,
+        "policy_version": batch.policy_version,
+        "sampler_state": batch.sampler_state,
+        "sampling_metrics": batch.sampling_metrics,
+        "timings": batch.timings,
+        "rank_stats": batch.rank_stats,
+        "prompts": [attrs.asdict(p) for p in scored.prompts],
+        "samples": attrs.asdict(scored.samples),
+        "rewards": scored.rewards.tolist(),
+        "rewards_dtype": str(scored.rewards.dtype).removeprefix("torch."),
+        "reward_metrics": scored.reward_metrics,
+        "turn_rewards": scored.turn_rewards,
+    }
+
+
+def batch_from_record(record: dict[str, Any]) -> ProducedBatch:
+    import torch
+
+    prompts = [Prompt(**{**p, "ids": tuple(p["ids"])}) for p in record["prompts"]]
+    scored = ScoredGroups(
+        prompts=prompts,
+        samples=RolloutSamples(**record["samples"]),
+        rewards=torch.tensor(record["rewards"], dtype=getattr(torch, record["rewards_dtype"])),
+        reward_metrics=record["reward_metrics"],
+        turn_rewards=record["turn_rewards"],
+    )
+    return ProducedBatch(
+        index=record["index"],
+        scored=scored,
+        sampling_metrics=record["sampling_metrics"],
+        sampler_state=record["sampler_state"],
+        policy_version=record["policy_version"],
+        timings=record["timings"],
+        rank_stats=record["rank_stats"],
+    )
