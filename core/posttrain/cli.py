@@ -8,8 +8,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import sys
 import textwrap
+import threading
 import traceback
 import warnings
 
@@ -438,6 +440,7 @@ def _without_tracebacks(text: str) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     err = _console(stderr=True)
+    _stop_on_signals()
     try:
         from posttrain.host.plugin_host import create_plugin_host
 
@@ -476,6 +479,21 @@ def main(argv: list[str] | None = None) -> int:
     except Exception:
         traceback.print_exc()
         return EXIT_INTERNAL
+
+
+def _stop_on_signals() -> None:
+    """SIGINT and SIGTERM stop a command as Ctrl-C in a terminal does (a run: its ranks stopped
+    in order, its checkpoints intact, the rerun line). Installed here, not left to Python: a
+    process started with ``&`` from a script inherits SIGINT ignored, and Python then installs
+    no handler of its own; SIGTERM is what schedulers (SLURM, Kubernetes) send."""
+    if threading.current_thread() is not threading.main_thread():
+        return  # (called by a program's own thread: signals are its main thread's)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, _terminated)
+
+
+def _terminated(signum, frame) -> None:
+    raise KeyboardInterrupt
 
 
 if __name__ == "__main__":

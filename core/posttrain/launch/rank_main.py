@@ -10,6 +10,8 @@ import importlib
 import os
 import signal
 import sys
+import threading
+import time
 import traceback
 from typing import Any
 
@@ -22,6 +24,9 @@ from posttrain.launch.stacks import install_stack_dump, is_public_call, stacks_p
 from posttrain.launch.worker import WorkerContext, WorkerRuntime
 
 START_CALL = -1  # the call id of a rank's start-up answer
+# How often a local rank checks that its driver is alive: it exits within about this long of
+# the driver's death, whatever it is doing.
+DRIVER_POLL_S = 0.5
 
 
 class RankServer:
@@ -104,9 +109,12 @@ def serve(
     install_stack_dump(stacks_path_for(log_path))  # for the hang watchdog, posttrain stacks
     report_fatal_signals(log)  # a crash's stack, for the driver's report (launch/fatal.py)
     os.environ.update(env)
-    # Ctrl-C in a terminal reaches every process of the run: the driver's, which stops the ranks
-    # in order and says how to resume; a rank dying of it first would be reported as a crash.
+    exit_with_driver(os.getppid())
+    # Ctrl-C in a terminal, and a scheduler's SIGTERM (SLURM, Kubernetes), reach every process
+    # of the run: the driver's stops the ranks in order and says how to resume; a rank dying of
+    # it first would be reported as a crash. (A rank whose driver is gone exits by itself.)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     import torch.multiprocessing  # noqa: F401  (registers tensor sharing for the pipe)
 
     try:
@@ -134,6 +142,20 @@ def serve(
             conn.send((call_id, error_status(exc), describe_error(exc), traceback.format_exc()))
             continue
         conn.send((call_id, "ok", result, ""))
+
+
+def exit_with_driver(driver_pid: int) -> None:
+    """End this rank soon after its driver, however the driver ended (SIGKILL included) and
+    whatever the rank is doing: the pipe's end is read only between two calls, and a rank in a
+    collective whose peer is gone, or in a long kernel, would otherwise outlive the run."""
+
+    def watch() -> None:
+        while os.getppid() == driver_pid:
+            time.sleep(DRIVER_POLL_S)
+        print(f"the driver (pid {driver_pid}) is gone: this rank exits", flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="posttrain-driver-watch", daemon=True).start()
 
 
 def error_status(exc: BaseException) -> str:
