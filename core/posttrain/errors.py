@@ -54,5 +54,9 @@ class CheckpointError(UserError):
     """A checkpoint is incomplete, corrupted or does not match the workflow."""
 
 
+class DamagedCheckpoint(CheckpointError):
+    """A checkpoint's files do not match its manifest: one is missing, corrupted or added."""
+
+
 class RunInterrupted(KeyboardInterrupt):
     """A run stopped by Ctrl-C; the message says what a rerun resumes from (exit code 130)."""

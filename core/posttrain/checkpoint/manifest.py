@@ -9,7 +9,7 @@ from typing import Any
 
 import attrs
 
-from posttrain.errors import CheckpointError
+from posttrain.errors import DamagedCheckpoint
 from posttrain.paths import display_path
 
 MANIFEST = "manifest.json"
@@ -39,11 +39,11 @@ class Manifest:
                 data = json.load(f)
             return cls(**data)
         except FileNotFoundError:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"{display_path(directory)} is not a complete checkpoint: {MANIFEST} is missing"
             ) from None
         except (json.JSONDecodeError, TypeError) as exc:
-            raise CheckpointError(f"{display_path(path)} is corrupted ({exc})") from None
+            raise DamagedCheckpoint(f"{display_path(path)} is corrupted ({exc})") from None
 
 
 def sha256_file(path: str) -> str:
@@ -82,7 +82,7 @@ def verify(directory: str) -> Manifest:
     manifest = Manifest.read(directory)
     unlisted = sorted(set(checksum_tree_paths(directory)) - set(manifest.files))
     if unlisted:
-        raise CheckpointError(
+        raise DamagedCheckpoint(
             f"checkpoint {display_path(directory)}: {', '.join(unlisted[:5])} "
             f"{'is' if len(unlisted) == 1 else 'are'} not listed in its {MANIFEST} (added after "
             "the checkpoint was complete); remove what was added, or resume from another "
@@ -92,9 +92,9 @@ def verify(directory: str) -> Manifest:
         full = os.path.join(directory, rel)
         if not os.path.isfile(full):
             shown = display_path(directory)
-            raise CheckpointError(f"checkpoint {shown}: file {rel} is missing")
+            raise DamagedCheckpoint(f"checkpoint {shown}: file {rel} is missing")
         if sha256_file(full) != expected:
-            raise CheckpointError(
+            raise DamagedCheckpoint(
                 f"checkpoint {display_path(directory)}: file {rel} is corrupted "
                 "(sha256 does not match the manifest)"
             )

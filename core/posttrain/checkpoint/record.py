@@ -36,6 +36,7 @@ _RUN_NEUTRAL_TRAINER = {
     "logger_args",
     "resume",
     "allow_resume_changes",
+    "resume_fallback",
     "weight_sync_bucket_mb",
     "progress",
 }

@@ -11,7 +11,7 @@ import attrs
 from posttrain.checkpoint import manager
 from posttrain.checkpoint.manifest import Manifest
 from posttrain.checkpoint.record import checkpoint_record, run_changes
-from posttrain.errors import CheckpointError, UserError
+from posttrain.errors import CheckpointError, DamagedCheckpoint, UserError
 from posttrain.paths import display_path
 
 if TYPE_CHECKING:
@@ -37,6 +37,42 @@ def checkpoint_to_resume(workflow: Workflow, run_dir: str) -> str | None:
     if resume != "never":
         return resume if os.path.isabs(resume) else os.path.join(workflow.base_dir, resume)
     return None
+
+
+def resumable(workflow: Workflow, run_dir: str, requested: Workflow, say) -> Resumable | None:
+    """The checkpoint to resume, verified (``requested``: the workflow as written, which the
+    checkpoint's record is compared with). A damaged latest checkpoint under ``resume: auto``
+    stops the run naming the file, or with ``trainer.resume_fallback`` gives way to the latest
+    whole one before it (``say`` tells which and why)."""
+    path = checkpoint_to_resume(workflow, run_dir)
+    if path is None:
+        return None
+    fallback = workflow.trainer.resume == "auto" and workflow.trainer.resume_fallback
+    try:
+        return verified(path, requested)
+    except DamagedCheckpoint as exc:
+        if not fallback:
+            if workflow.trainer.resume == "auto":
+                exc.args = (
+                    f"{exc}; to resume from the latest whole checkpoint before it, set "
+                    "trainer.resume_fallback: true (--set trainer.resume_fallback=true)",
+                )
+            raise
+        damaged = exc
+    # (under resume: auto the damaged one is the latest)
+    for _, earlier in reversed(manager.checkpoint_dirs(run_dir)[:-1]):
+        try:
+            checkpoint = verified(earlier, requested)
+        except DamagedCheckpoint as exc:
+            say(f"warning: {exc}", markup=False)
+            continue
+        say(
+            f"warning: {damaged}\nresuming from {display_path(earlier)} instead "
+            "(trainer.resume_fallback)",
+            markup=False,
+        )
+        return checkpoint
+    raise CheckpointError(f"{damaged}, and no checkpoint before it is whole")
 
 
 def verified(path: str, workflow: Workflow) -> Resumable:

@@ -19,7 +19,8 @@ from typing import Any
 from posttrain.checkpoint import manager
 from posttrain.checkpoint import plugin_files as contributed
 from posttrain.checkpoint.background import marker_path, read_marker
-from posttrain.errors import CheckpointError
+from posttrain.checkpoint.space import no_space_error, out_of_space
+from posttrain.errors import CheckpointError, WorkerError
 
 _POLL_S = 0.01
 
@@ -65,6 +66,14 @@ class CheckpointSaver:
         # Serialised now: the loop keeps appending to the history while the save completes.
         state = json.dumps(driver_state).encode()
         tmp = manager.temp_dir(self.run_dir, step)
+        try:
+            self._begin(step, state, plugin_files, tmp, start)
+        except (OSError, WorkerError) as exc:
+            if out_of_space(exc):
+                raise no_space_error(self.run_dir, step, tmp) from None
+            raise
+
+    def _begin(self, step, state: bytes, plugin_files, tmp: str, start: float) -> None:
         roles: dict[str, Any] = {}
         markers: list[tuple[str, int]] = []
         for role, group in self.groups.items():
@@ -110,6 +119,8 @@ class CheckpointSaver:
                 if marker is None:
                     continue
                 waiting.remove((role_dir, rank))
+                if marker["error"] and out_of_space(marker["error"]):
+                    raise no_space_error(self.run_dir, step, tmp)
                 if marker["error"]:
                     raise CheckpointError(
                         f"checkpoint {step}: rank {rank} of {os.path.basename(role_dir)} "

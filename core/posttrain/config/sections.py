@@ -316,6 +316,9 @@ class TrainerConfig:
     # A resume whose workflow defines another run than the checkpoint's (algorithm, data, model,
     # roles and their devices, rewards, environment, seed) is refused unless this is set.
     allow_resume_changes: bool = False
+    # resume: auto, and the latest checkpoint is damaged (a file missing or corrupted): resume
+    # from the latest one that is whole instead, saying so (false: stop, naming the file).
+    resume_fallback: bool = False
     seed: int = 42
     weight_sync_bucket_mb: int = attrs.field(default=256, validator=at_least(1))
     progress: bool = True

@@ -19,10 +19,10 @@ from posttrain.backends.models import load_tokenizer
 from posttrain.checkpoint import manager as ckpt
 from posttrain.checkpoint import plugin_files
 from posttrain.checkpoint.record import RECORD, plain, workflow_record
-from posttrain.checkpoint.resume import Resumable, checkpoint_to_resume, rerun_hint, verified
+from posttrain.checkpoint.resume import Resumable, rerun_hint, resumable
 from posttrain.checkpoint.schedule import RunCheckpoints
 from posttrain.config.sections import Workflow
-from posttrain.errors import RunInterrupted, WorkerError
+from posttrain.errors import CheckpointError, RunInterrupted, WorkerError
 from posttrain.evaluation.phase import Evaluation, load_held_out
 from posttrain.launch.base import Launcher, WorkerGroup
 from posttrain.launch.fatal import driver_fatal_report
@@ -108,9 +108,8 @@ class Trainer:
     # -- the run's life cycle ----------------------------------------------------------------
 
     def run(self) -> list[dict[str, float]]:
-        path = checkpoint_to_resume(self.wf, self.run_dir)
         # Verified before any process starts: a checkpoint that cannot be used is refused fast.
-        checkpoint = verified(path, self.requested) if path else None
+        checkpoint = resumable(self.wf, self.run_dir, self.requested, self.console.print)
         if checkpoint is not None:
             self.state = DriverState.of_checkpoint(checkpoint.state)
             if self.state.step >= self.wf.trainer.max_steps:
@@ -128,6 +127,10 @@ class Trainer:
             except KeyboardInterrupt:
                 self._close()  # a save in flight stays incomplete, and is never resumed from
                 raise RunInterrupted(self._rerun_hint()) from None
+            except CheckpointError as exc:  # a save failed (the disk is full): what a rerun does
+                self._close()
+                exc.args = (f"{exc}\nthe run stopped {self._rerun_hint()}",)
+                raise
             except WorkerError as exc:  # a rank failed or timed out: checkpoints stay as they are
                 self._close()
                 exc.hint = self._knobs(exc) + f"the run stopped {self._rerun_hint()}"

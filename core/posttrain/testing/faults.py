@@ -1,0 +1,143 @@
+"""Faults on purpose: a plugin that makes a run fail in the ways real clusters do, for tests and
+for rehearsing a cluster before a long run.
+
+Load it as a workflow plugin and name the faults in ``POSTTRAIN_FAULTS``, which the rank
+processes must see too (``cluster.runtime_env.env_vars``)::
+
+    posttrain run wf.yaml --set "plugins=[posttrain.testing.faults]" \\
+        --set cluster.runtime_env.env_vars.POSTTRAIN_FAULTS=kill_rank:5/rank=1
+
+``POSTTRAIN_FAULTS`` is a comma-separated list of ``KIND:N`` with options ``/key=value``; ``N``
+counts the calls of the phase on that process (the first is 1):
+
+- ``delay_train:N/rank=R/seconds=S``: rank R (default 0) sleeps S seconds (default 3600) at
+  the start of its N-th training step, as a rank stuck in a kernel or on a bad node would;
+- ``kill_rank:N/rank=R``: rank R SIGKILLs itself at the start of its N-th training step;
+- ``kill_driver:N``: the driver SIGKILLs itself once step N's metrics are logged;
+- ``enospc_save:N/rank=R``: rank R's N-th checkpoint save of ``actor_train`` fails with
+  "No space left on device" (ENOSPC);
+- ``flip_saved_byte:N``: once the N-th checkpoint of the run is complete, one byte of its
+  largest file is flipped (a disk or copy that corrupted it).
+
+What each fault does to a run is what :doc:`docs/reliability.md` promises: a clear error naming
+who or what, no process left behind, and a rerun that resumes as the same run.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import time
+
+import attrs
+
+from posttrain import hookimpl
+
+KINDS = ("delay_train", "kill_rank", "kill_driver", "enospc_save", "flip_saved_byte")
+
+
+@attrs.frozen
+class Fault:
+    kind: str
+    at: int  # the N-th call of the phase
+    options: dict[str, str] = attrs.field(factory=dict)
+
+    def rank(self) -> int:
+        return int(self.options.get("rank", 0))
+
+
+def parse_faults(text: str) -> list[Fault]:
+    """``POSTTRAIN_FAULTS``'s faults; a malformed entry is an error naming it."""
+    faults = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        head, *options = entry.split("/")
+        kind, _, at = head.partition(":")
+        if kind not in KINDS or not at.isdigit() or int(at) < 1:
+            raise ValueError(
+                f"POSTTRAIN_FAULTS entry {entry!r}: expected KIND:N (N >= 1) with KIND one of "
+                f"{', '.join(KINDS)}"
+            )
+        pairs = dict(option.partition("=")[::2] for option in options)
+        faults.append(Fault(kind, int(at), pairs))
+    return faults
+
+
+def _faults(kind: str) -> list[Fault]:
+    return [f for f in parse_faults(os.environ.get("POSTTRAIN_FAULTS", "")) if f.kind == kind]
+
+
+_calls: dict[str, int] = {}
+
+
+def _count(phase: str) -> int:
+    _calls[phase] = _calls.get(phase, 0) + 1
+    return _calls[phase]
+
+
+@hookimpl(wrapper=True)
+def posttrain_train_step(worker, batch, loss_fn):
+    call = _count(f"train_step:{worker.role}")
+    for fault in _faults("delay_train"):
+        if fault.at == call and fault.rank() == worker.rank:
+            print(f"faults: rank {worker.rank} delayed at train step {call}", flush=True)
+            time.sleep(float(fault.options.get("seconds", 3600)))
+    for fault in _faults("kill_rank"):
+        if fault.at == call and fault.rank() == worker.rank:
+            print(f"faults: rank {worker.rank} kills itself at train step {call}", flush=True)
+            os.kill(os.getpid(), signal.SIGKILL)
+    return (yield)
+
+
+_saves: set[str] = set()
+
+
+def _no_space(worker, path: str) -> None:
+    if worker.role != "actor_train" or path in _saves:
+        return  # (a save begun in the background, or synchronously after a begin said no)
+    _saves.add(path)
+    call = _count("save")
+    for fault in _faults("enospc_save"):
+        if fault.at == call and fault.rank() == worker.rank:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+
+@hookimpl(wrapper=True)
+def posttrain_begin_checkpoint(worker, path):
+    _no_space(worker, path)
+    return (yield)
+
+
+@hookimpl(wrapper=True)
+def posttrain_save_checkpoint(worker, path):
+    _no_space(worker, path)
+    return (yield)
+
+
+@hookimpl
+def posttrain_log_metrics(step, metrics, run_dir):
+    for fault in _faults("kill_driver"):
+        if fault.at == step:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+@hookimpl
+def posttrain_checkpoint_saved(checkpoint_dir, manifest):
+    call = _count("checkpoint_saved")
+    for fault in _faults("flip_saved_byte"):
+        if fault.at == call:
+            flip_byte(checkpoint_dir, largest_file(checkpoint_dir, manifest))
+
+
+def largest_file(checkpoint_dir: str, manifest) -> str:
+    return max(manifest.files, key=lambda rel: os.path.getsize(os.path.join(checkpoint_dir, rel)))
+
+
+def flip_byte(checkpoint_dir: str, rel: str) -> None:
+    """Invert one byte in the middle of ``rel``: its size and name stay, its content does not."""
+    path = os.path.join(checkpoint_dir, rel)
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))

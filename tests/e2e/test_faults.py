@@ -1,0 +1,58 @@
+"""Disk and checkpoint faults, made by the fault kit (posttrain.testing.faults): a save that
+finds the disk full stops the run with the figures and leaves the previous checkpoint whole; a
+corrupted shard is named at resume, and ``trainer.resume_fallback`` resumes from the one before."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import read_metrics, run_env, run_quickstart, small_run
+
+from posttrain.checkpoint.manifest import verify
+
+FAULTS = ("--set", "plugins=[posttrain.testing.faults]")
+
+
+def run(run_dir, max_steps: int, *extra: str, faults: str = "", check=True):
+    return run_quickstart(
+        run_dir,
+        *small_run(max_steps=max_steps, save_steps=2),
+        *FAULTS,
+        *extra,
+        env=run_env(POSTTRAIN_FAULTS=faults),
+        check=check,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_full_disk_stops_the_run_and_keeps_the_previous_checkpoint(tmp_path, e2e_cache):
+    run_dir = tmp_path / "full"
+    proc = run(run_dir, 6, faults="enospc_save:2", check=False)  # the save of step 4
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "checkpoint 4 could not be written: no space left on the device of" in err, err
+    assert "GiB free); a checkpoint of this run takes about" in err, err
+    assert "checkpoint-2 is complete and untouched" in err, err
+    assert "the run stopped after step 4" in err and "rerun the same command" in err, err
+    verify(str(run_dir / "checkpoint-2"))  # whole: every file as its manifest says
+    assert not (run_dir / "checkpoint-4").exists()
+    assert not (run_dir / "logs" / "processes.json").exists()  # no rank left
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_corrupted_shard_is_named_and_resume_falls_back_when_asked(tmp_path, e2e_cache):
+    run_dir = tmp_path / "flipped"
+    run(run_dir, 4, faults="flip_saved_byte:2")  # checkpoint-4, once complete
+    longer = ("--set", "trainer.max_steps=6")
+    refused = run(run_dir, 4, *longer, check=False)
+    err = " ".join(refused.stderr.split())
+    assert refused.returncode == 2, refused.stdout[-3000:] + refused.stderr[-3000:]
+    assert "checkpoint-4: file actor_train/" in err and "is corrupted" in err, err
+    assert "--set trainer.resume_fallback=true" in err, err
+    resumed = run(run_dir, 4, *longer, "--set", "trainer.resume_fallback=true")
+    out = " ".join(resumed.stdout.split())
+    assert "is corrupted" in out and "resuming from" in out and "checkpoint-2 instead" in out
+    assert "done: 4 steps this run (steps 3-6)" in out, out[-2000:]
+    assert [m["step"] for m in read_metrics(run_dir)][-4:] == [3, 4, 5, 6]
