@@ -6,6 +6,7 @@ A :class:`WorkerContext` is handed to every worker hook. Backends keep their eng
 
 from __future__ import annotations
 
+import os
 import time
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -70,6 +71,21 @@ class WorkerContext:
         import os
 
         return path if os.path.isabs(path) else os.path.join(self.base_dir, path)
+
+
+# call_stats' entry for the process as a whole (no hook has this name).
+PROCESS_STATS = "_process"
+
+
+def resident_bytes() -> int:
+    """This process's resident memory now (Linux: /proc; elsewhere its peak so far)."""
+    try:
+        with open("/proc/self/statm", encoding="ascii") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class NoImplementationError(PosttrainError):
@@ -201,7 +217,8 @@ class WorkerRuntime:
 
     def call_stats(self) -> dict[str, dict[str, float]]:
         """Per hook (``generate``, ``train_step``, ...) since the last ask: ``seconds`` spent in
-        it on this rank, and on a GPU the ``peak_bytes`` of device memory."""
+        it on this rank, and on a GPU the ``peak_bytes`` of device memory; under
+        ``PROCESS_STATS`` the process's resident memory now (``rss_bytes``)."""
         stats = {
             name: {
                 "seconds": seconds,
@@ -209,6 +226,7 @@ class WorkerRuntime:
             }
             for name, seconds in self._seconds.items()
         }
+        stats[PROCESS_STATS] = {"rss_bytes": resident_bytes()}
         self._seconds.clear()
         self._peaks.clear()
         return stats

@@ -2,7 +2,8 @@
 seconds spent in it and the peak GPU memory (:meth:`~posttrain.launch.worker.WorkerRuntime.
 call_stats`); once a step the driver asks one role of each set of rank processes and logs
 ``rank_time/<phase>_s`` (the slowest rank's seconds in the phase's hooks: the phase's time minus
-it is the driver's and the transfers' share) and, on GPUs, ``memory/<phase>_peak_gib``.
+it is the driver's and the transfers' share), ``memory/rank_rss_gib`` (the largest rank process's
+resident memory) and, on GPUs, ``memory/<phase>_peak_gib``.
 
 With asynchronous rollout the producer's thread asks the processes it drives itself, between two
 generations: asked from the loop's thread, they would answer only after the generation under way.
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 from posttrain.config.checks import PRODUCER_ROLES
 from posttrain.launch.base import WorkerGroup
+from posttrain.launch.worker import PROCESS_STATS
 
 # The phase whose work a hook is.
 PHASE_OF_HOOK = {
@@ -49,7 +51,8 @@ def add_call_stats(metrics: dict[str, float], stats: dict[str, float]) -> None:
 
 
 def phase_call_stats(groups: dict[str, WorkerGroup]) -> dict[str, float]:
-    """``rank_time/<phase>_s`` and ``memory/<phase>_peak_gib`` of the step's phases."""
+    """``rank_time/<phase>_s`` and ``memory/<phase>_peak_gib`` of the step's phases, and
+    ``memory/rank_rss_gib``."""
     asked: list[WorkerGroup] = []
     out: dict[str, float] = {}
     for group in groups.values():
@@ -58,6 +61,10 @@ def phase_call_stats(groups: dict[str, WorkerGroup]) -> dict[str, float]:
         asked.append(group)
         seconds: dict[str, list[float]] = {}
         for answer in group.call("call_stats"):
+            process = answer.pop(PROCESS_STATS, None)
+            if process is not None:
+                key, rss = "memory/rank_rss_gib", process["rss_bytes"] / 2**30
+                out[key] = max(out.get(key, 0.0), rss)
             for hook, stats in answer.items():
                 phase = PHASE_OF_HOOK.get(hook)
                 if phase is None:

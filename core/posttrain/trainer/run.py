@@ -47,6 +47,7 @@ from posttrain.scoring.logprobs import critic_values, old_and_reference_logprobs
 from posttrain.tasks.data import PromptSampler, load_prompts
 from posttrain.trainer.batch_source import batch_source
 from posttrain.trainer.logger_registry import make_loggers
+from posttrain.trainer.memory_watch import MemoryWatch
 from posttrain.trainer.phase_timer import PhaseTimer
 from posttrain.trainer.plugin_metrics import contributed_metrics
 from posttrain.trainer.step_log import StepLog
@@ -102,6 +103,9 @@ class Trainer:
         self.history: list[dict[str, float]] = []  # every step's metrics, the run's first on
         # The checkpoint to resume from, when it is at trainer.max_steps already.
         self.nothing_to_run: str | None = None
+        self.memory_watch = MemoryWatch(
+            lambda text: console.print(text, markup=False, highlight=False)
+        )
         # Names of the metrics plugins add (posttrain_step_metrics): the console shows them.
         self.contributed_metric_names: set[str] = set()
 
@@ -320,6 +324,7 @@ class Trainer:
                 tokens = metrics.pop("_tokens")
                 self._time_step(metrics, timer, step_start, calls_before, tokens)
                 metrics.update(self.batches.idle(metrics))
+                self.memory_watch.check(self.state.step, metrics)
                 added = contributed_metrics(self.host, self.state.step, metrics)
                 self.contributed_metric_names.update(added)
                 metrics.update(added)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import time
 
+from posttrain.launch.worker import resident_bytes
 from posttrain.rollout.batches import ProducedBatch
 from posttrain.trainer.call_stats import add_call_stats, phase_call_stats
 from posttrain.trainer.phase_timer import PHASES, PhaseTimer
@@ -36,4 +37,5 @@ def add_timings(
     metrics["time/outside_phases"] = metrics["time/step"] - phases
     metrics["driver/calls"] = driver_calls
     metrics["perf/tokens_per_s"] = tokens / metrics["time/step"]
+    metrics["memory/driver_rss_gib"] = resident_bytes() / 2**30
     add_call_stats(metrics, phase_call_stats(stats_groups))
