@@ -123,7 +123,7 @@ def test_batches_kept_by_a_checkpoint_come_first_then_the_producer_goes_on(async
     else:
         source = SynchronousBatches(Recorder(produced), 2, ahead)
     try:
-        assert [b.index for b in source.ahead()] == [3, 4]
+        assert [b.index for b in source.ahead()][:2] == [3, 4]  # (5 may be made already)
         got = [source.next(3, timer()), source.next(4, timer())]
         assert got == ahead
         for step in (3, 4, 5, 6):
