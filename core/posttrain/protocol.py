@@ -252,6 +252,9 @@ class WeightBucket:
     """HF-named full tensors moved together in one weight-sync transfer."""
 
     tensors: list[tuple[str, torch.Tensor]] = attrs.field(factory=list)
+    # Per tensor, the sum of its bytes as the trainer's engine exported it, when this sync
+    # checks this bucket (posttrain.weight_sync.verify); None: not checked.
+    digests: list[int] | None = None
 
     @property
     def nbytes(self) -> int:

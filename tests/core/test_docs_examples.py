@@ -410,6 +410,13 @@ def top_level_names(source: Path) -> set[str]:
             names.add(node.target.id)
         elif isinstance(node, ast.Import | ast.ImportFrom):
             names |= {(a.asname or a.name).split(".")[0] for a in node.names}
+    if "__getattr__" in names and "__all__" in names:  # names made lazily: those it exports
+        tree = ast.parse(source.read_text(encoding="utf-8"))
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(
+                isinstance(t, ast.Name) and t.id == "__all__" for t in node.targets
+            ):
+                names |= set(ast.literal_eval(node.value))
     return names
 
 

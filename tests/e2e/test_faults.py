@@ -4,6 +4,8 @@ corrupted shard is named at resume, and ``trainer.resume_fallback`` resumes from
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from conftest import read_metrics, run_env, run_quickstart, small_run
 
@@ -56,3 +58,28 @@ def test_a_corrupted_shard_is_named_and_resume_falls_back_when_asked(tmp_path, e
     assert "is corrupted" in out and "resuming from" in out and "checkpoint-2 instead" in out
     assert "done: 4 steps this run (steps 3-6)" in out, out[-2000:]
     assert [m["step"] for m in read_metrics(run_dir)][-4:] == [3, 4, 5, 6]
+
+
+ASYNC = (
+    *("--set", "algorithm.max_staleness=1", "--set", "actor_infer.device_mapping=[1]"),
+    *("--set", "actor_train.device_mapping=[0]", "--set", "reference.device_mapping=[0]"),
+)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("layout", "transport"), [((), "in process"), (ASYNC, "broadcast")], ids=["hybrid", "async"]
+)
+def test_a_weight_corrupted_in_a_sync_stops_the_run_naming_it(
+    tmp_path, e2e_cache, layout, transport
+):
+    run_dir = tmp_path / "corrupted"
+    proc = run(run_dir, 4, *layout, faults="corrupt_sync:2", check=False)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert re.search(r"weight sync into actor_infer \(hf_infer\) rank \d: 1 of the bucket's", err)
+    assert "differ from what the trainer sent (byte sums): model.embed_tokens.weight" in err, err
+    assert len(read_metrics(run_dir)) == 1  # step 1 logged; step 2's sync stopped the run
+    assert not (run_dir / "logs" / "processes.json").exists()

@@ -38,6 +38,7 @@ _RUN_NEUTRAL_TRAINER = {
     "allow_resume_changes",
     "resume_fallback",
     "weight_sync_bucket_mb",
+    "weight_sync_verify",
     "progress",
 }
 

@@ -321,6 +321,10 @@ class TrainerConfig:
     resume_fallback: bool = False
     seed: int = 42
     weight_sync_bucket_mb: int = attrs.field(default=256, validator=at_least(1))
+    # Which weight-sync buckets the rollout side checks against the byte sums the trainer sent:
+    # every bucket of every sync; first: all of the first sync and one bucket of each later one;
+    # off: none. A difference stops the run, naming the tensors (docs/reliability.md).
+    weight_sync_verify: Literal["every", "first", "off"] = "first"
     progress: bool = True
 
 

@@ -168,7 +168,10 @@ class WorkerRuntime:
             self._call("posttrain_export_weights", bucket_bytes=bucket_bytes, on_device=on_device)
         )
 
-    def export_begin(self, bucket_bytes: int) -> None:
+    def export_begin(self, bucket_bytes: int, verify: str = "first") -> None:
+        from posttrain.weight_sync.verify import begin_sync
+
+        begin_sync(self.ctx.state, verify)
         self._export = self.export_weights(bucket_bytes, on_device=False)
 
     def export_next(self):
@@ -181,6 +184,12 @@ class WorkerRuntime:
         return bucket
 
     def import_weights(self, buckets) -> bool:
+        """Load ``buckets`` into this role's engine, each bucket that carries the trainer's byte
+        sums checked first (posttrain.weight_sync.verify)."""
+        from posttrain.weight_sync.verify import checked
+
+        where = f"{self.ctx.role} ({self.ctx.strategy_name}) rank {self.ctx.rank}"
+        buckets = checked(self.ctx.state, buckets, where)
         return self._call("posttrain_import_weights", buckets=buckets)
 
     def save_checkpoint(self, path: str) -> dict:

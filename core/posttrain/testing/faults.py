@@ -17,7 +17,11 @@ counts the calls of the phase on that process (the first is 1):
 - ``enospc_save:N/rank=R``: rank R's N-th checkpoint save of ``actor_train`` fails with
   "No space left on device" (ENOSPC);
 - ``flip_saved_byte:N``: once the N-th checkpoint of the run is complete, one byte of its
-  largest file is flipped (a disk or copy that corrupted it).
+  largest file is flipped (a disk or copy that corrupted it);
+- ``corrupt_sync:N``: in the N-th weight sync, one value of the first tensor sent changes on the
+  way (after the trainer's byte sums: a link or a transport that corrupted it);
+- ``rename_sync:N``: in the N-th weight sync, the first tensor sent arrives under another name
+  (an engine upgrade that renamed a parameter).
 
 What each fault does to a run is what :doc:`docs/reliability.md` promises: a clear error naming
 who or what, no process left behind, and a rerun that resumes as the same run.
@@ -34,7 +38,15 @@ import attrs
 
 from posttrain import hookimpl
 
-KINDS = ("delay_train", "kill_rank", "kill_driver", "enospc_save", "flip_saved_byte")
+KINDS = (
+    "delay_train",
+    "kill_rank",
+    "kill_driver",
+    "enospc_save",
+    "flip_saved_byte",
+    "corrupt_sync",
+    "rename_sync",
+)
 
 
 @attrs.frozen
@@ -127,6 +139,31 @@ def posttrain_checkpoint_saved(checkpoint_dir, manifest):
     for fault in _faults("flip_saved_byte"):
         if fault.at == call:
             flip_byte(checkpoint_dir, largest_file(checkpoint_dir, manifest))
+
+
+@hookimpl(wrapper=True)
+def posttrain_export_weights(worker, bucket_bytes, on_device):
+    buckets = yield
+    call = _count(f"export:{worker.role}")
+    faults = [f for f in _faults("corrupt_sync") + _faults("rename_sync") if f.at == call]
+    if buckets is None or not faults:
+        return buckets
+    return _tampered(buckets, faults[0].kind)
+
+
+def _tampered(buckets, kind: str):
+    done = False
+    for bucket in buckets:
+        if bucket and not done:
+            name, tensor = bucket.tensors[0]
+            if kind == "corrupt_sync":
+                tensor = tensor.clone()  # (the trainer's own weights stay as they are)
+                tensor.view(-1)[0] += 1
+            else:
+                name = name.replace("model.", "model.renamed.", 1)
+            bucket.tensors[0] = (name, tensor)
+            done = True
+        yield bucket
 
 
 def largest_file(checkpoint_dir: str, manifest) -> str:

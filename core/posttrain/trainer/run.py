@@ -210,6 +210,7 @@ class Trainer:
             self.groups["actor_train"],
             self.groups["actor_infer"],
             wf.trainer.weight_sync_bucket_mb << 20,
+            wf.trainer.weight_sync_verify,
         )
         score = RewardScorer(
             wf.reward,
@@ -412,6 +413,7 @@ class Trainer:
             "reward/max": float(rewards.max()),
             "response/length_mean": sum(lengths) / len(lengths),
             "weight_sync/mb": sync.get("bytes", 0) / 2**20,
+            "weight_sync/verified_buckets": float(sync.get("verified", 0)),
             "_tokens": float(batch.attention_mask.sum()),
             **scored.reward_metrics,
             **produced.sampling_metrics,

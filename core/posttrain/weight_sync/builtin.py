@@ -1,5 +1,5 @@
 """The core's weight sync, registered ``trylast``: its transports, the default choice between
-them, and the default sync (run the chosen transport)."""
+them, the default sync (run the chosen transport), and the byte sums on exported buckets."""
 
 from posttrain.hookspecs import hookimpl
 
@@ -31,3 +31,15 @@ def posttrain_select_weight_transport(source, target, colocated):
 @hookimpl(trylast=True)
 def posttrain_sync_weights(source, target, transport):
     return transport.run(source, target)
+
+
+@hookimpl(wrapper=True, trylast=True)
+def posttrain_export_weights(worker, bucket_bytes, on_device):
+    # The innermost wrapper: the sums are of the buckets as the engine made them, before any
+    # other plugin's wrapper or the transport touches them (posttrain.weight_sync.verify).
+    buckets = yield
+    if buckets is None:
+        return None
+    from posttrain.weight_sync.verify import with_digests
+
+    return with_digests(worker.state, buckets)

@@ -14,9 +14,10 @@ if TYPE_CHECKING:
 
 
 def make_transport(
-    hook, train: WorkerGroup, infer: WorkerGroup, bucket_bytes: int
+    hook, train: WorkerGroup, infer: WorkerGroup, bucket_bytes: int, verify: str = "first"
 ) -> WeightTransport:
-    """The transport ``posttrain_select_weight_transport`` names, among those declared."""
+    """The transport ``posttrain_select_weight_transport`` names, among those declared, checking
+    the buckets ``verify`` names (trainer.weight_sync_verify)."""
     name = hook.posttrain_select_weight_transport(
         source=train, target=infer, colocated=colocated(train, infer)
     )
@@ -28,7 +29,9 @@ def make_transport(
             f"weight transport '{name}' is not provided by any plugin "
             f"(available: {', '.join(sorted(transports))})"
         )
-    return transports[name](bucket_bytes=bucket_bytes)
+    transport = transports[name](bucket_bytes=bucket_bytes)
+    transport.verify = verify
+    return transport
 
 
 def sync_weights(

@@ -26,6 +26,7 @@ import torch
 
 from posttrain.backends.distributed import collective_timeout_s
 from posttrain.protocol import WeightBucket
+from posttrain.weight_sync.verify import VERIFIED, begin_sync
 
 _GROUP = "_sync_group"
 _STORE = "_sync_store"
@@ -152,7 +153,7 @@ def broadcast_pending(runtime) -> bool:
     return True
 
 
-def _receive_bucket(runtime, meta) -> WeightBucket:
+def _receive_bucket(runtime, meta, digests=None) -> WeightBucket:
     total = sum(n for *_, n in meta)
     flat = torch.empty(total, dtype=torch.uint8, device=runtime.ctx.device)
     _broadcast(runtime, flat).wait()
@@ -161,7 +162,7 @@ def _receive_bucket(runtime, meta) -> WeightBucket:
         piece = flat[offset : offset + nbytes].view(getattr(torch, dtype)).reshape(shape)
         tensors.append((name, piece))
         offset += nbytes
-    return WeightBucket(tensors)
+    return WeightBucket(tensors, digests)
 
 
 def receive_and_import(runtime, meta) -> bool:
@@ -177,7 +178,7 @@ def _next_round(runtime) -> int:
     return state[_ROUND]
 
 
-def stream_send(runtime, bucket_bytes: int) -> dict[str, int]:
+def stream_send(runtime, bucket_bytes: int, verify: str = "first") -> dict[str, int]:
     """Trainer ranks: run the export (collective); the sending rank publishes each bucket's
     metadata and broadcasts its bytes, exporting bucket k+1 while bucket k is on the wire.
 
@@ -186,6 +187,7 @@ def stream_send(runtime, bucket_bytes: int) -> dict[str, int]:
     import pickle
 
     sync_round = _next_round(runtime)
+    begin_sync(runtime.ctx.state, verify)
     sending = _GROUP in runtime.ctx.state
     store = runtime.ctx.state.get(_STORE)
     total, count = 0, 0
@@ -193,6 +195,8 @@ def stream_send(runtime, bucket_bytes: int) -> dict[str, int]:
     for bucket in runtime.export_weights(bucket_bytes, on_device=True):
         if not sending or not bucket:
             continue
+        # The sums first: a reader that sees the metadata finds them (posttrain.weight_sync.verify)
+        store.set(f"{sync_round}/{count}/sums", pickle.dumps(bucket.digests))
         store.set(f"{sync_round}/{count}", pickle.dumps(bucket_meta(bucket)))
         flat = _flatten(bucket, runtime.ctx.device)
         work = _broadcast(runtime, flat)
@@ -208,6 +212,7 @@ def stream_send(runtime, bucket_bytes: int) -> dict[str, int]:
         if sync_round > 1:  # every reader of the previous round is done with it by now
             for key in range(runtime.ctx.state.get(_LAST_COUNT, -1) + 1):
                 store.delete_key(f"{sync_round - 1}/{key}")
+                store.delete_key(f"{sync_round - 1}/{key}/sums")
         runtime.ctx.state[_LAST_COUNT] = count
     return {"bytes": total, "buckets": count}
 
@@ -235,14 +240,21 @@ def stream_receive(runtime) -> dict[str, int]:
         for meta in metas():
             receiver[0].receive(meta, receiver[1])
     else:
-        runtime.import_weights(_receive_bucket(runtime, meta) for meta in metas())
+        runtime.import_weights(
+            _receive_bucket(runtime, meta, pickle.loads(store.get(f"{sync_round}/{n}/sums")))
+            for n, meta in enumerate(metas())
+        )
+        counts["verified"] = runtime.ctx.state.get(VERIFIED, 0)
     return counts
 
 
-def hand_over(runtime, target_role: str, bucket_bytes: int) -> dict[str, int]:
+def hand_over(
+    runtime, target_role: str, bucket_bytes: int, verify: str = "first"
+) -> dict[str, int]:
     """Hybrid engine: export on this rank's trainer role (every rank gathers the full tensors
     on its device) and load each bucket into ``target_role`` of the same process as it comes."""
     target = runtime.peers[target_role]
+    begin_sync(runtime.ctx.state, verify)
     counts = {"bytes": 0, "buckets": 0}
     buckets = runtime.export_weights(bucket_bytes, on_device=True)
 
@@ -255,4 +267,5 @@ def hand_over(runtime, target_role: str, bucket_bytes: int) -> dict[str, int]:
     target.import_weights(counted())
     for _ in buckets:  # the export is collective: finish it even if the import stopped early
         continue
+    counts["verified"] = target.ctx.state.get(VERIFIED, 0)
     return counts

@@ -16,6 +16,9 @@ RANK_SIDE = "posttrain.weight_sync.rank_side"
 
 class WeightTransport(abc.ABC):
     name: str = ""
+    # Which buckets carry byte sums the rollout side checks (trainer.weight_sync_verify:
+    # every, first, off; posttrain.weight_sync.verify).
+    verify: str = "first"
 
     def __init__(self, bucket_bytes: int):
         self.bucket_bytes = bucket_bytes
@@ -42,7 +45,7 @@ class InProcessTransport(WeightTransport):
                 "processes (cluster.colocation: auto and equal device mappings)"
             )
         answers = source.call(
-            "run_function", f"{RANK_SIDE}:hand_over", target.role, self.bucket_bytes
+            "run_function", f"{RANK_SIDE}:hand_over", target.role, self.bucket_bytes, self.verify
         )
         return answers[0]
 
@@ -54,7 +57,7 @@ class SharedMemoryTransport(WeightTransport):
     name = "shared_memory"
 
     def run(self, source: WorkerGroup, target: WorkerGroup) -> dict[str, Any]:
-        source.call("export_begin", self.bucket_bytes)
+        source.call("export_begin", self.bucket_bytes, self.verify)
         total, count = 0, 0
         while True:
             bucket = source.call("export_next")[0]
@@ -113,11 +116,13 @@ class BroadcastTransport(WeightTransport):
     def run(self, source: WorkerGroup, target: WorkerGroup) -> dict[str, Any]:
         if not self._joined:
             self._join(source, target)
-        send = source.submit("run_function", args=(f"{RANK_SIDE}:stream_send", self.bucket_bytes))
+        send = source.submit(
+            "run_function", args=(f"{RANK_SIDE}:stream_send", self.bucket_bytes, self.verify)
+        )
         recv = target.submit("run_function", args=(f"{RANK_SIDE}:stream_receive",))
         sent = send.wait()[0]
-        recv.wait()
-        return sent
+        received = recv.wait()
+        return {**sent, "verified": sum(r.get("verified", 0) for r in received)}
 
     def close(self, source: WorkerGroup, target: WorkerGroup) -> None:
         if self._joined:

@@ -1,0 +1,56 @@
+"""The weight sync's proof (posttrain.weight_sync.verify): byte sums exact per tensor, which
+buckets each policy sums, and a received bucket that differs named tensor by tensor."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from posttrain.protocol import WeightBucket
+from posttrain.weight_sync.verify import (
+    WeightSyncMismatch,
+    begin_sync,
+    byte_sums,
+    checked,
+    with_digests,
+)
+
+
+def test_byte_sums_are_the_sums_of_the_bytes():
+    a = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+    b = torch.arange(6, dtype=torch.int32).reshape(2, 3)
+    assert byte_sums([a, b]) == [sum(a.view(torch.uint8).tolist()), sum(range(6))]
+    assert byte_sums([]) == []
+
+
+def buckets(n: int) -> list[WeightBucket]:
+    return [WeightBucket([(f"w{i}", torch.full((3,), float(i)))]) for i in range(n)]
+
+
+@pytest.mark.parametrize(
+    ("verify", "summed"),
+    [
+        ("every", [[0, 1, 2], [0, 1, 2], [0, 1, 2]]),
+        ("first", [[0, 1, 2], [0], [1], [2], [0]]),
+        ("off", [[], []]),
+    ],
+)
+def test_which_buckets_each_policy_sums(verify, summed):
+    state: dict = {}
+    for expected in summed:
+        begin_sync(state, verify)
+        out = list(with_digests(state, buckets(3)))
+        assert [i for i, b in enumerate(out) if b.digests is not None] == expected
+
+
+def test_a_bucket_that_changed_on_the_way_is_named():
+    state: dict = {}
+    begin_sync(state, "every")
+    sent = list(with_digests(state, buckets(2)))
+    sent[1].tensors[0] = ("w1", sent[1].tensors[0][1] + 1)
+    received = checked(state, sent, "actor_infer (hf_infer) rank 0")
+    assert next(received) is sent[0]
+    with pytest.raises(
+        WeightSyncMismatch, match=r"rank 0: 1 of the bucket's 1 tensors .*: w1 \(sent"
+    ):
+        next(received)
