@@ -354,3 +354,22 @@ def test_plugins_list_what_each_plugin_adds_by_kind(capsys, monkeypatch):
     blocks = _plugin_blocks(capsys.readouterr().out)
     assert "environments: calculator" in blocks["posttrain.rollout.environments.builtin"]
     assert "policy losses: gspo, ppo" in blocks["posttrain.algorithms.builtin"]
+
+
+def test_sigterm_and_an_inherited_ignored_sigint_stop_a_command_as_ctrl_c_does():
+    """What a scheduler sends, and what ``cmd &`` from a script leaves ignored: posttrain
+    installs both handlers itself (tests/e2e/test_signals.py stops a real run)."""
+    import signal
+
+    from posttrain.cli import _stop_on_signals
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        _stop_on_signals()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            with pytest.raises(KeyboardInterrupt):
+                signal.raise_signal(sig)
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])

@@ -68,14 +68,11 @@ ASYNC = (
 
 @pytest.mark.slow
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(
-    ("layout", "transport"), [((), "in process"), (ASYNC, "broadcast")], ids=["hybrid", "async"]
-)
-def test_a_weight_corrupted_in_a_sync_stops_the_run_naming_it(
-    tmp_path, e2e_cache, layout, transport
-):
+def test_a_weight_corrupted_in_a_sync_stops_the_run_naming_it(tmp_path, e2e_cache):
+    """Over the broadcast transport (asynchronous layout); the in-process hand-over checks the
+    same way (tests/core/test_weight_transports.py, tests/core/test_sync_verify.py)."""
     run_dir = tmp_path / "corrupted"
-    proc = run(run_dir, 4, *layout, faults="corrupt_sync:2", check=False)
+    proc = run(run_dir, 4, *ASYNC, faults="corrupt_sync:2", check=False)
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
