@@ -63,6 +63,7 @@ def test_weight_sync(run_benchmark):
     assert column(rows, 2) == ["in_process", "shared_memory"]
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(150)
 def test_weight_sync_parity(run_benchmark):
     out = run_benchmark("weight_sync_parity.py", "--ranks", "1", "--steps", "1")
@@ -80,6 +81,7 @@ def test_train_throughput(run_benchmark):
     assert "tokens/s" in header and column(rows) == ["fsdp2_train"]
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(210)
 def test_megatron_train(run_benchmark):
     """Every row (each its own process) in the tiny shape, one timed step, no warm-up."""
@@ -106,6 +108,7 @@ def test_quickstart(run_benchmark):
     assert column(rows) == ["base (HEAD)", "this tree", "this tree / base"]
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(150)
 def test_ray_vs_local(run_benchmark):
     out = run_benchmark("ray_vs_local.py", "--tiny", "--steps", "1")
@@ -114,6 +117,7 @@ def test_ray_vs_local(run_benchmark):
     assert column(rows)[0] == "mean step time, step 1 excl. (s)"
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(150)
 def test_async_rollout(run_benchmark):
     """A random model of the tiny shape (the path that builds one), one step per mode."""
@@ -126,6 +130,7 @@ def test_async_rollout(run_benchmark):
     assert column(rows) == ["sync", "async", "async / sync"]
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(90)
 def test_calculator_preset(run_benchmark):
     out = run_benchmark(
@@ -147,6 +152,7 @@ def test_vs_trl_posttrain_side(run_benchmark, tmp_path):
     assert column(rows)[0].startswith("wall time per step")
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(150)
 def test_vs_trl_speed_posttrain_side(run_benchmark, tmp_path):
     """The speed mode's smallest setting (the GPU mode's batch and lengths on the tiny shape, on
@@ -160,6 +166,7 @@ def test_vs_trl_speed_posttrain_side(run_benchmark, tmp_path):
     assert column(rows)[0].startswith("per-step time")
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(not TRL_PYTHON.exists(), reason="no TRL venv: benchmarks/trl_env.sh .venv-trl")
 def test_vs_trl_both_sides(run_benchmark, tmp_path):
@@ -223,6 +230,7 @@ def test_generation(run_benchmark):
     assert all(float(gap) < 1e-5 for gap in column(rows, header.index("logp gap")))
 
 
+@pytest.mark.extended
 def test_continuous_batching(run_benchmark):
     out = run_benchmark(
         "continuous_batching.py", "--shape", "tiny", "--device", "cpu", "--prompts", "12",

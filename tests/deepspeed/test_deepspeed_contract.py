@@ -15,6 +15,8 @@ class TestDeepSpeedZero1Contract(StrategyContract):
     in the plugin's code: it runs the kit's tests that hold optimizer state (a step, then a sync
     or a checkpoint round trip); loading, scoring and export are ZeRO-2's (CI time)."""
 
+    pytestmark = pytest.mark.extended
+
     strategy = "deepspeed_train"
     strategy_config = {"zero_stage": 1}
     world_size = 2
@@ -34,6 +36,8 @@ class TestDeepSpeedZero2LoraContract(StrategyContract):
     """deepspeed_train with LoRA adapters at ZeRO-2: after a step, hf_infer synced with the
     merged weights gives the trainer's log-probs, and so does the merged export loaded in
     transformers; a checkpoint (adapters and optimizer, no base) resumes to the same next step."""
+
+    pytestmark = pytest.mark.extended
 
     strategy = "deepspeed_train"
     strategy_config = {"zero_stage": 2}
@@ -124,6 +128,7 @@ class TestDeepSpeedZero2LoraContract(StrategyContract):
 
 
 class TestDeepSpeedZero3Contract(StrategyContract):
+    pytestmark = pytest.mark.extended
     strategy = "deepspeed_train"
     strategy_config = {"zero_stage": 3}
     world_size = 2

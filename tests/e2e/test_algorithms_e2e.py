@@ -33,6 +33,7 @@ PPO_STEPS = 160
 PPO_SCHEDULE = "actor_train.training_args.max_steps=800"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppo_quickstart_learns_addition(tmp_path, e2e_cache):
@@ -81,6 +82,7 @@ def dcp_tensors(role_dir: Path, out: Path) -> dict[str, torch.Tensor]:
     return flat
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_ppo_sigkill_then_resume_matches_uninterrupted(tmp_path, e2e_cache):
@@ -103,6 +105,7 @@ def test_ppo_sigkill_then_resume_matches_uninterrupted(tmp_path, e2e_cache):
             assert torch.equal(got[key], tensor), (role, key)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("algorithm", ["reinforce_plus_plus", "rloo"])

@@ -98,6 +98,7 @@ LEARNS_STEPS = 60
 LEARNS_THRESHOLD = 0.33
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_async_quickstart_with_rollout_correction_learns(tmp_path, e2e_cache):

@@ -10,6 +10,7 @@ EXAMPLE = REPO / "examples" / "calculator_tool.yaml"
 STEPS = 20
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_calculator_example_learns_to_call_the_tool(tmp_path, e2e_cache):

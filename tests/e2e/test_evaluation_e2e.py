@@ -90,6 +90,7 @@ def test_evaluation_logs_val_metrics_and_posttrain_eval_reproduces_the_last(tmp_
     assert (run_dir / "eval" / "logs").is_dir()  # the eval's processes logged beside the run
 
 
+@pytest.mark.extended
 @pytest.mark.timeout(300)
 def test_evaluation_with_asynchronous_rollout(tmp_path, e2e_cache):
     run_dir = tmp_path / "async"

@@ -104,6 +104,7 @@ def test_merged_export_loads_in_transformers_with_the_trainers_logits(tmp_path, 
     assert (want - untrained).abs().max() > 1e-4  # the adapters trained: the check has teeth
 
 
+@pytest.mark.extended
 def test_quickstart_lora_learns(tmp_path, e2e_cache):
     """The first 40 steps of examples/quickstart_lora.yaml. Measured (this CPU, the full
     400-step run): last-10 reward 0.13 at step 10 (chance), 0.36 at step 40, 0.54 at step 50,

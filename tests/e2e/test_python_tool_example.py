@@ -15,6 +15,7 @@ STEPS = 15
 PROMPTS = 8
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_python_tool_example_learns_to_run_code(tmp_path, e2e_cache):

@@ -82,6 +82,7 @@ def test_ray_matches_local_rewards_and_leaves_nothing_running(tmp_path, e2e_cach
     assert not raylets() - before
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_join_existing_cluster_and_leave_it_up(tmp_path, e2e_cache):
@@ -145,6 +146,7 @@ def test_killed_rank_fails_the_run_then_resume_finishes(tmp_path, e2e_cache):
     assert (run_dir / "checkpoint-6" / "manifest.json").exists()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
@@ -168,6 +170,7 @@ def test_layouts(tmp_path, e2e_cache, train, infer, reference):
     assert (tmp_path / "run" / "checkpoint-3" / "manifest.json").exists()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_a_blocked_rank_is_reported_on_ray(tmp_path, e2e_cache):

@@ -53,6 +53,7 @@ def rewards_by_step(run_dir: Path) -> dict[int, float]:
     return {m["step"]: m["reward/mean"] for m in read_metrics(run_dir)}
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigkill_between_checkpoints_then_resume(tmp_path, e2e_cache):

@@ -84,6 +84,7 @@ def test_a_changed_resume_is_refused_then_allowed_and_every_checkpoint_exports(t
         assert (tmp_path / f"hf-{step}" / "model.safetensors").exists()
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_ctrl_c_says_which_checkpoint_a_rerun_resumes_from(tmp_path, e2e_cache):

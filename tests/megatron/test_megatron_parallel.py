@@ -117,6 +117,7 @@ def _max_diff(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("tag", sorted(LAYOUTS))
 def test_layout_matches_tp1_after_two_steps(runs, qwen2_path, tag):
     from megatron_workers import DEVICE

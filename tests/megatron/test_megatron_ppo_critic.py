@@ -32,6 +32,7 @@ def _mean(values) -> float:
     return sum(values) / len(values)
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_ppo_with_megatron_critic_learns_addition(tmp_path, posttrain_cache):

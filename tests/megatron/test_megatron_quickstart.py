@@ -21,6 +21,7 @@ WORKFLOW = REPO / "examples" / "quickstart_megatron.yaml"
 STEPS = 150
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quickstart_megatron_learns_addition(tmp_path, posttrain_cache):

@@ -26,6 +26,7 @@ STRATEGY_CONFIG = "{max_total_tokens: 4096, attention_backend: torch_native}"
 LOGPROB_TOLERANCE = 1e-5
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calculator_example_runs_multiturn_on_sglang(tmp_path, posttrain_cache):

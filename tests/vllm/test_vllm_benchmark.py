@@ -15,6 +15,7 @@ import pytest
 SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "vllm_rollout.py"
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(330)
 def test_vllm_rollout_benchmark_prints_its_table(tmp_path, posttrain_cache):

@@ -26,6 +26,7 @@ STRATEGY_CONFIG = "{kv_cache_memory_bytes: 67108864, enforce_eager: true}"
 LOGPROB_TOLERANCE = 1e-5
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_calculator_example_runs_multiturn_on_vllm(tmp_path, posttrain_cache):

@@ -51,9 +51,10 @@ def _with_lora(spec, lora: LoraArgs | None):
 
 LORA = LoraArgs(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
 TRAINERS = [
-    pytest.param("fsdp2_train", {}, "0", None, id="fsdp2-inproc"),
+    # (the in-process engine is megatron_tp2-inproc's in the default run)
+    pytest.param("fsdp2_train", {}, "0", None, id="fsdp2-inproc", marks=pytest.mark.extended),
     pytest.param("fsdp2_train", {}, "1", None, id="fsdp2-mp"),
-    pytest.param("fsdp2_train", {}, "0", LORA, id="fsdp2_lora-inproc"),
+    pytest.param("fsdp2_train", {}, "0", LORA, id="fsdp2_lora-inproc", marks=pytest.mark.extended),
     pytest.param(
         "megatron_train",
         {"tensor_model_parallel_size": 2},
@@ -157,7 +158,7 @@ def test_two_data_parallel_engines(tiny_model_path, tmp_path):
 
 
 BESIDE = [
-    pytest.param("fsdp2_train", {}, id="fsdp2"),
+    pytest.param("fsdp2_train", {}, id="fsdp2", marks=pytest.mark.extended),
     pytest.param(
         "megatron_train",
         {"tensor_model_parallel_size": 2},

@@ -108,7 +108,9 @@ def serve(
     sys.stdout = sys.stderr = log
     install_stack_dump(stacks_path_for(log_path))  # for the hang watchdog, posttrain stacks
     report_fatal_signals(log)  # a crash's stack, for the driver's report (launch/fatal.py)
+    os.environ.clear()  # the driver's environment, not the fork server's (launch/local.py)
     os.environ.update(env)
+    release_fork_server()
     exit_with_driver(os.getppid())
     # Ctrl-C in a terminal, and a scheduler's SIGTERM (SLURM, Kubernetes), reach every process
     # of the run: the driver's stops the ranks in order and says how to resume; a rank dying of
@@ -144,15 +146,30 @@ def serve(
         conn.send((call_id, "ok", result, ""))
 
 
+def release_fork_server() -> None:
+    """A rank forked by multiprocessing's fork server holds a descriptor that keeps the server
+    alive while the rank lives (for ranks that would start processes through it; ours do not).
+    Closed, the server ends with the driver, and the ranks with it (exit_with_driver); kept, the
+    server and the ranks would wait for each other forever once the driver is killed."""
+    from multiprocessing import forkserver
+
+    server = forkserver._forkserver
+    fd = getattr(server, "_forkserver_alive_fd", None)
+    if fd is not None:
+        os.close(fd)
+        server._forkserver_alive_fd = None
+
+
 def exit_with_driver(driver_pid: int) -> None:
-    """End this rank soon after its driver, however the driver ended (SIGKILL included) and
+    """End this rank soon after its driver (``driver_pid``: the rank's parent, the driver or the
+    fork server it started, which ends with it), however the driver ended (SIGKILL included) and
     whatever the rank is doing: the pipe's end is read only between two calls, and a rank in a
     collective whose peer is gone, or in a long kernel, would otherwise outlive the run."""
 
     def watch() -> None:
         while os.getppid() == driver_pid:
             time.sleep(DRIVER_POLL_S)
-        print(f"the driver (pid {driver_pid}) is gone: this rank exits", flush=True)
+        print(f"the run's driver is gone (parent pid {driver_pid}): this rank exits", flush=True)
         os._exit(1)
 
     threading.Thread(target=watch, name="posttrain-driver-watch", daemon=True).start()
