@@ -49,7 +49,13 @@ KILL_NODE_AT_STEP_4 = (
     "cluster.call_timeout_s=120",
 )
 # Timings and counts of this machine, not of the run.
-NOT_COMPARED = ("time/", "perf/", "rank_time/", "idle/")
+NOT_COMPARED = (
+    "time/",
+    "perf/",
+    "rank_time/",
+    "idle/",
+    "memory/",
+)  # the clock and the process sizes
 
 
 def _docs_examples():
