@@ -14,7 +14,7 @@ from posttrain import hookimpl
 def _maybe_crash(worker, path) -> None:
     step = os.environ.get("POSTTRAIN_TEST_CRASH_AT_CHECKPOINT")
     if step and f".checkpoint-{step}.tmp" in path and worker.rank == 0:
-        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(int(os.environ["POSTTRAIN_DRIVER_PID"]), signal.SIGKILL)
 
 
 @hookimpl(wrapper=True)

@@ -50,7 +50,7 @@ def _audit(event: str, args: tuple) -> None:
     _state["busy"] = False
     if _state["count"] == int(n):
         if who != "driver":
-            os.kill(os.getppid(), signal.SIGKILL)
+            os.kill(int(os.environ["POSTTRAIN_DRIVER_PID"]), signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)
 
 

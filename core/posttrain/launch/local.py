@@ -105,6 +105,8 @@ class LocalProcesses:
                 # The driver's environment as it is now (a fork server keeps the one it started
                 # with), then the rank's own.
                 **os.environ,
+                # (a rank's parent is the fork server: the driver is named here)
+                "POSTTRAIN_DRIVER_PID": str(os.getpid()),
                 "MASTER_ADDR": "127.0.0.1",
                 "MASTER_PORT": str(port),
                 "RANK": str(rank),
