@@ -68,6 +68,7 @@ def test_build_is_reproducible_and_a_changed_recipe_gets_a_new_cache_dir(tmp_pat
     assert presets._dir_name("tiny-qwen2-calculator") != before
 
 
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(180)
 def test_warm_started_model_calls_the_tool_sometimes_and_copies_its_result(posttrain_cache):

@@ -60,6 +60,7 @@ def moe_trained(loaded):
     return root
 
 
+@pytest.mark.extended
 @pytest.mark.parametrize("tag", ["moe_ep2", "moe_ep2_cp2"])
 def test_moe_ep2_trains_like_ep1(moe_trained, tag):
     ep1 = torch.load(moe_trained / "moe_ep1.pt", weights_only=False)

@@ -24,7 +24,7 @@ SEEDS = Path(__file__).resolve().parents[2] / "examples" / "seeds"
     "name",
     [
         "seed000_tiny.yaml",
-        "seed002_tiny.yaml",
+        pytest.param("seed002_tiny.yaml", marks=pytest.mark.extended),
     ],
 )
 def test_shrunk_seed_runs_three_steps(tmp_path, posttrain_cache, name):
