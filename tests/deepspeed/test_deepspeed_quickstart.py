@@ -25,7 +25,6 @@ STEPS = 150
 LAST10_AT_LEAST = 0.8
 
 
-@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_quickstart_deepspeed_learns_addition(tmp_path, posttrain_cache):

@@ -187,7 +187,6 @@ def test_a_blocked_rank_is_reported_then_the_run_stops_and_resumes_bitwise(tmp_p
 STACKS_CALLS = 200
 
 
-@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_stacks_asked_200_times_of_a_busy_run_leave_it_as_an_uninterrupted_run(
@@ -254,7 +253,6 @@ def test_stacks_asked_200_times_of_a_busy_run_leave_it_as_an_uninterrupted_run(
     assert rewards_by_step(run_dir) == rewards_by_step(uninterrupted[0])
 
 
-@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(300)
 def test_a_rank_dead_of_sigsegv_is_reported_with_its_stack_and_the_rerun_line(tmp_path):
