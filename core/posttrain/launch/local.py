@@ -39,11 +39,13 @@ STOP_CALL = -2
 PRELOADED = ("torch", "transformers", "posttrain.launch.rank_main")
 
 
-def rank_context():
-    """Where rank processes come from: forks of a server process that has imported the heavy
-    modules and nothing else (no thread, no CUDA, no engine), one per driver process and reused by
-    every group it starts; spawned processes where fork servers do not exist."""
-    if "forkserver" not in multiprocessing.get_all_start_methods():
+def rank_context(device: str):
+    """Where rank processes come from: on CPUs, forks of a server process that has imported the
+    heavy modules and nothing else (no thread, no engine), one per driver process and reused by
+    every group it starts. GPU ranks are spawned: a library that asks the CUDA driver anything
+    while being imported would leave every fork unable to use the GPU, and a GPU job's start is
+    not its imports. Spawned too where fork servers do not exist."""
+    if device != "cpu" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOADED))
@@ -89,7 +91,7 @@ class LocalProcesses:
         self._next_id = 0
         self._answers: list[dict[int, tuple]] = [{} for _ in range(self.world_size)]
         self._pipes = threading.Lock()
-        ctx = rank_context()
+        ctx = rank_context(first.device)
         port = free_port()
         self.conns = []
         self.procs = []
