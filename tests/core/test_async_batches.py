@@ -160,3 +160,71 @@ def test_a_step_without_an_update_moves_the_schedule_on():
             assert source.sync_weights(None, version=step) == {}
     finally:
         source.close()
+
+
+class Jittery:
+    """A producer whose generations take a random few milliseconds: the timing changes from run
+    to run, the schedule must not."""
+
+    def __init__(self, seed: int):
+        import random
+
+        self.rng = random.Random(seed)
+
+    def __call__(self, index, timer):
+        time.sleep(self.rng.random() * 0.003)
+        return f"batch {index}", {}, {"position": index}
+
+
+def trained(max_staleness, steps, save_every, seed, kill_after=None, resume=None):
+    """The loop's use of an AsyncBatches: each step takes its batch, syncs, and every
+    ``save_every`` steps checkpoints what was made ahead. ``kill_after``: the run dies right
+    after that step (before its checkpoint, if it had one). ``resume``: ``(step, ahead)`` of a
+    checkpoint to start from. Returns what each step trained on and the checkpoints."""
+    start, ahead = resume or (0, [])
+    source = AsyncBatches(
+        Jittery(seed),
+        start,
+        max_staleness,
+        first=start + 1,
+        last=steps,
+        make_timer=timer,
+        ahead=ahead,
+    )
+    seen, checkpoints = {}, {}
+    try:
+        for step in range(start + 1, steps + 1):
+            batch = source.next(step, timer())
+            seen[step] = (batch.index, batch.policy_version, batch.sampler_state["position"])
+            source.sync_weights(dict, version=step)
+            if step == kill_after:
+                break
+            if step % save_every == 0:
+                checkpoints[step] = list(source.ahead())
+    finally:
+        source.close()
+    return seen, checkpoints
+
+
+@pytest.mark.parametrize("max_staleness", [1, 2])
+def test_a_run_killed_at_any_step_resumes_to_the_same_batches(max_staleness):
+    """24 kill points a staleness (after each step of a 24-step run that checkpoints every 3):
+    the rerun from the latest checkpoint trains on the same batch, sampled by the same policy,
+    at every step, as the uninterrupted run."""
+    steps, every = 24, 3
+    uninterrupted, _ = trained(max_staleness, steps, every, seed=0)
+    assert uninterrupted == {s: (s, max(0, s - 1 - max_staleness), s) for s in range(1, 25)}
+    for kill_after in range(1, steps + 1):
+        before, checkpoints = trained(
+            max_staleness, steps, every, seed=kill_after, kill_after=kill_after
+        )
+        saved = max(checkpoints, default=0)
+        resumed, _ = trained(
+            max_staleness,
+            steps,
+            every,
+            seed=-kill_after,
+            resume=(saved, checkpoints.get(saved, [])),
+        )
+        run = {s: v for s, v in before.items() if s <= saved} | resumed
+        assert run == uninterrupted, kill_after
