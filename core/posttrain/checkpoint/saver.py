@@ -19,7 +19,7 @@ from typing import Any
 from posttrain.checkpoint import manager
 from posttrain.checkpoint import plugin_files as contributed
 from posttrain.checkpoint.background import marker_path, read_marker
-from posttrain.checkpoint.space import no_space_error, out_of_space
+from posttrain.checkpoint.space import no_space_error, out_of_space, tree_bytes
 from posttrain.errors import CheckpointError, WorkerError
 
 _POLL_S = 0.01
@@ -133,7 +133,7 @@ class CheckpointSaver:
         for role_dir, rank in markers:
             os.remove(marker_path(role_dir, rank))
         written = time.perf_counter()
-        sizes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(tmp) for f in fs)
+        sizes = tree_bytes(tmp)
         path, manifest = manager.finalize_checkpoint(
             self.run_dir, step, tmp, roles, self.versions, self.total_limit, known
         )

@@ -25,6 +25,7 @@ def out_of_space(failure: BaseException | str) -> bool:
 
 
 def tree_bytes(path: str) -> int:
+    """The bytes of every file under ``path`` (a checkpoint's size)."""
     return sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(path) for f in fs)
 
 

@@ -30,6 +30,7 @@ who or what, no process left behind, and a rerun that resumes as the same run.
 from __future__ import annotations
 
 import errno
+import functools
 import os
 import signal
 import time
@@ -76,7 +77,13 @@ def parse_faults(text: str) -> list[Fault]:
 
 
 def _faults(kind: str) -> list[Fault]:
-    return [f for f in parse_faults(os.environ.get("POSTTRAIN_FAULTS", "")) if f.kind == kind]
+    return [f for f in _parsed(os.environ.get("POSTTRAIN_FAULTS", "")) if f.kind == kind]
+
+
+@functools.cache
+def _parsed(text: str) -> tuple[Fault, ...]:
+    # (asked at every train step and export: read once per value of the variable)
+    return tuple(parse_faults(text))
 
 
 _calls: dict[str, int] = {}
