@@ -361,6 +361,10 @@ class ClusterConfig:
     # stuck collective fails on the ranks first. null: half of call_timeout_s.
     collective_timeout_s: float | None = attrs.field(default=None, validator=greater_than(0))
     threads_per_worker: int | None = attrs.field(default=None, validator=at_least(1))
+    # GiB of each GPU the run may use; null: the whole card. The memory plan checks the workflow
+    # against it, and every rank's allocator is capped to it: for a GPU shared with other work,
+    # or to rehearse a smaller card on a larger one (79.6 for an H100 80GB).
+    gpu_memory_gib: float | None = attrs.field(default=None, validator=greater_than(0))
 
     def collective_timeout(self) -> float:
         return self.collective_timeout_s or self.call_timeout_s / 2

@@ -26,6 +26,7 @@ class GroupSpec:
     threads: int | None = None
     env: dict[str, str] = attrs.field(factory=dict)
     head: str = "lm"  # the model head the role loads (WorkerContext.head)
+    gpu_memory_gib: float | None = None  # cluster.gpu_memory_gib: the rank's allocator's cap
 
 
 class PendingCall(abc.ABC):

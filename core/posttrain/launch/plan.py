@@ -96,6 +96,7 @@ def group_spec(
         threads=threads,
         env=rank_env(workflow, run_dir, device),
         head=ROLE_HEADS.get(role_name, "lm"),
+        gpu_memory_gib=workflow.cluster.gpu_memory_gib,
     )
 
 

@@ -55,6 +55,10 @@ class RankServer:
             # must land on this rank's GPU (a graph captured on device 0 while the model ran on
             # device 1 failed the capture of a rollout rank on GPU 1).
             torch.cuda.set_device(local_rank)
+            cap = min((s.gpu_memory_gib for s in specs if s.gpu_memory_gib), default=None)
+            if cap:
+                total = torch.cuda.get_device_properties(local_rank).total_memory
+                torch.cuda.set_per_process_memory_fraction(min(1.0, cap * 2**30 / total))
         self.runtimes: dict[str, WorkerRuntime] = {}
         for spec in specs:
             role = spec.config
