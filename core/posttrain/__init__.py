@@ -133,6 +133,8 @@ _PUBLIC = {
     "training_activation_bytes": "posttrain.memory.estimate",
     "forward_working_bytes": "posttrain.memory.estimate",
     "logit_bytes": "posttrain.memory.estimate",
+    "release_knobs": "posttrain.memory.estimate",
+    "ReleaseKnob": "posttrain.memory.estimate",
     "adam_trainer_state": "posttrain.memory.estimate",
     "hf_trainer_phases": "posttrain.memory.estimate",
     # Errors
@@ -262,6 +264,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain.memory.estimate import (
         MemoryQuery,
+        ReleaseKnob,
         RoleMemory,
         Workload,
         adam_trainer_state,
@@ -269,6 +272,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         forward_working_bytes,
         hf_trainer_phases,
         logit_bytes,
+        release_knobs,
         training_activation_bytes,
     )
     from posttrain.memory.geometry import ModelGeometry

@@ -111,7 +111,9 @@ def _type_text(tp: Any) -> str:
         return f"[{tp.__name__}](#{tp.__name__.lower()})"
     origin, args = typing.get_origin(tp), typing.get_args(tp)
     if origin is typing.Literal:
-        return "one of: " + ", ".join(f"`{a}`" for a in args)
+        return "one of: " + ", ".join(
+            f"`{str(a).lower() if isinstance(a, bool) else a}`" for a in args
+        )
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_type_text(a) for a in args)
     if origin is list:

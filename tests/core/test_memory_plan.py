@@ -18,7 +18,15 @@ from posttrain.config.workflow import load_workflow
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.memory.estimate import GIB, layer_activation_bytes, training_activation_bytes
 from posttrain.memory.geometry import geometry_from_config, preset_geometry, read_geometry
-from posttrain.memory.plan import RECOMPUTE_SHARE, plan_memory, refusal, resolve_recompute
+from posttrain.memory.plan import (
+    RECOMPUTE_SHARE,
+    USABLE_SHARE,
+    plan_memory,
+    refusal,
+    resolve_recompute,
+    resolve_release,
+    with_release,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
@@ -120,6 +128,42 @@ def test_auto_checkpointing_turns_on_only_where_a_gpu_would_fill(quickstart):
     mine = attrs.evolve(workflow.actor_train.model_args, disable_gradient_checkpointing=True)
     kept = attrs.evolve(workflow, actor_train=attrs.evolve(workflow.actor_train, model_args=mine))
     assert resolve_recompute(kept, host, capacity=1).actor_train is kept.actor_train
+
+
+def release_settings(workflow) -> dict[str, dict[str, object]]:
+    fields = ("param_offload", "optimizer_offload", "grad_offload", "release_when_idle")
+    return {
+        name: {
+            f: getattr(role.strategy_args.strategy_config, f)
+            for f in fields
+            if hasattr(role.strategy_args.strategy_config, f)
+        }
+        for name, role in workflow.roles().items()
+    }
+
+
+def test_auto_release_knobs_turn_on_largest_first_only_until_the_plan_fits(quickstart):
+    workflow, host = quickstart
+    workflow = resolve_recompute(workflow, host, capacity=None)
+    settings = release_settings(workflow)
+    assert settings["actor_infer"]["param_offload"] == "auto"
+    assert resolve_release(workflow, host, capacity=None) is workflow  # the CPU: left auto
+    kept = plan_memory(workflow, host)
+    worst = kept.worst().total
+    roomy = resolve_release(workflow, host, capacity=int(worst / USABLE_SHARE) + 2**20)
+    assert all(v is False for role in release_settings(roomy).values() for v in role.values())
+    everything = {name: set(e.auto_release) for name, e in kept.roles.items()}
+    least = plan_memory(with_release(workflow, kept.roles, everything), host).worst().total
+    assert least < worst
+    capacity = int(least / USABLE_SHARE) + 2**20
+    tight = resolve_release(workflow, host, capacity=capacity)
+    on = {(n, f) for n, role in release_settings(tight).items() for f, v in role.items() if v}
+    assert on and not plan_memory(tight, host, capacity).over()
+    assert all(
+        v in (True, False) for role in release_settings(tight).values() for v in role.values()
+    )
+    # The rollout's replica frees the most: the first knob turned on.
+    assert ("actor_infer", "param_offload") in on
 
 
 def test_a_plan_over_the_card_is_refused_with_its_numbers_and_knobs(quickstart):

@@ -212,8 +212,8 @@ def export_hf(worker: WorkerContext, path: str) -> bool:
 
 def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     """Move the weights to host memory while a colocated role uses the device, when the
-    config says so (``param_offload``)."""
-    if worker.config.param_offload and "weights" in memory_tags(tags):
+    config says so (``param_offload``; the memory plan resolves ``auto`` before the run)."""
+    if worker.config.param_offload is True and "weights" in memory_tags(tags):
         # Captured decode graphs point at the weights' device memory, which the move frees;
         # stacked projections would keep a device copy (they are stacked again after).
         worker.state.pop("decoders", None)
@@ -225,7 +225,7 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
 
 
 def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
-    if worker.config.param_offload and "weights" in memory_tags(tags):
+    if worker.config.param_offload is True and "weights" in memory_tags(tags):
         worker.model.to(worker.device)
     return True
 

@@ -18,9 +18,11 @@ from posttrain.host.strategy import Capabilities, StrategySpec
 from posttrain.memory.estimate import (
     FLOAT32,
     MemoryQuery,
+    ReleaseKnob,
     RoleMemory,
     forward_working_bytes,
     logit_bytes,
+    release_knobs,
 )
 
 STRATEGY = "hf_infer"
@@ -58,8 +60,9 @@ class HFInferConfig:
     # then), chosen per batch of rows from one compile; where only one serves, that one.
     decode_attention: Literal["auto", "triton", "cudnn", "sdpa"] = "auto"
     # Move the weights to host memory while another role on the same GPUs runs (a KV cache
-    # lives only during a generation); off, they stay on the device.
-    param_offload: bool = False
+    # lives only during a generation); off, they stay on the device; auto: on where the memory
+    # plan needs it (`posttrain plan` says which).
+    param_offload: ReleaseKnob = "auto"
     # Log-probs from the output head this many tokens at a time (forward and backward), never
     # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
     logprob_chunk_tokens: int = attrs.field(
@@ -130,8 +133,14 @@ def estimate_memory(query: MemoryQuery) -> RoleMemory:
             }
         }
         knobs.append(f"{query.role_name}.infer_batch_size: fewer rows a forward pass")
-    released = frozenset(resident) if cfg.param_offload else frozenset()
-    return RoleMemory(resident=resident, phases=phases, released=released, knobs=tuple(knobs))
+    released, auto = release_knobs(cfg, {"param_offload": resident})
+    return RoleMemory(
+        resident=resident,
+        phases=phases,
+        released=released,
+        knobs=tuple(knobs),
+        auto_release=auto,
+    )
 
 
 plugin = HFInferPlugin()

@@ -7,20 +7,21 @@ from posttrain.errors import UserError
 from posttrain.memory.estimate import GIB
 from posttrain.memory.plan import (
     MemoryPlan,
+    card_bytes,
     gib,
-    gpu_memory_bytes,
     plan_memory,
     refusal,
-    resolve_recompute,
+    resolve_memory,
 )
 
 
 def checked_for_memory(workflow: Workflow, host, device: str, console) -> Workflow:
-    """``workflow`` with ``auto`` checkpointing resolved from the memory plan; a workflow whose
+    """``workflow`` with its ``auto`` checkpointing and release knobs resolved from the memory
+    plan (:func:`resolve_memory`); a workflow whose
     plan does not fit this machine's GPUs is refused (a :class:`UserError` naming the numbers
     and the knobs). On the CPU nothing is refused: memory there is the host's."""
-    capacity = gpu_memory_bytes() if device == "cuda" else None
-    workflow = resolve_recompute(workflow, host, capacity)
+    capacity = card_bytes(workflow) if device == "cuda" else None
+    workflow = resolve_memory(workflow, host, capacity)
     if capacity is None:
         return workflow
     plan = plan_memory(workflow, host, capacity)
@@ -36,11 +37,24 @@ def checked_for_memory(workflow: Workflow, host, device: str, console) -> Workfl
             and role.model_args.disable_gradient_checkpointing is False
         )
         on = f"; activation checkpointing on in {', '.join(recompute)}" if recompute else ""
+        released = released_by_plan(plan)
+        if released:
+            on += f"; released while others run: {released}"
         console.print(
             f"memory plan: peak {gib(worst.total)} of {gib(capacity)} GiB (GPU {worst.device}, "
-            f"{worst.phase}){on}"
+            f"{worst.phase}){on}",
+            markup=False,
         )
     return workflow
+
+
+def released_by_plan(plan: MemoryPlan) -> str:
+    """What each role frees while a colocated role runs, as ``role (parts)``; empty when none."""
+    return ", ".join(
+        f"{name} ({', '.join(sorted(estimate.released))})"
+        for name, estimate in plan.roles.items()
+        if estimate.released
+    )
 
 
 def render_plan(plan: MemoryPlan, console) -> None:
@@ -80,14 +94,16 @@ def print_plan(workflow: Workflow, host, console, gpu_memory_gib: float | None) 
         raise UserError(
             f"--gpu-memory-gib {gpu_memory_gib}: a GPU's memory is above 0 GiB (80 for an H100)"
         )
-    capacity = int(gpu_memory_gib * GIB) if gpu_memory_gib else gpu_memory_bytes()
-    workflow = resolve_recompute(workflow, host, capacity)
+    capacity = int(gpu_memory_gib * GIB) if gpu_memory_gib else card_bytes(workflow)
+    workflow = resolve_memory(workflow, host, capacity)
     plan = plan_memory(workflow, host, capacity)
     render_plan(plan, console)
     for name, role in workflow.roles().items():
         if role.training_args is not None:
             on = role.model_args.disable_gradient_checkpointing is False
             console.print(f"{name}: activation checkpointing {'on' if on else 'off'}")
+    released = released_by_plan(plan)
+    console.print(f"released while others run: {released or 'nothing'}", markup=False)
     if capacity is None:
         console.print(
             "no GPU here: pass --gpu-memory-gib (80 for an H100) to check the plan against a card"

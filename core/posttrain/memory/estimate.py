@@ -17,8 +17,8 @@ float32 and bfloat16, that is within 6% of what autograd keeps.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -32,6 +32,11 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 ADAM_STATE_BYTES = 8
 FLOAT32 = 4
 GIB = 2**30
+
+# A strategy knob that frees memory while a colocated role runs (``param_offload`` and the like):
+# ``auto`` leaves it to the memory plan, which turns it on only where the GPUs would not fit
+# without it (the host round trip costs time every step).
+ReleaseKnob = Literal[True, False, "auto"]
 
 
 def dtype_bytes(name: str | None, default: str = "fp32") -> int:
@@ -118,12 +123,15 @@ class RoleMemory:
     next; ``released``: the resident parts the role frees while a colocated role runs (its
     ``release_memory``); ``phases``: what each phase the role works in needs on top, by part
     (``train``, ``logprobs``, ``rollout``); ``knobs``: the settings that shrink it, as
-    ``path: what to do`` lines the plan prints when a GPU does not fit."""
+    ``path: what to do`` lines the plan prints when a GPU does not fit; ``auto_release``: the
+    config fields left at ``auto`` (:data:`ReleaseKnob`) and the resident parts each would
+    free, which the plan turns on where it must (:func:`release_knobs` makes both sets)."""
 
     resident: Mapping[str, int]
     phases: Mapping[str, Mapping[str, int]]
     released: frozenset[str] = frozenset()
     knobs: tuple[str, ...] = ()
+    auto_release: Mapping[str, frozenset[str]] = attrs.field(factory=dict)
 
     def held(self, active: bool) -> dict[str, int]:
         """The resident parts on the device while the role runs (``active``) or while a
@@ -131,6 +139,23 @@ class RoleMemory:
         if active:
             return dict(self.resident)
         return {k: v for k, v in self.resident.items() if k not in self.released}
+
+
+def release_knobs(
+    config: Any, knobs: Mapping[str, Iterable[str]]
+) -> tuple[frozenset[str], dict[str, frozenset[str]]]:
+    """The parts ``config``'s release knobs free: those of the knobs set to true, and by field
+    those of the knobs left at ``auto`` (``knobs``: config field -> the resident parts it frees;
+    a field the config lacks counts as off)."""
+    released: set[str] = set()
+    auto: dict[str, frozenset[str]] = {}
+    for field, parts in knobs.items():
+        value = getattr(config, field, False)
+        if value is True:
+            released.update(parts)
+        elif value == "auto":
+            auto[field] = frozenset(parts)
+    return frozenset(released), auto
 
 
 def layer_activation_bytes(geometry: ModelGeometry, tokens: int, dtype_bytes: int) -> int:

@@ -7,7 +7,9 @@ work in one phase one after the other (the trainer's and the reference's scoring
 largest of their needs, not the sum.
 
 ``posttrain plan`` prints it; ``posttrain run`` refuses a workflow whose plan does not fit the
-GPUs, and resolves ``model_args.disable_gradient_checkpointing: auto`` from it.
+GPUs, and resolves from it ``model_args.disable_gradient_checkpointing: auto`` and the
+strategies' release knobs left at ``auto`` (``param_offload`` and the like), so that a workflow
+fits by itself where some setting would make it fit (:func:`resolve_memory`).
 """
 
 from __future__ import annotations
@@ -188,6 +190,58 @@ def resolve_recompute(workflow: Workflow, host, capacity: int | None) -> Workflo
     return without
 
 
+def with_release(
+    workflow: Workflow, estimates: dict[str, RoleMemory], turned_on: dict[str, set[str]]
+) -> Workflow:
+    """``workflow`` with the release knobs its roles' ``estimates`` left at ``auto`` resolved:
+    true for the fields in ``turned_on`` (role -> config fields), false for the others."""
+    changes: dict[str, Any] = {}
+    for name, estimate in estimates.items():
+        if not estimate.auto_release:
+            continue
+        section = getattr(workflow, name)
+        chosen = turned_on.get(name, set())
+        config = attrs.evolve(
+            section.strategy_args.strategy_config,
+            **{field: field in chosen for field in estimate.auto_release},
+        )
+        strategy_args = attrs.evolve(section.strategy_args, strategy_config=config)
+        changes[name] = attrs.evolve(section, strategy_args=strategy_args)
+    return attrs.evolve(workflow, **changes) if changes else workflow
+
+
+def resolve_release(workflow: Workflow, host, capacity: int | None) -> Workflow:
+    """Release knobs left at ``auto`` resolved: off where the plan fits without them; else
+    turned on one at a time, the one freeing most first, until it fits (or all are on: the plan
+    then refuses the workflow, naming what is left). On the CPU (no capacity) they stay
+    ``auto``, which the engines read as off: memory there is the host's."""
+    if capacity is None:
+        return workflow
+    plan = plan_memory(workflow, host, capacity)
+    estimates = plan.roles
+    candidates = sorted(
+        (
+            (sum(estimate.resident.get(part, 0) for part in parts), name, field)
+            for name, estimate in estimates.items()
+            for field, parts in estimate.auto_release.items()
+        ),
+        reverse=True,
+    )
+    turned_on: dict[str, set[str]] = {}
+    for _size, name, field in candidates:
+        if not plan.over():
+            break
+        turned_on.setdefault(name, set()).add(field)
+        plan = plan_memory(with_release(workflow, estimates, turned_on), host, capacity)
+    return with_release(workflow, estimates, turned_on)
+
+
+def resolve_memory(workflow: Workflow, host, capacity: int | None) -> Workflow:
+    """Every ``auto`` the memory plan decides, resolved: activation checkpointing first (it
+    costs compute inside the step), then the release knobs (a host round trip each step)."""
+    return resolve_release(resolve_recompute(workflow, host, capacity), host, capacity)
+
+
 def gpu_memory_bytes() -> int | None:
     """The memory of this machine's first GPU, from ``nvidia-smi`` (the driver never touches
     CUDA itself: a context would take memory from the ranks); None without one."""
@@ -206,6 +260,12 @@ def gpu_memory_bytes() -> int | None:
         return None
     first = out.strip().splitlines()[:1]
     return int(float(first[0]) * 2**20) if first and first[0].strip() else None
+
+
+def card_bytes(workflow: Workflow) -> int | None:
+    """The GPU memory a run may use: ``cluster.gpu_memory_gib``, else this machine's card."""
+    cap = workflow.cluster.gpu_memory_gib
+    return int(cap * GIB) if cap else gpu_memory_bytes()
 
 
 def gib(size: int) -> str:

@@ -76,7 +76,7 @@ from posttrain.config.report import ErrorReport
 from posttrain.config.sections import Workflow
 from posttrain.errors import UserError
 from posttrain.memory.estimate import GIB
-from posttrain.memory.plan import gib, gpu_memory_bytes, plan_memory, refusal, resolve_recompute
+from posttrain.memory.plan import card_bytes, gib, plan_memory, refusal, resolve_memory
 from posttrain.paths import display_path
 
 # GB/s of a weight sync across GPUs, for a layout the run did not measure: the ``broadcast``
@@ -384,7 +384,7 @@ def check_fit(workflow: Workflow, host, capacity: int | None) -> Fit:
     errors = validation_errors(workflow, host)
     if errors:
         return Fit(valid=False, fits=False, reason=errors[0])
-    resolved = resolve_recompute(workflow, host, capacity)
+    resolved = resolve_memory(workflow, host, capacity)
     plan = plan_memory(resolved, host, capacity)
     worst = plan.worst()
     peak = worst.total if worst is not None else None
@@ -482,7 +482,7 @@ def print_split(
             f"the run used {layout.gpus} GPU and this machine has no more: pass --gpus N "
             "(at least 2: one for the trainer, one for the rollout)"
         )
-    capacity = int(gpu_memory_gib * GIB) if gpu_memory_gib else gpu_memory_bytes()
+    capacity = int(gpu_memory_gib * GIB) if gpu_memory_gib else card_bytes(workflow)
 
     mode = "asynchronous" if times.asynchronous else "synchronous"
     where = "colocated" if layout.colocated else "disaggregated"

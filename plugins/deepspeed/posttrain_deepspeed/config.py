@@ -12,7 +12,7 @@ from typing import Any
 
 import attrs
 
-from posttrain import at_least, between
+from posttrain import ReleaseKnob, at_least, between
 
 
 @attrs.frozen(kw_only=True)
@@ -39,8 +39,8 @@ class DeepSpeedZeroConfig:
     stage3_prefetch_bucket_size: int = attrs.field(default=50_000_000, validator=at_least(0))
     # Move the engine's states (weights, gradients, optimizer state) to host memory while
     # another role on the same GPUs runs (DeepSpeed's offload_states); off, they stay on the
-    # device: faster, when memory allows.
-    release_when_idle: bool = False
+    # device: faster, when memory allows; auto: on where the memory plan needs it.
+    release_when_idle: ReleaseKnob = "auto"
     # Log-probs from the output head this many tokens at a time (forward and backward), never
     # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
     logprob_chunk_tokens: int = attrs.field(

@@ -739,7 +739,7 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if not is_cuda(worker):
         log_once(log, "deepspeed: release_memory on a CPU device: nothing to free")
         return True
-    if not worker.config.release_when_idle:
+    if worker.config.release_when_idle is not True:  # auto: the memory plan said off
         return True  # the states stay on the device: no sync, no emptied cache
     engine = worker.model
     if engine.optimizer is not None and hasattr(engine.optimizer, "offload_states"):

@@ -11,6 +11,7 @@ from posttrain import (
     forward_working_bytes,
     hf_trainer_phases,
     logit_bytes,
+    release_knobs,
 )
 
 # AdamW's two float32 moments and the float32 master copy: 12 bytes a parameter. DeepSpeed's
@@ -85,10 +86,12 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     )
     path = f"{query.role_name}.strategy_args.strategy_config"
     recompute = f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute"
+    released, auto = release_knobs(cfg, {"release_when_idle": resident})
     return RoleMemory(
         resident=resident,
         phases=phases,
-        released=frozenset(resident) if cfg.release_when_idle else frozenset(),
+        released=released,
+        auto_release=auto,
         knobs=(
             *(() if query.recompute else (f"{recompute} activations)",)),
             f"{query.role_name}.training_args.max_tokens_per_micro_batch (with "
@@ -114,10 +117,12 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
         }
     }
     path = f"{query.role_name}.strategy_args.strategy_config"
+    released, auto = release_knobs(cfg, {"release_when_idle": ("weights",)})
     return RoleMemory(
         resident={"weights": 0 if cfg.offload_param else weights},
         phases=phases,
-        released=frozenset({"weights"}) if cfg.release_when_idle else frozenset(),
+        released=released,
+        auto_release=auto,
         knobs=(
             f"{path}.micro_batch_size or {query.role_name}.infer_batch_size: fewer rows a pass",
             f"{path}.release_when_idle: true (host memory while others run)",

@@ -647,10 +647,11 @@ def _optimizers(worker: WorkerContext) -> list:
 
 def _offloaded(worker: WorkerContext, tags: list[str]) -> set[str]:
     """The asked tags this role's config offloads (``param_offload``: weights and grads,
-    ``optimizer_offload``: the optimizer state); none by default."""
+    ``optimizer_offload``: the optimizer state); none by default (``auto`` is resolved by the
+    memory plan before the run; left unresolved, without a plan, it means off)."""
     cfg = worker.config
-    offloaded = {"weights", "grads"} if cfg.param_offload else set()
-    if getattr(cfg, "optimizer_offload", False):
+    offloaded = {"weights", "grads"} if cfg.param_offload is True else set()
+    if getattr(cfg, "optimizer_offload", False) is True:
         offloaded.add("optimizer")
     return memory_tags(tags) & offloaded
 

@@ -15,6 +15,7 @@ from posttrain import (
     Capabilities,
     EngineHooks,
     MemoryQuery,
+    ReleaseKnob,
     RoleMemory,
     StrategySpec,
     adam_trainer_state,
@@ -24,6 +25,7 @@ from posttrain import (
     hf_trainer_phases,
     hookimpl,
     logit_bytes,
+    release_knobs,
 )
 
 TRAIN = "fsdp2_train"
@@ -53,9 +55,9 @@ class FSDP2TrainConfig:
     cpu_offload: bool = False
     # Move the weights and gradients (param_offload) and the optimizer state (optimizer_offload)
     # to host memory while another role on the same GPUs runs, as verl's knobs; off, they stay
-    # on the device: faster, when memory allows.
-    param_offload: bool = False
-    optimizer_offload: bool = False
+    # on the device: faster, when memory allows; auto: on where the memory plan needs it.
+    param_offload: ReleaseKnob = "auto"
+    optimizer_offload: ReleaseKnob = "auto"
     # Rows per micro-batch; None: training_args.per_device_train_batch_size.
     micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Rows per forward pass when computing log-probs; None: micro_batch_size.
@@ -77,8 +79,9 @@ class FSDP2InferConfig:
     param_dtype: DtypeName | None = None
     reshard_after_forward: bool = True
     cpu_offload: bool = False
-    # Move the weights to host memory while another role on the same GPUs runs.
-    param_offload: bool = False
+    # Move the weights to host memory while another role on the same GPUs runs; auto: where the
+    # memory plan needs it.
+    param_offload: ReleaseKnob = "auto"
     # Log-probs from the output head this many tokens at a time (forward and backward), never
     # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
     logprob_chunk_tokens: int = attrs.field(
@@ -157,8 +160,8 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         grads=0 if cfg.cpu_offload else grads,
     )
     path = f"{query.role_name}.strategy_args.strategy_config"
-    released = ({"weights", "grads"} if cfg.param_offload else set()) | (
-        {"optimizer"} if cfg.optimizer_offload else set()
+    released, auto = release_knobs(
+        cfg, {"param_offload": ("weights", "grads"), "optimizer_offload": ("optimizer",)}
     )
     recompute = f"{query.role_name}.model_args.disable_gradient_checkpointing: false (recompute"
     knobs = (
@@ -169,7 +172,9 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         f"{path}.cpu_offload: true (weights and optimizer in host memory throughout)",
         "more GPUs in the role's device_mapping (its state is sharded over them)",
     )
-    return RoleMemory(resident=resident, phases=phases, released=frozenset(released), knobs=knobs)
+    return RoleMemory(
+        resident=resident, phases=phases, released=released, knobs=knobs, auto_release=auto
+    )
 
 
 def estimate_infer(query: MemoryQuery) -> RoleMemory:
@@ -187,10 +192,12 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
         }
     }
     path = f"{query.role_name}.strategy_args.strategy_config"
+    released, auto = release_knobs(cfg, {"param_offload": ("weights",)})
     return RoleMemory(
         resident={"weights": weights},
         phases=phases,
-        released=frozenset({"weights"}) if cfg.param_offload else frozenset(),
+        released=released,
+        auto_release=auto,
         knobs=(
             f"{path}.micro_batch_size or {query.role_name}.infer_batch_size: fewer rows a pass",
             f"{path}.param_offload: true (host memory while others run)",

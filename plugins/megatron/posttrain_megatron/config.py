@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 import attrs
 
-from posttrain import at_least, between
+from posttrain import ReleaseKnob, at_least, between
 
 # "auto": TransformerEngine's spec when it is installed, else "sdpa".
 AttentionBackend = Literal["auto", "sdpa", "local", "transformer_engine"]
@@ -48,8 +48,9 @@ class MegatronParallelConfig:
     # Any other TransformerConfig field, e.g. {apply_rope_fusion: false}.
     override_transformer_config: dict[str, Any] = attrs.field(factory=dict)
     # Move the weights to host memory while another role on the same GPUs runs (colocated roles,
-    # as verl's param_offload); off, they stay on the device: faster, when memory allows.
-    param_offload: bool = False
+    # as verl's param_offload); off, they stay on the device: faster, when memory allows; auto:
+    # on where the memory plan needs it (`posttrain plan` says which).
+    param_offload: ReleaseKnob = "auto"
     # Rows per forward pass when scoring (log-probs); None: the role's infer_batch_size, else 8.
     logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Log-probs from the output layer this many tokens at a time (forward and backward), never
@@ -79,7 +80,9 @@ class MegatronTrainConfig(MegatronParallelConfig):
     recompute_granularity: Literal["full", "selective"] | None = None
     recompute_method: Literal["uniform", "block"] | None = None
     recompute_num_layers: int | None = attrs.field(default=None, validator=at_least(1))
-    grad_offload: bool = False
+    # The gradient buffers to host memory while another role runs (auto: as param_offload).
+    grad_offload: ReleaseKnob = "auto"
+    # megatron-core's CPU optimizer (its state and step on the host), not a release knob.
     optimizer_offload: bool = False
     # Share of the optimizer state kept on the host when optimizer_offload is on.
     optimizer_offload_fraction: float = attrs.field(default=1.0, validator=between(0, 1))

@@ -81,10 +81,11 @@ def _tags(worker: WorkerContext, tags: list[str] | None) -> set[str]:
     strategy config offloads (``param_offload``, ``grad_offload``, ``optimizer_offload``, as in
     verl); with none of them set a colocated role keeps its memory on the device."""
     cfg = worker.config
-    offloaded = {"weights"} if cfg.param_offload else set()
-    if getattr(cfg, "grad_offload", False):
+    # ``auto`` is resolved by the memory plan before the run; left unresolved, it means off.
+    offloaded = {"weights"} if cfg.param_offload is True else set()
+    if getattr(cfg, "grad_offload", False) is True:
         offloaded.add("grads")
-    if getattr(cfg, "optimizer_offload", False):
+    if getattr(cfg, "optimizer_offload", False) is True:
         offloaded.add("optimizer")
     return set(tags or ("weights", "grads", "optimizer")) & offloaded
 

@@ -12,6 +12,7 @@ from posttrain import (
     RoleMemory,
     forward_working_bytes,
     logit_bytes,
+    release_knobs,
     training_activation_bytes,
 )
 
@@ -97,14 +98,20 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         },
     }
     knob = f"{query.role_name}.model_args.disable_gradient_checkpointing: false"
-    released = {"weights"} if cfg.param_offload else set()
-    released |= {"grads"} if cfg.grad_offload else set()
-    released |= {"optimizer"} if cfg.optimizer_offload else set()
+    released, auto = release_knobs(
+        cfg,
+        {
+            "param_offload": ("weights",),
+            "grad_offload": ("grads",),
+            "optimizer_offload": ("optimizer",),
+        },
+    )
     path = f"{query.role_name}.strategy_args.strategy_config"
     return RoleMemory(
         resident=resident,
         phases=phases,
-        released=frozenset(released),
+        released=released,
+        auto_release=auto,
         knobs=(
             *(() if recompute else (f"{knob} (or {path}.recompute_granularity: full)",)),
             f"{query.role_name}.training_args.max_tokens_per_micro_batch (with "
@@ -130,6 +137,7 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
     compute = query.dtype_bytes
     rank = _per_rank_geometry(g, tp)
     tokens = query.scoring_micro_batch_tokens(cfg.logprob_micro_batch_size, dp)
+    released, auto = release_knobs(cfg, {"param_offload": ("weights",)})
     path = f"{query.role_name}.strategy_args.strategy_config"
     return RoleMemory(
         resident={"weights": shard_params(g, tp, pp) * compute},
@@ -139,7 +147,8 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
                 "logits": logit_bytes(rank, tokens, cfg.logprob_chunk_tokens, compute, False),
             }
         },
-        released=frozenset({"weights"}) if cfg.param_offload else frozenset(),
+        released=released,
+        auto_release=auto,
         knobs=(
             f"{path}.logprob_micro_batch_size or {query.role_name}.infer_batch_size: fewer rows "
             "a pass",
