@@ -192,16 +192,17 @@ def workflow(args, model: str, data: Path) -> dict:
 
 def planned_peaks(path: Path, overrides: list[str]) -> dict[str, float]:
     """The memory plan's peak GiB of each phase (the largest over GPUs), for the workflow at
-    ``path`` as ``posttrain run`` plans it (``auto`` checkpointing resolved for this GPU)."""
+    ``path`` as ``posttrain run`` plans it (``auto`` checkpointing and release knobs resolved for
+    this GPU, or ``cluster.gpu_memory_gib``)."""
     from posttrain.cli import _parse_overrides
     from posttrain.config.workflow import load_workflow
     from posttrain.host.plugin_host import create_plugin_host
-    from posttrain.memory.plan import gpu_memory_bytes, plan_memory, resolve_recompute
+    from posttrain.memory.plan import card_bytes, plan_memory, resolve_memory
 
     host = create_plugin_host()
     workflow, report = load_workflow(str(path), host, _parse_overrides(overrides))
     report.raise_if_errors(str(path))
-    workflow = resolve_recompute(workflow, host, gpu_memory_bytes())
+    workflow = resolve_memory(workflow, host, card_bytes(workflow))
     peaks: dict[str, float] = {}
     for peak in plan_memory(workflow, host).peaks:
         peaks[peak.phase] = max(peaks.get(peak.phase, 0.0), peak.total / 2**30)
