@@ -8,6 +8,7 @@ first on ``sys.path``, so they import this module as ``common``.
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import statistics
 import subprocess
@@ -192,23 +193,29 @@ def run_workflow(
 ) -> WorkflowRun:
     """Run ``workflow`` through the CLI in a subprocess, into a temporary run directory that the
     JSONL logger writes, with ``--set`` ``overrides`` (later ones win). A failed run ends the
-    benchmark with its output's tail."""
+    benchmark with its output's tail. With ``BENCH_RUN_LOG`` set, the run's output goes to that
+    file as it is written (a GPU machine's call that runs out of time still shows how far the
+    run got)."""
     with tempfile.TemporaryDirectory() as tmp:
         run_dir = Path(tmp) / "run"
+        live = os.environ.get("BENCH_RUN_LOG")
+        loggers = "[jsonl,console]" if live else "[jsonl]"
         command = posttrain_run_command(
-            workflow, [f"trainer.output_dir={run_dir}", "trainer.logger=[jsonl]", *overrides]
+            workflow, [f"trainer.output_dir={run_dir}", f"trainer.logger={loggers}", *overrides]
         )
+        log_path = Path(live or Path(tmp) / "run.log")
         start = time.perf_counter()
-        proc = subprocess.run(command, capture_output=True, text=True, env=env)
+        with open(log_path, "a") as log:
+            returncode = subprocess.run(
+                command, stdout=log, stderr=subprocess.STDOUT, env=env
+            ).returncode
         wall = time.perf_counter() - start
-        if proc.returncode:
-            sys.exit(
-                f"posttrain run {workflow} failed (exit {proc.returncode}):\n"
-                f"{proc.stdout[-2000:]}\n{proc.stderr[-2000:]}"
-            )
+        output = log_path.read_text()
+        if returncode:
+            sys.exit(f"posttrain run {workflow} failed (exit {returncode}):\n{output[-4000:]}")
         with open(run_dir / "metrics.jsonl") as f:
             metrics = [json.loads(line) for line in f]
-    return WorkflowRun(metrics, wall, proc.stdout)
+    return WorkflowRun(metrics, wall, output)
 
 
 def steady(metrics: list[dict[str, Any]]) -> list[dict[str, Any]]:
