@@ -35,3 +35,23 @@ class TestHFInferCompiledContractCUDA(StrategyContract):
     strategy_config = {"decode": "compiled"}
     device = "cuda"
     supports_checkpoint = False  # no decoding in it: the dynamic class runs it
+
+
+class TestHFInferReleasedCUDA(StrategyContract):
+    """``param_offload: true``: the weights wait in page-locked host memory while a colocated
+    role runs, and come back unchanged."""
+
+    strategy = "hf_infer"
+    strategy_config = {"decode": "cuda_graph", "param_offload": True}
+    device = "cuda"
+    supports_checkpoint = False
+
+    def test_released_weights_come_back_the_same(self, start):
+        group = start()
+        before = self._generate(group)
+        for _ in range(2):  # the second release reuses the host buffers of the first
+            group.call("release_memory", ["weights", "kv_cache"])
+            group.call("resume_memory", ["weights", "kv_cache"])
+        after = self._generate(group)
+        assert after.response_ids == before.response_ids
+        assert after.response_logprobs == before.response_logprobs

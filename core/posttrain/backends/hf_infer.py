@@ -218,16 +218,55 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
         # stacked projections would keep a device copy (they are stacked again after).
         worker.state.pop("decoders", None)
         unfuse_sibling_linears(worker.model)
-        worker.model.to("cpu")
-        if torch.cuda.is_available():
+        if is_cuda(worker):
+            weights_to_host(worker.model, worker.state.setdefault("pinned", {}))
             torch.cuda.empty_cache()
+        else:
+            worker.model.to("cpu")
     return True
 
 
 def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if worker.config.param_offload is True and "weights" in memory_tags(tags):
-        worker.model.to(worker.device)
+        if is_cuda(worker):
+            weights_to_device(worker.model, worker.device)
+        else:
+            worker.model.to(worker.device)
     return True
+
+
+def _model_tensors(model: torch.nn.Module):
+    """Every parameter (a tied one once) and buffer, by name."""
+    yield from model.named_parameters()
+    yield from model.named_buffers()
+
+
+def weights_to_host(model: torch.nn.Module, pinned: dict[str, torch.Tensor]) -> None:
+    """Each weight's data into a page-locked host buffer, kept for the next release: a copy at
+    the host link's speed (``model.to("cpu")`` into fresh pageable memory moved an 8B model at
+    1.3 GB/s, 12 s a step on an H200)."""
+    moved = []
+    for name, tensor in _model_tensors(model):
+        if tensor.device.type != "cuda":
+            continue
+        host = pinned.get(name)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = pinned[name] = torch.empty(
+                tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=True
+            )
+        host.copy_(tensor.data, non_blocking=True)
+        moved.append((tensor, host))
+    torch.cuda.synchronize()  # the copies land before the device memory is let go
+    for tensor, host in moved:
+        tensor.data = host
+
+
+def weights_to_device(model: torch.nn.Module, device: str | torch.device) -> None:
+    """The weights back from their page-locked host buffers (which stay for the next release)."""
+    for _name, tensor in _model_tensors(model):
+        if tensor.device.type == "cpu":
+            tensor.data = tensor.data.to(device, non_blocking=True)
+    torch.cuda.synchronize()
 
 
 def shutdown_worker(worker: WorkerContext) -> bool:
