@@ -8,18 +8,28 @@ from __future__ import annotations
 
 import logging
 import os
+from functools import partial
 from typing import TYPE_CHECKING
 
 import torch
+from torch.distributed.tensor import DTensor, Shard
 
 from posttrain.backends.decode_loop import DynamicDecode, StaticDecode, sample_rows
+from posttrain.backends.distributed import init_default_process_group
 from posttrain.backends.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
 from posttrain.backends.hf_progress import no_hf_progress_bars
-from posttrain.backends.models import load_model_with_head, load_tokenizer
-from posttrain.backends.plumbing import is_cuda, log_once, memory_tags
+from posttrain.backends.models import load_causal_lm, load_model_with_head, load_tokenizer
+from posttrain.backends.plumbing import (
+    end_process_group,
+    forward_logits,
+    is_cuda,
+    log_once,
+    memory_tags,
+)
 from posttrain.backends.static_decode import DecodeSettings, StaticDecoders, supports_static
 from posttrain.backends.tensors import unshare_storage
 from posttrain.backends.token_sampling import draw, gumbel_draw, is_plain
+from posttrain.errors import UserError
 from posttrain.protocol import (
     GenerationRequest,
     RolloutSamples,
@@ -36,12 +46,40 @@ LOG = logging.getLogger(__name__)
 
 
 def setup_parallel(worker: WorkerContext) -> dict[str, int]:
-    # Every rank is an independent replica: no process group is needed.
-    return {"dp_rank": worker.rank, "dp_size": worker.world_size}
+    tp = worker.config.tensor_parallel_size
+    if tp == 1:
+        # Every rank is an independent replica: no process group is needed.
+        return {"dp_rank": worker.rank, "dp_size": worker.world_size}
+    # Replicas of ``tp`` consecutive ranks: one device mesh (replica, shard) over the role's
+    # process group; each replica's ranks decode the same requests in step.
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if worker.world_size % tp:
+        raise UserError(
+            f"hf_infer: {worker.world_size} ranks cannot be split into replicas of "
+            f"tensor_parallel_size={tp}"
+        )
+    init_default_process_group(worker.device)
+    mesh = init_device_mesh(
+        "cuda" if is_cuda(worker) else "cpu",
+        (worker.world_size // tp, tp),
+        mesh_dim_names=("replica", "shard"),
+    )
+    worker.state["tp_mesh"] = mesh["shard"]
+    return {
+        "dp_rank": worker.rank // tp,
+        "dp_size": worker.world_size // tp,
+        "tp_rank": worker.rank % tp,
+        "tp_size": tp,
+    }
 
 
 def load_model(worker: WorkerContext):
-    model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
+    mesh = worker.state.get("tp_mesh")
+    if mesh is not None:
+        model = load_causal_lm(worker.model_args, worker.base_dir, worker.device, tp_mesh=mesh)
+    else:
+        model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
     model.eval()
     worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
     return model
@@ -92,6 +130,15 @@ def decode_mode(worker: WorkerContext) -> str:
     on the CPU; a model with other than full-attention layers decodes dynamically."""
     mode = worker.config.decode
     on_gpu = is_cuda(worker)
+    if "tp_mesh" in worker.state:
+        if mode not in ("auto", "dynamic"):
+            log_once(
+                LOG,
+                f"hf_infer: decode {mode!r} needs whole weights; a tensor-parallel replica "
+                "decodes with the dynamic cache",
+                logging.WARNING,
+            )
+        return "dynamic"
     if mode == "auto":
         mode = "compiled" if on_gpu else "dynamic"
     if mode == "cuda_graph" and not on_gpu:
@@ -149,7 +196,12 @@ def _in_chunks(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tens
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    forward = logprob_forward(worker, worker.model, train=False)
+    if "tp_mesh" in worker.state:
+        # The chunked head multiplies by the output weight, a shard here: full logits (the
+        # model's own, gathered over the replica's ranks).
+        forward = partial(forward_logits, worker.model)
+    else:
+        forward = logprob_forward(worker, worker.model, train=False)
 
     def logprobs(ids, mask):
         rows = SequenceBatch({"input_ids": ids, "attention_mask": mask})
@@ -174,6 +226,10 @@ def import_weights(worker: WorkerContext, buckets) -> bool:
                     raise KeyError(f"hf_infer: the model has no weight named {name!r}")
             targets = [params[name].data for name, _ in bucket.tensors]
             sources = [tensor for _, tensor in bucket.tensors]
+            if "tp_mesh" in worker.state:
+                # Whole tensors in, this rank's share of each kept.
+                sources = [local_share(t, s) for t, s in zip(targets, sources)]
+                targets = [local_tensor(t) for t in targets]
             if all(s.device == t.device for s, t in zip(sources, targets)):
                 # One grouped copy (casting as needed) of a bucket already on the device (the
                 # in-process hand-over): per-tensor copies cost more in launches than in bytes.
@@ -186,13 +242,40 @@ def import_weights(worker: WorkerContext, buckets) -> bool:
 
 def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     # An inference engine has no optimizer state; its weights are what a sync put there.
-    if worker.rank == 0:
+    sharded = "tp_mesh" in worker.state
+    if worker.rank == 0 or sharded:  # every rank of a sharded replica gathers
         from safetensors.torch import save_file
 
-        os.makedirs(path, exist_ok=True)
-        state = {k: v.detach().cpu().contiguous() for k, v in worker.model.state_dict().items()}
-        save_file(unshare_storage(state.items()), os.path.join(path, "model.safetensors"))
+        state = whole_state(worker.model)
+        if worker.rank == 0:
+            os.makedirs(path, exist_ok=True)
+            save_file(unshare_storage(state.items()), os.path.join(path, "model.safetensors"))
     return {"format": "safetensors"}
+
+
+def whole_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The model's state on the host, whole (a tensor-parallel share gathered: every rank of
+    the replica must call)."""
+    return {
+        k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().contiguous()
+        for k, v in model.state_dict().items()
+    }
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def local_share(target: torch.Tensor, whole: torch.Tensor) -> torch.Tensor:
+    """This rank's share of ``whole`` for ``target``: as the target's placement on its 1-D
+    mesh splits it (``torch.chunk`` along a sharded dimension, as DTensor does), or all of it."""
+    if not isinstance(target, DTensor):
+        return whole
+    (placement,) = target.placements
+    if isinstance(placement, Shard):
+        mesh = target.device_mesh
+        return torch.chunk(whole, mesh.size(), dim=placement.dim)[mesh.get_local_rank()]
+    return whole
 
 
 def load_checkpoint(worker: WorkerContext, path: str) -> bool:
@@ -203,9 +286,10 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
 
 
 def export_hf(worker: WorkerContext, path: str) -> bool:
+    state = whole_state(worker.model) if "tp_mesh" in worker.state else None
     if worker.rank == 0:
         with no_hf_progress_bars():
-            worker.model.save_pretrained(path, safe_serialization=True)
+            worker.model.save_pretrained(path, safe_serialization=True, state_dict=state)
         worker.state["tokenizer"].save_pretrained(path)
     return True
 
@@ -270,4 +354,6 @@ def weights_to_device(model: torch.nn.Module, device: str | torch.device) -> Non
 
 
 def shutdown_worker(worker: WorkerContext) -> bool:
+    if worker.state.pop("tp_mesh", None) is not None:
+        end_process_group()
     return True

@@ -68,6 +68,11 @@ class HFInferConfig:
     logprob_chunk_tokens: int = attrs.field(
         default=1024, validator=at_least(1, also={0: "off: full logits"})
     )
+    # Ranks a replica spans, for a model one GPU cannot hold: ranks [k*N, (k+1)*N) of the
+    # role's device_mapping hold replica k, its layers split by transformers' tensor-parallel
+    # plan (`tp_plan`, DTensor). Such a replica decodes with the dynamic cache and scores from
+    # full logits; its weights stay on the device (no param_offload).
+    tensor_parallel_size: int = attrs.field(default=1, validator=at_least(1))
 
 
 class HFInferPlugin(EngineHooks):
@@ -82,6 +87,7 @@ class HFInferPlugin(EngineHooks):
                 config_class=HFInferConfig,
                 capabilities=Capabilities(
                     kind="rollout",
+                    parallel_dims=("tensor_parallel_size",),
                     import_transports=("in_process", "shared_memory", "broadcast"),
                     stop_strings=True,
                     shares_process=True,
@@ -93,6 +99,30 @@ class HFInferPlugin(EngineHooks):
         ]
 
     @hookimpl(trylast=True)
+    def posttrain_validate_workflow(self, workflow, strategies, report):
+        for name, role in workflow.roles().items():
+            config = role.strategy_args.strategy_config
+            if role.strategy_args.strategy_name != STRATEGY or not isinstance(
+                config, HFInferConfig
+            ):
+                continue
+            if config.tensor_parallel_size == 1:
+                continue
+            path = f"{name}.strategy_args.strategy_config"
+            if name in ("reward", "critic"):
+                report.error(
+                    f"{path}.tensor_parallel_size",
+                    f"hf_infer splits only a causal LM over ranks, not the {name}'s head",
+                    "tensor_parallel_size: 1",
+                )
+            if config.param_offload is True:
+                report.error(
+                    f"{path}.param_offload",
+                    "a tensor-parallel hf_infer replica keeps its weights on the device",
+                    "param_offload: false (or auto), or tensor_parallel_size: 1",
+                )
+
+    @hookimpl(trylast=True)
     def posttrain_estimate_memory(self, query):
         if query.role.strategy_args.strategy_name != STRATEGY:
             return None
@@ -100,20 +130,26 @@ class HFInferPlugin(EngineHooks):
 
 
 def estimate_memory(query: MemoryQuery) -> RoleMemory:
-    """One replica a GPU: the whole model in ``model_args.dtype``; the rollout's fixed-shape
-    decoders keep their KV cache (batch rows x prompt + new tokens) from one step to the next;
-    a scoring role (reference, reward) works a micro-batch at a time."""
+    """One replica a GPU (or ``tensor_parallel_size`` GPUs, each a share): the model in
+    ``model_args.dtype``; the rollout's fixed-shape decoders keep their KV cache (batch rows x
+    prompt + new tokens) from one step to the next; a scoring role (reference, reward) works a
+    micro-batch at a time."""
     g, b, cfg, work = query.geometry, query.dtype_bytes, query.config, query.workload
+    tp = cfg.tensor_parallel_size
     path = f"{query.role_name}.strategy_args.strategy_config"
-    resident = {"weights": g.params * b}
-    knobs = [f"{path}.param_offload: true (the weights wait in host memory while others run)"]
+    resident = {"weights": g.params * b // tp}
+    knobs = [
+        f"{path}.param_offload: true (the weights wait in host memory while others run)"
+        if tp == 1
+        else f"{path}.tensor_parallel_size: more ranks a replica (each holds a smaller share)"
+    ]
     rows = query.role.infer_batch_size or cfg.batch_size
     if query.role_name == "actor_infer":
         # A batch of prompts decodes every sample of each at once: its rows are its prompts
         # times the samples a prompt (work.rows / work.prompts), at most a replica's share.
-        rows = min(rows * work.samples_per_prompt, -(-work.rows // query.gpus))
-        kv_cache = rows * work.sequence_tokens * g.kv_cache_bytes_per_token(b)
-        fixed_shape = cfg.decode != "dynamic" and query.device == "cuda"
+        rows = min(rows * work.samples_per_prompt, -(-work.rows * tp // query.gpus))
+        kv_cache = rows * work.sequence_tokens * g.kv_cache_bytes_per_token(b) // tp
+        fixed_shape = cfg.decode != "dynamic" and query.device == "cuda" and tp == 1
         step = {
             "prefill": forward_working_bytes(g, rows * work.prompt_tokens, b),
             "sampling": 2 * rows * g.vocab_size * FLOAT32,
@@ -133,7 +169,7 @@ def estimate_memory(query: MemoryQuery) -> RoleMemory:
             }
         }
         knobs.append(f"{query.role_name}.infer_batch_size: fewer rows a forward pass")
-    released, auto = release_knobs(cfg, {"param_offload": resident})
+    released, auto = release_knobs(cfg, {"param_offload": resident} if tp == 1 else {})
     return RoleMemory(
         resident=resident,
         phases=phases,

@@ -20,7 +20,7 @@ when called. The names below are kept stable for plugins: ``DTYPES``, ``HEAD_WEI
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.errors import UserError
@@ -91,10 +91,13 @@ def load_tokenizer(model_args: ModelArgs, base_dir: str = "."):
     return tokenizer
 
 
-def load_causal_lm(model_args: ModelArgs, base_dir: str = ".", device: str = "cpu"):
+def load_causal_lm(
+    model_args: ModelArgs, base_dir: str = ".", device: str = "cpu", tp_mesh: Any = None
+):
     """An ``AutoModelForCausalLM`` of ``model_args`` (its dtype, ``trust_remote_code`` and
     ``attn_implementation``) on ``device``, in eval mode as transformers returns it, loaded
-    without progress bars (they would fill the rank logs)."""
+    without progress bars (they would fill the rank logs). With ``tp_mesh`` (a 1-D device
+    mesh), split over its ranks by the model's tensor-parallel plan (``tp_plan="auto"``)."""
     from transformers import AutoModelForCausalLM
 
     path = resolve_model_path(model_args.model_name_or_path, base_dir)
@@ -104,9 +107,11 @@ def load_causal_lm(model_args: ModelArgs, base_dir: str = ".", device: str = "cp
     }
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
+    if tp_mesh is not None:
+        kwargs |= {"tp_plan": "auto", "device_mesh": tp_mesh}
     with no_hf_progress_bars():
         model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    return model.to(device)
+    return model if tp_mesh is not None else model.to(device)
 
 
 # The value head's HF name (``*ForTokenClassification`` / ``*ForSequenceClassification``).
