@@ -54,3 +54,40 @@ def test_a_bucket_that_changed_on_the_way_is_named():
         WeightSyncMismatch, match=r"rank 0: 1 of the bucket's 1 tensors .*: w1 \(sent"
     ):
         next(received)
+
+
+def test_a_renamed_or_reshaped_weight_is_named_with_the_models_own(tmp_path):
+    from safetensors.torch import save_file
+
+    from posttrain.weight_sync.manifest import checkpoint_shapes
+
+    save_file(
+        {"model.embed_tokens.weight": torch.zeros(8, 4), "model.norm.weight": torch.zeros(4)},
+        str(tmp_path / "model.safetensors"),
+    )
+    shapes = checkpoint_shapes(str(tmp_path))
+    assert shapes == {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,)}
+    assert checkpoint_shapes(str(tmp_path / "absent")) is None  # a hub id: nothing to check
+
+    def received(*tensors):
+        bucket = WeightBucket(list(tensors))
+        bucket.digests = byte_sums(t for _, t in bucket.tensors)
+        return [bucket]
+
+    def import_(*tensors):
+        buckets = checked(
+            {}, received(*tensors), "actor_infer (hf_infer) rank 0", lambda: (shapes, "M")
+        )
+        return list(buckets)
+
+    # The tied head, sent by name, is the embedding's.
+    assert import_(("lm_head.weight", torch.ones(8, 4)), ("model.norm.weight", torch.ones(4)))
+    with pytest.raises(WeightSyncMismatch) as renamed:
+        import_(("model.renamed.norm.weight", torch.ones(4)))
+    assert (
+        "sent model.renamed.norm.weight [4], a name the model lacks (the model's closest "
+        "weight of that shape: model.norm.weight)" in str(renamed.value)
+    )
+    with pytest.raises(WeightSyncMismatch) as reshaped:
+        import_(("model.norm.weight", torch.ones(5)))
+    assert "model.norm.weight: sent [5], the model's is [4]" in str(reshaped.value)

@@ -80,3 +80,21 @@ def test_a_weight_corrupted_in_a_sync_stops_the_run_naming_it(tmp_path, e2e_cach
     assert "differ from what the trainer sent (byte sums): model.embed_tokens.weight" in err, err
     assert len(read_metrics(run_dir)) == 1  # step 1 logged; step 2's sync stopped the run
     assert not (run_dir / "logs" / "processes.json").exists()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_weight_renamed_in_a_sync_stops_the_run_naming_both_names(tmp_path, e2e_cache):
+    """An engine upgrade that renamed a parameter, at the first sync (in process)."""
+    run_dir = tmp_path / "renamed"
+    proc = run(run_dir, 2, faults="rename_sync:1", check=False)
+    err = " ".join(proc.stderr.split())
+    assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    assert "the trainer's weights do not match the rollout model's" in err, err
+    assert re.search(
+        r"sent model\.renamed\.(\S+) \[[\d, ]+\], a name the model lacks \(the model's closest "
+        r"weight of that shape: model\.\1\)",
+        err,
+    ), err
+    assert not (run_dir / "logs" / "processes.json").exists()

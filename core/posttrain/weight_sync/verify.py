@@ -13,10 +13,11 @@ broadcast in its metadata. An engine that receives broadcasts in processes of it
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TYPE_CHECKING
 
 from posttrain.errors import UserError
+from posttrain.weight_sync.manifest import name_problems
 
 if TYPE_CHECKING:
     import torch
@@ -73,11 +74,32 @@ def with_digests(state: dict, buckets: Iterable[WeightBucket]) -> Iterator[Weigh
     state[COUNT] = index
 
 
-def checked(state: dict, buckets: Iterable[WeightBucket], where: str) -> Iterator[WeightBucket]:
-    """The received buckets, each that carries sums checked before it is handed on."""
+def checked(
+    state: dict,
+    buckets: Iterable[WeightBucket],
+    where: str,
+    model_shapes: Callable[[], tuple[dict[str, tuple[int, ...]] | None, str]] | None = None,
+) -> Iterator[WeightBucket]:
+    """The received buckets, each that carries sums checked before it is handed on: its bytes,
+    and its names and shapes against ``model_shapes()`` (the rollout model's checkpoint's, and
+    its path; :mod:`posttrain.weight_sync.manifest`) where given."""
     state[VERIFIED] = 0
     for bucket in buckets:
         if bucket and bucket.digests is not None:
+            if model_shapes is not None:
+                expected, model_dir = model_shapes()
+                if expected is not None:
+                    sent = ((name, tuple(t.shape)) for name, t in bucket.tensors)
+                    problems = name_problems(sent, expected)
+                    if problems:
+                        raise WeightSyncMismatch(
+                            f"weight sync into {where}: the trainer's weights do not match the "
+                            f"rollout model's ({model_dir}): {'; '.join(problems[:8])}"
+                            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
+                            + ". A trainer and a rollout engine of different versions may name "
+                            "or shape a parameter differently: the run stops here rather than "
+                            "roll out with weights nobody trained."
+                        )
             check(bucket, where)
             state[VERIFIED] += 1
         yield bucket
