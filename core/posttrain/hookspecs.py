@@ -332,6 +332,18 @@ def posttrain_import_weights(worker: WorkerContext, buckets: Iterable[WeightBuck
 
 
 @hookspec(firstresult=True)
+def posttrain_weight_shapes(worker: WorkerContext) -> dict[str, tuple[int, ...]] | None:
+    """The HF-named tensors the rollout engine takes in a weight sync, with their whole shapes.
+
+    Called on a rank of the rollout group once, at the first bucket of a sync that is verified
+    (``trainer.weight_sync_verify``); a bucket's tensor whose name is not among them or whose
+    shape differs stops the run naming both (an engine upgrade that renamed a parameter).
+    Return None (the default) and names and shapes go unchecked (the byte sums still are).
+    firstresult: return None for strategies you do not own.
+    """
+
+
+@hookspec(firstresult=True)
 def posttrain_weight_receiver(worker: WorkerContext) -> Any | None:
     """Return an object whose engine receives the ``broadcast`` transport's buckets itself.
 

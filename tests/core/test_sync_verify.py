@@ -56,18 +56,8 @@ def test_a_bucket_that_changed_on_the_way_is_named():
         next(received)
 
 
-def test_a_renamed_or_reshaped_weight_is_named_with_the_models_own(tmp_path):
-    from safetensors.torch import save_file
-
-    from posttrain.weight_sync.manifest import checkpoint_shapes
-
-    save_file(
-        {"model.embed_tokens.weight": torch.zeros(8, 4), "model.norm.weight": torch.zeros(4)},
-        str(tmp_path / "model.safetensors"),
-    )
-    shapes = checkpoint_shapes(str(tmp_path))
-    assert shapes == {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,)}
-    assert checkpoint_shapes(str(tmp_path / "absent")) is None  # a hub id: nothing to check
+def test_a_renamed_or_reshaped_weight_is_named_with_the_engines_own():
+    shapes = {"model.embed_tokens.weight": (8, 4), "model.norm.weight": (4,)}
 
     def received(*tensors):
         bucket = WeightBucket(list(tensors))
@@ -75,19 +65,18 @@ def test_a_renamed_or_reshaped_weight_is_named_with_the_models_own(tmp_path):
         return [bucket]
 
     def import_(*tensors):
-        buckets = checked(
-            {}, received(*tensors), "actor_infer (hf_infer) rank 0", lambda: (shapes, "M")
-        )
+        buckets = checked({}, received(*tensors), "actor_infer (hf_infer) rank 0", lambda: shapes)
         return list(buckets)
 
+    assert list(checked({}, received(("x", torch.ones(2))), "r", lambda: None))  # unchecked
     # The tied head, sent by name, is the embedding's.
     assert import_(("lm_head.weight", torch.ones(8, 4)), ("model.norm.weight", torch.ones(4)))
     with pytest.raises(WeightSyncMismatch) as renamed:
         import_(("model.renamed.norm.weight", torch.ones(4)))
     assert (
-        "sent model.renamed.norm.weight [4], a name the model lacks (the model's closest "
+        "sent model.renamed.norm.weight [4], a name the engine lacks (the engine's closest "
         "weight of that shape: model.norm.weight)" in str(renamed.value)
     )
     with pytest.raises(WeightSyncMismatch) as reshaped:
         import_(("model.norm.weight", torch.ones(5)))
-    assert "model.norm.weight: sent [5], the model's is [4]" in str(reshaped.value)
+    assert "model.norm.weight: sent [5], the engine's is [4]" in str(reshaped.value)

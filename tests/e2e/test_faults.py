@@ -91,9 +91,9 @@ def test_a_weight_renamed_in_a_sync_stops_the_run_naming_both_names(tmp_path, e2
     err = " ".join(proc.stderr.split())
     assert proc.returncode == 2, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "Traceback" not in proc.stderr
-    assert "the trainer's weights do not match the rollout model's" in err, err
+    assert "the trainer's weights do not match the rollout engine's" in err, err
     assert re.search(
-        r"sent model\.renamed\.(\S+) \[[\d, ]+\], a name the model lacks \(the model's closest "
+        r"sent model\.renamed\.(\S+) \[[\d, ]+\], a name the engine lacks \(the engine's closest "
         r"weight of that shape: model\.\1\)",
         err,
     ), err

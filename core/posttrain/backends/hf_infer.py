@@ -240,6 +240,12 @@ def import_weights(worker: WorkerContext, buckets) -> bool:
     return True
 
 
+def weight_shapes(worker: WorkerContext) -> dict[str, tuple[int, ...]]:
+    """What a sync may send: the model's tensors by name, each whole (a split replica's
+    DTensors report their global shapes)."""
+    return {name: tuple(t.shape) for name, t in worker.model.state_dict().items()}
+
+
 def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     # An inference engine has no optimizer state; its weights are what a sync put there.
     sharded = "tp_mesh" in worker.state

@@ -83,6 +83,10 @@ class EngineHooks:
         return self._call("import_weights", worker, buckets)
 
     @hookimpl(trylast=True)
+    def posttrain_weight_shapes(self, worker):
+        return self._call("weight_shapes", worker)
+
+    @hookimpl(trylast=True)
     def posttrain_weight_receiver(self, worker):
         return self._call("weight_receiver", worker)
 

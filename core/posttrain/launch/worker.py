@@ -192,15 +192,13 @@ class WorkerRuntime:
         buckets = checked(self.ctx.state, buckets, where, self._model_shapes)
         return self._call("posttrain_import_weights", buckets=buckets)
 
-    def _model_shapes(self) -> tuple[dict[str, tuple[int, ...]] | None, str]:
-        """The rollout model's checkpoint's tensor shapes by name (read once), and its path."""
-        if "_model_shapes" not in self.ctx.state:
-            from posttrain.backends.models import resolve_model_path
-            from posttrain.weight_sync.manifest import checkpoint_shapes
-
-            path = resolve_model_path(self.ctx.model_args.model_name_or_path, self.ctx.base_dir)
-            self.ctx.state["_model_shapes"] = (checkpoint_shapes(path), path)
-        return self.ctx.state["_model_shapes"]
+    def _model_shapes(self) -> dict[str, tuple[int, ...]] | None:
+        """The names and shapes the engine takes in a sync (``posttrain_weight_shapes``), asked
+        once; None where the engine does not say."""
+        if "_weight_shapes" not in self.ctx.state:
+            shapes = self.ctx.hook.posttrain_weight_shapes(worker=self.ctx)
+            self.ctx.state["_weight_shapes"] = shapes
+        return self.ctx.state["_weight_shapes"]
 
     def save_checkpoint(self, path: str) -> dict:
         return self._call("posttrain_save_checkpoint", path=path)

@@ -78,23 +78,23 @@ def checked(
     state: dict,
     buckets: Iterable[WeightBucket],
     where: str,
-    model_shapes: Callable[[], tuple[dict[str, tuple[int, ...]] | None, str]] | None = None,
+    engine_shapes: Callable[[], dict[str, tuple[int, ...]] | None] | None = None,
 ) -> Iterator[WeightBucket]:
     """The received buckets, each that carries sums checked before it is handed on: its bytes,
-    and its names and shapes against ``model_shapes()`` (the rollout model's checkpoint's, and
-    its path; :mod:`posttrain.weight_sync.manifest`) where given."""
+    and its names and shapes against ``engine_shapes()`` (what the receiving engine takes,
+    ``posttrain_weight_shapes``; :mod:`posttrain.weight_sync.manifest`) where it says."""
     state[VERIFIED] = 0
     for bucket in buckets:
         if bucket and bucket.digests is not None:
-            if model_shapes is not None:
-                expected, model_dir = model_shapes()
+            if engine_shapes is not None:
+                expected = engine_shapes()
                 if expected is not None:
                     sent = ((name, tuple(t.shape)) for name, t in bucket.tensors)
                     problems = name_problems(sent, expected)
                     if problems:
                         raise WeightSyncMismatch(
                             f"weight sync into {where}: the trainer's weights do not match the "
-                            f"rollout model's ({model_dir}): {'; '.join(problems[:8])}"
+                            f"rollout engine's: {'; '.join(problems[:8])}"
                             + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
                             + ". A trainer and a rollout engine of different versions may name "
                             "or shape a parameter differently: the run stops here rather than "
