@@ -15,7 +15,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from posttrain.hookspecs import hookimpl
+from posttrain.markers import hookimpl
 from posttrain.version import __version__
 
 # Public name -> the module that defines it.

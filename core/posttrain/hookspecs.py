@@ -16,7 +16,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-import pluggy
+# hookimpl re-exported for plugins that import it from here (posttrain.hookimpl is the face).
+from posttrain.markers import hookimpl as hookimpl
+from posttrain.markers import hookspec
 
 if TYPE_CHECKING:
     import argparse
@@ -34,10 +36,6 @@ if TYPE_CHECKING:
     from posttrain.rollout.environments.protocol import EnvironmentSpec
     from posttrain.trainer.logger_spec import LoggerSpec
     from posttrain.weight_sync.transport import WeightTransport
-
-hookspec = pluggy.HookspecMarker("posttrain")
-# Marks a plugin's implementation of a hook (re-exported as ``posttrain.hookimpl``).
-hookimpl = pluggy.HookimplMarker("posttrain")
 
 
 # --------------------------------------------------------------------------------------------

@@ -6,7 +6,7 @@ silently replacing them. Cheap to import: the functions import torch when called
 
 from posttrain.algorithms import advantages, policy_loss
 from posttrain.algorithms.registry import AdvantageEstimator, AlgorithmPreset, PolicyLossTerm
-from posttrain.hookspecs import hookimpl
+from posttrain.markers import hookimpl
 
 
 @hookimpl(trylast=True)

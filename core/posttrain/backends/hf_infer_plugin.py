@@ -12,9 +12,9 @@ from typing import Literal
 import attrs
 
 from posttrain.config.ranges import at_least
-from posttrain.hookspecs import hookimpl
 from posttrain.host.engine_hooks import EngineHooks
 from posttrain.host.strategy import Capabilities, StrategySpec
+from posttrain.markers import hookimpl
 from posttrain.memory.estimate import (
     FLOAT32,
     MemoryQuery,

@@ -8,9 +8,9 @@ import os
 from posttrain.config.hub_models import check_hub_ids, looks_local
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
 from posttrain.config.sections import ROLE_HEADS, Workflow
-from posttrain.hookspecs import hookimpl
 from posttrain.host.doctor import EnvCheck
 from posttrain.launch.base import partial_overlaps
+from posttrain.markers import hookimpl
 from posttrain.paths import display_path
 from posttrain.rollout.partial import segment_tokens
 from posttrain.tasks.presets import PRESETS, is_preset

@@ -31,8 +31,8 @@ from types import ModuleType
 from typing import Any, ClassVar
 
 from posttrain.errors import PluginWarning
-from posttrain.hookspecs import hookimpl
 from posttrain.host.engine_source import engine_names
+from posttrain.markers import hookimpl
 
 
 class EngineHooks:

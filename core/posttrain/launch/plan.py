@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING
 from posttrain.backends.distributed import COLLECTIVE_TIMEOUT_ENV
 from posttrain.config.sections import ROLE_HEADS, RoleConfig, Workflow
 from posttrain.errors import UserError
-from posttrain.hookspecs import hookimpl
 from posttrain.launch.base import GroupSpec, Launcher, WorkerGroup
+from posttrain.markers import hookimpl
 from posttrain.training.lr_schedule import with_schedule
 
 if TYPE_CHECKING:

@@ -1,6 +1,6 @@
 """Built-in reward functions, declared by name."""
 
-from posttrain.hookspecs import hookimpl
+from posttrain.markers import hookimpl
 
 
 @hookimpl(trylast=True)

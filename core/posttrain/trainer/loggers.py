@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 
-from posttrain.hookspecs import hookimpl
+from posttrain.markers import hookimpl
 from posttrain.trainer.logger_spec import LoggerContext, LoggerSpec
 from posttrain.trainer.step_log import StepLog
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import os
 
-from posttrain.hookspecs import hookimpl
+from posttrain.markers import hookimpl
 
 CURVES = (("reward/mean", "reward"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"))
 # Shown only when the run measured them.

@@ -1,7 +1,7 @@
 """The core's weight sync, registered ``trylast``: its transports, the default choice between
 them, the default sync (run the chosen transport), and the byte sums on exported buckets."""
 
-from posttrain.hookspecs import hookimpl
+from posttrain.markers import hookimpl
 
 
 @hookimpl(trylast=True)

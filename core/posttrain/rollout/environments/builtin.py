@@ -1,7 +1,7 @@
 """The core's environments, declared by name (``trylast``: a plugin declaring the same name is
 reported as a conflict rather than silently replacing them)."""
 
-from posttrain.hookspecs import hookimpl
+from posttrain.markers import hookimpl
 from posttrain.rollout.environments.calculator import CalculatorConfig, calculator_environment
 from posttrain.rollout.environments.python_sandbox import (
     PythonSandboxConfig,
