@@ -38,6 +38,10 @@ from posttrain.markers import hookimpl
 class EngineHooks:
     strategies: ClassVar[tuple[str, ...]] = ()
     engine: ClassVar[str] = ""
+    # Modules worth importing once in the CPU fork server that local ranks are forked from (the
+    # engine's heavy library), rather than in every rank; nothing that starts a thread or asks
+    # a GPU anything at import.
+    preload: ClassVar[tuple[str, ...]] = ()
 
     def _call(self, name: str, worker, *args: Any) -> Any:
         if worker.strategy_name not in self.strategies:

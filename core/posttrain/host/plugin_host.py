@@ -11,6 +11,7 @@ from __future__ import annotations
 import importlib
 import importlib.metadata
 import os
+from collections.abc import Iterable
 from types import ModuleType
 
 import attrs
@@ -153,6 +154,19 @@ class PluginHost:
                     found[spec.name] = spec
             self._strategies = found
         return self._strategies
+
+    def fork_preload(self, strategies: Iterable[str] | None = None) -> list[str]:
+        """The modules the plugins owning ``strategies`` (default: every plugin) ask the CPU fork
+        server to import (``EngineHooks.preload``)."""
+
+        wanted = None if strategies is None else set(strategies)
+        modules: list[str] = []
+        for plugin in self.pm.get_plugins():
+            if isinstance(plugin, EngineHooks) and (
+                wanted is None or wanted & set(plugin.strategies)
+            ):
+                modules += [m for m in plugin.preload if m not in modules]
+        return modules
 
     def answers_by_plugin(self, hook_name: str, **kwargs) -> list[tuple[str, object]]:
         """Call every implementation of a collecting hook; return ``(plugin name, answer)``

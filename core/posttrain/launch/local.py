@@ -15,6 +15,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Iterable
 from typing import Any
 
 from posttrain.errors import WorkerError
@@ -37,6 +38,18 @@ STOP_CALL = -2
 # What every rank imports before anything else: a fork server imports it once, and ranks start as
 # its forks instead of importing it each (seconds of CPU per rank: most of a small job's start).
 PRELOADED = ("torch", "transformers", "posttrain.launch.rank_main")
+# Engines' libraries the fork server imports too (``EngineHooks.preload``: megatron-core alone
+# takes 10 s a rank on a CI core), named before the server starts: it reads the list once.
+_engine_preload: list[str] = []
+
+
+def preload_in_fork_server(modules: Iterable[str]) -> None:
+    """Have the CPU fork server import ``modules`` too, once it starts (a server already running
+    keeps what it has; a rank imports the rest itself). A module that fails to import there is
+    left to the ranks, which report the error."""
+    for module in modules:
+        if module not in _engine_preload:
+            _engine_preload.append(module)
 
 
 def rank_context(device: str):
@@ -48,7 +61,7 @@ def rank_context(device: str):
     if device != "cpu" or "forkserver" not in multiprocessing.get_all_start_methods():
         return multiprocessing.get_context("spawn")
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOADED))
+    ctx.set_forkserver_preload([*PRELOADED, *_engine_preload])
     return ctx
 
 

@@ -121,8 +121,11 @@ def start_groups(
     """Start every role's ranks as the plan groups them (printing each set as it starts);
     ``watch``: the driver's :class:`~posttrain.launch.hang_watch.HangWatch`, from the roles'
     set-up on."""
+    from posttrain.launch.local import preload_in_fork_server
+
     roles = workflow.roles()
     plan = plan_processes(workflow, host)
+    preload_in_fork_server(host.fork_preload(r.strategy_args.strategy_name for r in roles.values()))
     launcher = make_launcher(workflow, plan)
     where = launcher.description()
     if where:

@@ -9,6 +9,12 @@ import pytest
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "conformance: posttrain strategy contract test")
+    # A test session starts many groups of every engine: the CPU fork server its local ranks
+    # come from imports every installed engine's library once (EngineHooks.preload).
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.launch.local import preload_in_fork_server
+
+    preload_in_fork_server(create_plugin_host().fork_preload())
 
 
 @pytest.fixture(scope="session")

@@ -1,7 +1,8 @@
-"""Run a function on N spawned ranks with torch.distributed's environment set (for tests).
+"""Run a function on N new ranks with torch.distributed's environment set (for tests).
 
 Backend tests drive engines by hand on 1-2 ranks: ``run_ranks("my_workers:scenario", 2, ...)``
-imports ``my_workers`` in each child (spawned children get the parent's ``sys.path``) and calls
+imports ``my_workers`` in each child (children get the parent's ``sys.path`` and environment)
+and calls
 ``scenario(rank, world_size, *args, **kwargs)`` after setting MASTER_ADDR/PORT, RANK, WORLD_SIZE
 and LOCAL_RANK. A rank that raises prints its traceback and fails the run; a run that outlives
 ``timeout`` is terminated and raises :class:`TimeoutError`.
@@ -16,19 +17,23 @@ import time
 import traceback
 from typing import Any
 
-from posttrain.launch.local import free_port
+from posttrain.launch.local import free_port, rank_context
 
 
 def run_ranks(target: str, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any):
+    import torch
     import torch.multiprocessing as mp
 
     port = free_port()
+    # Without a GPU, forks of the launcher's fork server (torch, transformers and the installed
+    # engines' libraries imported once, posttrain.launch.local.rank_context), else spawned.
+    method = "spawn" if torch.cuda.is_available() else rank_context("cpu").get_start_method()
     ctx = mp.start_processes(
         _entry,
-        args=(world_size, port, target, args, kwargs),
+        args=(world_size, port, target, args, kwargs, dict(os.environ), list(sys.path)),
         nprocs=world_size,
         join=False,
-        start_method="spawn",
+        start_method=method,
     )
     deadline = time.monotonic() + timeout
     while not ctx.join(timeout=1.0):
@@ -39,10 +44,23 @@ def run_ranks(target: str, world_size: int, *args: Any, timeout: float = 240.0, 
             raise TimeoutError(f"{target} on {world_size} ranks timed out after {timeout:.0f}s")
 
 
-def _entry(rank: int, world_size: int, port: int, target: str, args: tuple, kwargs: dict):
+def _entry(
+    rank: int,
+    world_size: int,
+    port: int,
+    target: str,
+    args: tuple,
+    kwargs: dict,
+    env: dict[str, str],
+    path: list[str],
+):
     import torch
     import torch.distributed as dist
 
+    # A fork server's child has the server's environment and path, from when it started.
+    os.environ.clear()
+    os.environ.update(env)
+    sys.path[:] = path
     torch.set_num_threads(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",

@@ -22,6 +22,7 @@ TESTED = ">=0.16,<0.20"
 class DeepSpeedPlugin(EngineHooks):
     strategies = STRATEGIES
     engine = "posttrain_deepspeed.engine"
+    preload = ("deepspeed", "posttrain_deepspeed.engine")  # deepspeed: about 4 s of a CI core
 
     @hookimpl
     def posttrain_add_strategies(self):

@@ -67,6 +67,18 @@ def split_by_layout(members: tuple[str, ...], layout_of) -> list[tuple[str, ...]
 class MegatronPlugin(EngineHooks):
     strategies = STRATEGIES
     engine = "posttrain_megatron.engine"
+    # megatron-core and mbridge take about 10 s of a CI core to import: once in the fork server.
+    preload = (
+        "megatron.core.models.gpt.gpt_model",
+        "megatron.core.models.gpt.gpt_layer_specs",
+        "megatron.core.optimizer",
+        "megatron.core.distributed",
+        "megatron.core.pipeline_parallel",
+        "megatron.core.tensor_parallel",
+        "megatron.core.dist_checkpointing",
+        "mbridge",
+        "posttrain_megatron.engine",
+    )
 
     @hookimpl
     def posttrain_add_strategies(self):
