@@ -86,23 +86,30 @@ def checked(
     state[VERIFIED] = 0
     for bucket in buckets:
         if bucket and bucket.digests is not None:
-            if engine_shapes is not None:
-                expected = engine_shapes()
-                if expected is not None:
-                    sent = ((name, tuple(t.shape)) for name, t in bucket.tensors)
-                    problems = name_problems(sent, expected)
-                    if problems:
-                        raise WeightSyncMismatch(
-                            f"weight sync into {where}: the trainer's weights do not match the "
-                            f"rollout engine's: {'; '.join(problems[:8])}"
-                            + (f"; and {len(problems) - 8} more" if len(problems) > 8 else "")
-                            + ". A trainer and a rollout engine of different versions may name "
-                            "or shape a parameter differently: the run stops here rather than "
-                            "roll out with weights nobody trained."
-                        )
+            expected = engine_shapes() if engine_shapes is not None else None
+            if expected is not None:
+                check_names(bucket, where, expected)
             check(bucket, where)
             state[VERIFIED] += 1
         yield bucket
+
+
+def _listed(items: list[str], most: int = 8) -> str:
+    """``items`` joined, the first ``most`` of them, with how many more."""
+    more = f"; and {len(items) - most} more" if len(items) > most else ""
+    return "; ".join(items[:most]) + more
+
+
+def check_names(bucket: WeightBucket, where: str, expected: dict[str, tuple[int, ...]]) -> None:
+    """Each of the bucket's tensors is one the engine takes, with the shape it takes."""
+    problems = name_problems(((n, tuple(t.shape)) for n, t in bucket.tensors), expected)
+    if problems:
+        raise WeightSyncMismatch(
+            f"weight sync into {where}: the trainer's weights do not match the rollout engine's: "
+            f"{_listed(problems)}. A trainer and a rollout engine of different versions may name "
+            "or shape a parameter differently: the run stops here rather than roll out with "
+            "weights nobody trained."
+        )
 
 
 def check(bucket: WeightBucket, where: str) -> None:
@@ -121,7 +128,6 @@ def check(bucket: WeightBucket, where: str) -> None:
     if differ:
         raise WeightSyncMismatch(
             f"weight sync into {where}: {len(differ)} of the bucket's {len(names)} tensors "
-            f"differ from what the trainer sent (byte sums): {'; '.join(differ[:8])}"
-            + (f"; and {len(differ) - 8} more" if len(differ) > 8 else "")
-            + ". The run stops here rather than roll out with weights nobody trained."
+            f"differ from what the trainer sent (byte sums): {_listed(differ)}. The run stops here "
+            "rather than roll out with weights nobody trained."
         )
