@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.tensor import DTensor, Shard
@@ -196,12 +197,13 @@ def _in_chunks(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tens
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    if "tp_mesh" in worker.state:
-        # The chunked head multiplies by the output weight, a shard here: full logits (the
-        # model's own, gathered over the replica's ranks).
-        forward = partial(forward_logits, worker.model)
-    else:
-        forward = logprob_forward(worker, worker.model, train=False)
+    # The chunked head multiplies by the output weight, a shard in a split replica: full logits
+    # there (the model's own, gathered over the replica's ranks).
+    forward: Callable[[SequenceBatch], Any] = (
+        partial(forward_logits, worker.model)
+        if "tp_mesh" in worker.state
+        else logprob_forward(worker, worker.model, train=False)
+    )
 
     def logprobs(ids, mask):
         rows = SequenceBatch({"input_ids": ids, "attention_mask": mask})
