@@ -166,6 +166,30 @@ def test_auto_release_knobs_turn_on_largest_first_only_until_the_plan_fits(quick
     assert ("actor_infer", "param_offload") in on
 
 
+def test_a_rollout_alone_on_its_gpus_is_never_released(quickstart):
+    from posttrain.cli import _parse_overrides
+
+    _, host = quickstart
+    overrides = _parse_overrides(
+        [
+            "actor_train.device_mapping=[0]",
+            "reference.device_mapping=[0]",
+            "actor_infer.device_mapping=[1]",
+        ]
+    )
+    workflow, report = load_workflow(str(QUICKSTART), host, overrides)
+    assert not report.errors
+    workflow = resolve_recompute(workflow, host, capacity=None)
+    trainer_gpu = max(p.total for p in plan_memory(workflow, host).peaks if p.device == 0)
+    tight = resolve_release(workflow, host, capacity=int(trainer_gpu / USABLE_SHARE) - 2**20)
+    settings = release_settings(tight)
+    # The trainer's GPU is over: its roles release; a host round trip of the rollout's weights
+    # would free nothing there.
+    on_trainer_gpu = {**settings["actor_train"], **settings["reference"]}
+    assert any(v is True for v in on_trainer_gpu.values()), settings
+    assert settings["actor_infer"]["param_offload"] is False
+
+
 def test_a_plan_over_the_card_is_refused_with_its_numbers_and_knobs(quickstart):
     workflow, host = quickstart
     plan = plan_memory(workflow, host, capacity=GIB // 1024)

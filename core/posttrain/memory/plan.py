@@ -212,8 +212,9 @@ def with_release(
 
 def resolve_release(workflow: Workflow, host, capacity: int | None) -> Workflow:
     """Release knobs left at ``auto`` resolved: off where the plan fits without them; else
-    turned on one at a time, the one freeing most first, until it fits (or all are on: the plan
-    then refuses the workflow, naming what is left). On the CPU (no capacity) they stay
+    turned on one at a time, the one freeing most first, until it fits. A knob that lowers no
+    peak over the card stays off; if the plan is still over with the rest on, it refuses the
+    workflow, naming what is left. On the CPU (no capacity) they stay
     ``auto``, which the engines read as off: memory there is the host's."""
     if capacity is None:
         return workflow
@@ -231,9 +232,19 @@ def resolve_release(workflow: Workflow, host, capacity: int | None) -> Workflow:
     for _size, name, field in candidates:
         if not plan.over():
             break
-        turned_on.setdefault(name, set()).add(field)
-        plan = plan_memory(with_release(workflow, estimates, turned_on), host, capacity)
+        trial = {**turned_on, name: turned_on.get(name, set()) | {field}}
+        tried = plan_memory(with_release(workflow, estimates, trial), host, capacity)
+        # Only a knob that lowers what is over the card: a role alone on its GPUs (a
+        # disaggregated rollout) gains nothing from a host round trip each step.
+        if overage(tried) < overage(plan):
+            turned_on, plan = trial, tried
     return with_release(workflow, estimates, turned_on)
+
+
+def overage(plan: MemoryPlan) -> int:
+    """Bytes above the usable share of the card, summed over the (GPU, phase) peaks over it."""
+    usable = plan.usable() or 0
+    return sum(peak.total - usable for peak in plan.over())
 
 
 def resolve_memory(workflow: Workflow, host, capacity: int | None) -> Workflow:
