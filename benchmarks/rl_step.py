@@ -280,13 +280,16 @@ def _seconds(metrics: dict, phase: str) -> str:
 
 def built_params(args, model: str, dtype: str) -> int:
     """Build the model (on the GPU in a process of its own, whose CUDA context is gone before the
-    ranks start) and return its parameter count."""
+    ranks start) and return its parameter count. Its positions cover the workload's longest
+    row (``realistic``: 256 + 4,096 tokens)."""
+    _, _, prompt_len, new_tokens = WORKLOADS[args.workload]
+    positions = max(4096, prompt_len + new_tokens)
     if args.device != "cuda":
-        return build_model(args.shape, model, dtype=dtype, max_positions=4096).params
+        return build_model(args.shape, model, dtype=dtype, max_positions=positions).params
     spawn = multiprocessing.get_context("spawn")
     with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
         job = pool.submit(
-            build_model, args.shape, model, dtype=dtype, max_positions=4096, device="cuda"
+            build_model, args.shape, model, dtype=dtype, max_positions=positions, device="cuda"
         )
         return job.result().params
 

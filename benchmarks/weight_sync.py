@@ -18,6 +18,8 @@ Effective GB/s = bytes of the model's weights in its dtype / wall time of the wh
 from __future__ import annotations
 
 import argparse
+import concurrent.futures
+import multiprocessing
 import statistics
 import tempfile
 import time
@@ -58,6 +60,19 @@ LAYOUTS = {
 }
 
 
+def built_bytes(args, path: str) -> int:
+    """Build the model (on a GPU in a process of its own, whose CUDA context is gone before the
+    ranks start: an 8B model takes minutes on the CPU) and return its bytes."""
+    if args.device != "cuda":
+        return build_model(args.shape, path, dtype=args.dtype, max_positions=8192).nbytes
+    spawn = multiprocessing.get_context("spawn")
+    with concurrent.futures.ProcessPoolExecutor(1, mp_context=spawn) as pool:
+        job = pool.submit(
+            build_model, args.shape, path, dtype=args.dtype, max_positions=8192, device="cuda"
+        )
+        return job.result().nbytes
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
@@ -78,9 +93,7 @@ def main() -> int:
     installed = create_plugin_host().strategies()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_bytes = build_model(
-            args.shape, f"{tmp}/model", dtype=args.dtype, max_positions=8192
-        ).nbytes
+        model_bytes = built_bytes(args, f"{tmp}/model")
         settings = dict(
             devices=tuple(range(args.ranks)),
             model_dtype=args.dtype,
