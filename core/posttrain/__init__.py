@@ -117,6 +117,7 @@ _PUBLIC = {
     "TrainingArgs": "posttrain.config.sections",
     "GeneratingArgs": "posttrain.config.sections",
     "Workflow": "posttrain.config.sections",
+    "ScoringOptions": "posttrain.config.scoring_options",
     "at_least": "posttrain.config.ranges",
     "greater_than": "posttrain.config.ranges",
     "between": "posttrain.config.ranges",
@@ -249,6 +250,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     from posttrain.checkpoint.host_buffers import HostBuffers, write_threads
     from posttrain.config.ranges import at_least, between, greater_than
     from posttrain.config.report import ErrorReport, did_you_mean, join_path, unknown_keys
+    from posttrain.config.scoring_options import ScoringOptions
     from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs, Workflow
     from posttrain.errors import (
         CheckpointError,

@@ -58,7 +58,17 @@ _INTERNAL = {(Workflow, "base_dir")}
 
 
 def _field_comments(cls: type) -> dict[str, str]:
-    """Comments attached to each field of ``cls`` in its source file."""
+    """Comments attached to each field of ``cls``, inherited fields included (from the class
+    that declares them last, as attrs takes the field)."""
+    out: dict[str, str] = {}
+    for klass in reversed(cls.__mro__):
+        if attrs.has(klass):
+            out.update(_own_field_comments(klass))
+    return out
+
+
+def _own_field_comments(cls: type) -> dict[str, str]:
+    """Comments attached to each field declared in ``cls``'s body, in its source file."""
     try:
         source = inspect.getsource(sys.modules[cls.__module__])
     except (OSError, TypeError, KeyError):

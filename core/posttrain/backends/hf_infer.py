@@ -30,6 +30,7 @@ from posttrain.backends.plumbing import (
 from posttrain.backends.static_decode import DecodeSettings, StaticDecoders, supports_static
 from posttrain.backends.tensors import unshare_storage
 from posttrain.backends.token_sampling import draw, gumbel_draw, is_plain
+from posttrain.config.scoring_options import scoring_options
 from posttrain.errors import UserError
 from posttrain.protocol import (
     GenerationRequest,
@@ -186,9 +187,10 @@ def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: in
 
 @torch.no_grad()
 def _in_chunks(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tensor:
-    """``score(ids, mask)`` over ``infer_batch_size`` rows at a time, concatenated on the host."""
+    """``score(ids, mask)`` over ``logprob_micro_batch_size`` or ``micro_batch_size`` rows at a
+    time when set, else ``infer_batch_size`` (or ``batch_size``), concatenated on the host."""
     parts = []
-    step = _batch_size(worker)
+    step = scoring_options(worker).scoring_rows() or _batch_size(worker)
     for start in range(0, len(batch), step):
         ids = batch.input_ids[start : start + step].to(worker.device)
         mask = batch.attention_mask[start : start + step].to(worker.device)

@@ -12,6 +12,7 @@ from typing import Literal
 import attrs
 
 from posttrain.config.ranges import at_least
+from posttrain.config.scoring_options import ScoringOptions
 from posttrain.host.engine_hooks import EngineHooks
 from posttrain.host.strategy import Capabilities, StrategySpec
 from posttrain.markers import hookimpl
@@ -29,8 +30,13 @@ STRATEGY = "hf_infer"
 
 
 @attrs.frozen(kw_only=True)
-class HFInferConfig:
-    """``strategy_config`` of ``hf_infer``."""
+class HFInferConfig(ScoringOptions):
+    """``strategy_config`` of ``hf_infer``.
+
+    Scoring (log-probs, reward-model scores) runs ``logprob_micro_batch_size`` or
+    ``micro_batch_size`` rows a forward pass when one is set, else as generation does (the
+    role's ``infer_batch_size``, else ``batch_size``).
+    """
 
     # Prompts per forward pass when generating or scoring (the role's infer_batch_size wins).
     batch_size: int = attrs.field(default=64, validator=at_least(1))
@@ -63,11 +69,6 @@ class HFInferConfig:
     # lives only during a generation); off, they stay on the device; auto: on where the memory
     # plan needs it (`posttrain plan` says which).
     param_offload: ReleaseKnob = "auto"
-    # Log-probs from the output head this many tokens at a time (forward and backward), never
-    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
-    logprob_chunk_tokens: int = attrs.field(
-        default=1024, validator=at_least(1, also={0: "off: full logits"})
-    )
     # Ranks a replica spans, for a model one GPU cannot hold: ranks [k*N, (k+1)*N) of the
     # role's device_mapping hold replica k, its layers split by transformers' tensor-parallel
     # plan (`tp_plan`, DTensor). Such a replica decodes with the dynamic cache and scores from
@@ -161,7 +162,7 @@ def estimate_memory(query: MemoryQuery) -> RoleMemory:
         phases = {"rollout": step}
         knobs.append(f"{query.role_name}.infer_batch_size: fewer rows decode at once (KV cache)")
     else:
-        tokens = rows * work.sequence_tokens
+        tokens = (cfg.scoring_rows() or rows) * work.sequence_tokens
         phases = {
             "logprobs": {
                 "forward": forward_working_bytes(g, tokens, b),

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 
+from posttrain.config.scoring_options import scoring_options
 from posttrain.scoring.chunked_logprobs import chunked_token_logprobs
 
 if TYPE_CHECKING:
@@ -146,7 +147,8 @@ def logprob_forward(
     """``forward(micro_batch)`` for :func:`~posttrain.training.rank_batches.accumulate_gradients`
     (``train``) or :func:`~posttrain.training.rank_batches.score_logprobs`.
 
-    With the role's ``strategy_config.logprob_chunk_tokens`` > 0, an LM head and a model whose
+    With the role's ``strategy_config.logprob_chunk_tokens`` > 0 (a
+    :class:`~posttrain.config.scoring_options.ScoringOptions`), an LM head and a model whose
     head's output is its logits (:func:`chunkable`), it returns :class:`TokenLogprobs` computed
     through the chunked head (entropy and its gradient only when training needs them); else
     ``logits_forward(micro_batch)`` (default: the model's logits), as before.
@@ -154,7 +156,7 @@ def logprob_forward(
     from posttrain.backends.plumbing import forward_logits, log_once
 
     full = logits_forward or (lambda mb: forward_logits(model, mb))
-    chunk = getattr(worker.config, "logprob_chunk_tokens", 0) or 0
+    chunk = scoring_options(worker).logprob_chunk_tokens
     if chunk <= 0 or worker.head != "lm":
         return full
     target = hf_model if hf_model is not None else model

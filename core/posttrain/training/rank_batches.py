@@ -15,6 +15,7 @@ import torch
 
 from posttrain.backends.distributed import agree_max
 from posttrain.backends.plumbing import rank_device
+from posttrain.config.scoring_options import scoring_options
 from posttrain.protocol import SequenceBatch
 from posttrain.scoring.logprob_head import TokenLogprobs
 from posttrain.scoring.modeling import shifted_entropy, shifted_token_logprobs, shifted_values
@@ -25,15 +26,15 @@ if TYPE_CHECKING:
 
 
 def micro_batch_size(worker: WorkerContext, train: bool, for_logprobs: bool) -> int:
-    """Rows per micro-batch: the strategy config's ``micro_batch_size`` (in a trainer scoring,
-    ``logprob_micro_batch_size`` first), else ``per_device_train_batch_size`` in a trainer and
-    the role's ``infer_batch_size`` (or 8) in a scorer."""
-    cfg = worker.config
+    """Rows per micro-batch: the strategy config's ``micro_batch_size`` (when scoring,
+    ``logprob_micro_batch_size`` first; see :class:`~posttrain.ScoringOptions`), else
+    ``per_device_train_batch_size`` in a trainer and the role's ``infer_batch_size`` (or 8) in a
+    scorer."""
+    options = scoring_options(worker)
+    rows = options.scoring_rows() if for_logprobs else options.micro_batch_size
     if not train:
-        return cfg.micro_batch_size or worker.state.get("infer_batch_size") or 8
-    if for_logprobs and cfg.logprob_micro_batch_size:
-        return cfg.logprob_micro_batch_size
-    return cfg.micro_batch_size or worker.require_training_args().per_device_train_batch_size
+        return rows or worker.state.get("infer_batch_size") or 8
+    return rows or worker.require_training_args().per_device_train_batch_size
 
 
 def _token_budget(worker: WorkerContext) -> int | None:

@@ -12,12 +12,13 @@ from typing import Any
 
 import attrs
 
-from posttrain import ReleaseKnob, at_least, between
+from posttrain import ReleaseKnob, ScoringOptions, at_least, between
 
 
 @attrs.frozen(kw_only=True)
-class DeepSpeedZeroConfig:
-    """ZeRO knobs shared by both strategies."""
+class DeepSpeedZeroConfig(ScoringOptions):
+    """ZeRO knobs shared by both strategies (with the rows per forward pass and log-prob
+    chunking of :class:`posttrain.ScoringOptions`)."""
 
     # 1: optimizer state partitioned; 2: + gradients; 3: + parameters.
     zero_stage: int = attrs.field(default=2, validator=between(1, 3))
@@ -41,11 +42,6 @@ class DeepSpeedZeroConfig:
     # another role on the same GPUs runs (DeepSpeed's offload_states); off, they stay on the
     # device: faster, when memory allows; auto: on where the memory plan needs it.
     release_when_idle: ReleaseKnob = "auto"
-    # Log-probs from the output head this many tokens at a time (forward and backward), never
-    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
-    logprob_chunk_tokens: int = attrs.field(
-        default=1024, validator=at_least(1, also={0: "off: full logits"})
-    )
     # Any other DeepSpeed config keys, merged over what the plugin builds (nested dicts merge).
     ds_config: dict[str, Any] = attrs.field(factory=dict)
 
@@ -64,10 +60,6 @@ class DeepSpeedTrainConfig(DeepSpeedZeroConfig):
 
     # ZeRO-Offload of the optimizer state and step to host memory (DeepSpeedCPUAdam).
     offload_optimizer: bool = False
-    # Rows per micro-batch; None: training_args.per_device_train_batch_size.
-    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
-    # Rows per forward pass when computing log-probs; None: micro_batch_size.
-    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
@@ -75,9 +67,9 @@ class DeepSpeedInferConfig(DeepSpeedZeroConfig):
     """``strategy_config`` of ``deepspeed_infer`` (reference / old-policy log-probs).
 
     No optimizer: ZeRO-3 partitions the parameters over the ranks; stages 1 and 2 (which
-    partition optimizer state and gradients only) keep a full copy per rank.
+    partition optimizer state and gradients only) keep a full copy per rank. Rows per forward
+    pass: ``logprob_micro_batch_size`` or ``micro_batch_size``, else the role's
+    ``infer_batch_size``, else 8.
     """
 
     zero_stage: int = attrs.field(default=3, validator=between(1, 3))
-    # Rows per forward pass; None: the role's infer_batch_size, else 8.
-    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))

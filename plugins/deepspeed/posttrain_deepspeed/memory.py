@@ -71,9 +71,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         "optimizer": 0 if cfg.offload_optimizer else master,
     }
     train_tokens = query.train_micro_batch_tokens(cfg.micro_batch_size)
-    score_tokens = query.train_micro_batch_tokens(
-        cfg.logprob_micro_batch_size or cfg.micro_batch_size
-    )
+    score_tokens = query.train_micro_batch_tokens(cfg.scoring_rows())
     gathered = _gathered(query) if cfg.zero_stage == 3 else 0
     phases = hf_trainer_phases(
         query,
@@ -107,7 +105,7 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
     """The weights (partitioned at ZeRO-3) and one micro-batch's forward pass."""
     g, cfg = query.geometry, query.config
     compute = query.dtype_bytes
-    tokens = query.scoring_micro_batch_tokens(cfg.micro_batch_size)
+    tokens = query.scoring_micro_batch_tokens(cfg.scoring_rows())
     weights = g.params * compute // (query.gpus if cfg.zero_stage == 3 else 1)
     phases = {
         "logprobs": {

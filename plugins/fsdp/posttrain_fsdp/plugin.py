@@ -17,9 +17,9 @@ from posttrain import (
     MemoryQuery,
     ReleaseKnob,
     RoleMemory,
+    ScoringOptions,
     StrategySpec,
     adam_trainer_state,
-    at_least,
     dtype_bytes,
     forward_working_bytes,
     hf_trainer_phases,
@@ -36,13 +36,14 @@ DtypeName = Literal["fp32", "bf16", "fp16"]
 
 
 @attrs.frozen(kw_only=True)
-class FSDP2TrainConfig:
+class FSDP2TrainConfig(ScoringOptions):
     """``strategy_config`` of ``fsdp2_train``.
 
     Master weights and optimizer state are float32; ``param_dtype`` is the dtype of the gathered
     weights the forward/backward run in (mixed precision). Gradient checkpointing follows
     ``model_args.disable_gradient_checkpointing``; micro-batching follows ``training_args``
-    (``use_dynamic_batch_size`` / ``max_tokens_per_micro_batch``) unless set here.
+    (``use_dynamic_batch_size`` / ``max_tokens_per_micro_batch``) unless set here
+    (``micro_batch_size``, ``logprob_micro_batch_size``: :class:`posttrain.ScoringOptions`).
     """
 
     # Compute dtype of the all-gathered parameters; None: the role's model_args.dtype.
@@ -58,23 +59,14 @@ class FSDP2TrainConfig:
     # on the device: faster, when memory allows; auto: on where the memory plan needs it.
     param_offload: ReleaseKnob = "auto"
     optimizer_offload: ReleaseKnob = "auto"
-    # Rows per micro-batch; None: training_args.per_device_train_batch_size.
-    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
-    # Rows per forward pass when computing log-probs; None: micro_batch_size.
-    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
-    # Log-probs from the output head this many tokens at a time (forward and backward), never
-    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
-    logprob_chunk_tokens: int = attrs.field(
-        default=1024, validator=at_least(1, also={0: "off: full logits"})
-    )
 
 
 @attrs.frozen(kw_only=True)
-class FSDP2InferConfig:
-    """``strategy_config`` of ``fsdp2_infer`` (reference / old-policy log-probs)."""
+class FSDP2InferConfig(ScoringOptions):
+    """``strategy_config`` of ``fsdp2_infer`` (reference / old-policy log-probs). Rows per
+    forward pass: ``logprob_micro_batch_size`` or ``micro_batch_size``, else the role's
+    ``infer_batch_size``, else 8."""
 
-    # Rows per forward pass; None: the role's infer_batch_size, else 8.
-    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
     # Compute dtype of the all-gathered parameters; None: the role's model_args.dtype.
     param_dtype: DtypeName | None = None
     reshard_after_forward: bool = True
@@ -82,11 +74,6 @@ class FSDP2InferConfig:
     # Move the weights to host memory while another role on the same GPUs runs; auto: where the
     # memory plan needs it.
     param_offload: ReleaseKnob = "auto"
-    # Log-probs from the output head this many tokens at a time (forward and backward), never
-    # the whole [tokens, vocab] float32 logits; 0: from the full logits, as before.
-    logprob_chunk_tokens: int = attrs.field(
-        default=1024, validator=at_least(1, also={0: "off: full logits"})
-    )
 
 
 class FSDPPlugin(EngineHooks):
@@ -152,9 +139,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     resident = {} if cfg.cpu_offload else state
     gathered = 2 * g.layer_params * compute + g.vocab_size * g.hidden_size * compute
     train_tokens = query.train_micro_batch_tokens(cfg.micro_batch_size)
-    score_tokens = query.train_micro_batch_tokens(
-        cfg.logprob_micro_batch_size or cfg.micro_batch_size
-    )
+    score_tokens = query.train_micro_batch_tokens(cfg.scoring_rows())
     phases = hf_trainer_phases(
         query,
         dtype_bytes=compute,
@@ -187,7 +172,7 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
     one micro-batch's forward pass."""
     g, cfg = query.geometry, query.config
     compute = dtype_bytes(cfg.param_dtype or query.role.model_args.dtype)
-    tokens = query.scoring_micro_batch_tokens(cfg.micro_batch_size)
+    tokens = query.scoring_micro_batch_tokens(cfg.scoring_rows())
     weights = 0 if cfg.cpu_offload else g.params * compute // query.gpus
     phases = {
         "logprobs": {

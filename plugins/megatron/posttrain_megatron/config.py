@@ -12,15 +12,18 @@ from typing import Any, Literal
 
 import attrs
 
-from posttrain import ReleaseKnob, at_least, between
+from posttrain import ReleaseKnob, ScoringOptions, at_least, between
 
 # "auto": TransformerEngine's spec when it is installed, else "sdpa".
 AttentionBackend = Literal["auto", "sdpa", "local", "transformer_engine"]
 
 
 @attrs.frozen(kw_only=True)
-class MegatronParallelConfig:
-    """Model layout and loading, shared by both strategies."""
+class MegatronParallelConfig(ScoringOptions):
+    """Model layout and loading, shared by both strategies, with the rows per forward pass and
+    log-prob chunking of :class:`posttrain.ScoringOptions`. With ``logprob_chunk_tokens``, log-probs
+    come from the output layer a chunk of tokens at a time, vocab-parallel: the whole
+    ``[tokens, vocab / tp]`` logits are never built."""
 
     tensor_model_parallel_size: int = attrs.field(default=1, validator=at_least(1))
     pipeline_model_parallel_size: int = attrs.field(default=1, validator=at_least(1))
@@ -51,13 +54,6 @@ class MegatronParallelConfig:
     # as verl's param_offload); off, they stay on the device: faster, when memory allows; auto:
     # on where the memory plan needs it (`posttrain plan` says which).
     param_offload: ReleaseKnob = "auto"
-    # Rows per forward pass when scoring (log-probs); None: the role's infer_batch_size, else 8.
-    logprob_micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
-    # Log-probs from the output layer this many tokens at a time (forward and backward), never
-    # the whole [tokens, vocab / tp] logits; 0: from the full logits, as before.
-    logprob_chunk_tokens: int = attrs.field(
-        default=1024, validator=at_least(1, also={0: "off: full logits"})
-    )
 
 
 @attrs.frozen(kw_only=True)
@@ -86,14 +82,13 @@ class MegatronTrainConfig(MegatronParallelConfig):
     optimizer_offload: bool = False
     # Share of the optimizer state kept on the host when optimizer_offload is on.
     optimizer_offload_fraction: float = attrs.field(default=1.0, validator=between(0, 1))
-    # Rows per micro-batch; None: training_args.per_device_train_batch_size.
-    micro_batch_size: int | None = attrs.field(default=None, validator=at_least(1))
 
 
 @attrs.frozen(kw_only=True)
 class MegatronInferConfig(MegatronParallelConfig):
     """``strategy_config`` of ``megatron_infer`` (reference / old-policy log-probs); its layout
-    may differ from the trainer's."""
+    may differ from the trainer's. Rows per forward pass: ``logprob_micro_batch_size`` or
+    ``micro_batch_size``, else the role's ``infer_batch_size``, else 8."""
 
     # Accepted so a trainer's block carries over (Trinity-RFT's ref sets both to false); an
     # inference role has no gradients or optimizer state, so true is a validation error.

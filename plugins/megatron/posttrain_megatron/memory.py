@@ -77,9 +77,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     rank = _per_rank_geometry(g, tp)
     sequence_split = tp if cfg.sequence_parallel else 1
     train_tokens = query.train_micro_batch_tokens(cfg.micro_batch_size, dp)
-    score_tokens = query.scoring_micro_batch_tokens(
-        cfg.logprob_micro_batch_size or cfg.micro_batch_size, dp
-    )
+    score_tokens = query.scoring_micro_batch_tokens(cfg.scoring_rows(), dp)
     chunk = cfg.logprob_chunk_tokens
     recompute = _recompute(query)
     phases = {
@@ -136,7 +134,7 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
     tp, pp, dp = _layout(query)
     compute = query.dtype_bytes
     rank = _per_rank_geometry(g, tp)
-    tokens = query.scoring_micro_batch_tokens(cfg.logprob_micro_batch_size, dp)
+    tokens = query.scoring_micro_batch_tokens(cfg.scoring_rows(), dp)
     released, auto = release_knobs(cfg, {"param_offload": ("weights",)})
     path = f"{query.role_name}.strategy_args.strategy_config"
     return RoleMemory(
