@@ -119,7 +119,8 @@ def workflow(args, model: str, data: Path) -> dict:
     cuda = args.device == "cuda"
     # Micro-batches by tokens (dynamic batching) unless --micro-batch fixes their rows; the
     # reference scores as many whole rows as the budget holds.
-    rows = max(1, args.max_tokens // (prompt_len + new_tokens))
+    mean_new = min(new_tokens, REALISTIC_MEAN) if args.workload == "realistic" else new_tokens
+    rows = max(1, args.max_tokens // (prompt_len + mean_new))
     batching = (
         {"per_device_train_batch_size": args.micro_batch}
         if args.micro_batch

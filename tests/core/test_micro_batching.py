@@ -38,7 +38,9 @@ def test_sequence_lengths_of_a_batch():
         {"input_ids": mask.clone(), "attention_mask": mask, "response_mask": mask.float()}
     )
     assert sequence_lengths(batch) == [3, 2, 4]
-    assert token_budget_micro_batches(batch, 5) in ([[0], [1, 2]], [[0, 1], [2]])
+    # Padded to its longest row, no two rows fit 5 tokens.
+    assert token_budget_micro_batches(batch, 5) == [[0], [1], [2]]
+    assert token_budget_micro_batches(batch, 6) == [[0, 1], [2]]
 
 
 @pytest.mark.parametrize("seed", range(5))
@@ -70,10 +72,20 @@ def test_token_budget_respects_budget_and_covers_all(seed):
     lengths = [rng.randint(1, 64) for _ in range(50)]
     parts = token_budget_micro_batches(lengths, 128)
     assert _flat(parts) == list(range(50))
-    assert all(sum(lengths[i] for i in p) <= 128 for p in parts)
+    padded = [len(p) * max(lengths[i] for i in p) for p in parts]
+    assert all(size <= 128 for size in padded)
     assert all(p == sorted(p) for p in parts)
-    # Not wasteful: close to the lower bound on the count.
-    assert len(parts) <= -(-sum(lengths) // 128) + 2
+    # Not wasteful: close to the lower bound on the count, and little padding computed.
+    assert len(parts) <= -(-sum(lengths) // 128) + 4
+    assert sum(padded) <= 1.2 * sum(lengths)
+
+
+def test_token_budget_keeps_a_long_tail_from_padding_the_short_rows():
+    # Long-tailed responses: one 4,000-token row among 1,000-token ones.
+    lengths = [1000] * 15 + [4000]
+    parts = token_budget_micro_batches(lengths, 8192)
+    assert [15] in parts  # the long row alone: the short ones are not padded to it
+    assert sum(len(p) * max(lengths[i] for i in p) for p in parts) == sum(lengths)
 
 
 def test_token_budget_long_sequence_alone_and_min_count():

@@ -34,6 +34,16 @@ def fixed_micro_batches(batch: Any, size: int) -> list[list[int]]:
     return [list(range(start, min(start + size, count))) for start in range(0, count, size)]
 
 
+def length_sorted_micro_batches(batch: Any, size: int) -> list[list[int]]:
+    """Micro-batches of ``size`` rows of similar length (longest first), for scoring passes,
+    whose results go back by row index: each is padded only to its own longest row."""
+    if size < 1:
+        raise ValueError(f"micro-batch size must be >= 1, got {size}")
+    lengths = sequence_lengths(batch)
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return [sorted(order[start : start + size]) for start in range(0, len(order), size)]
+
+
 def karmarkar_karp(lengths: Sequence[int], k: int, equal_size: bool = False) -> list[list[int]]:
     """Split indices of ``lengths`` into ``k`` partitions with balanced sums.
 
@@ -74,29 +84,60 @@ def karmarkar_karp(lengths: Sequence[int], k: int, equal_size: bool = False) -> 
 def token_budget_micro_batches(
     batch: Any, max_tokens: int, min_micro_batches: int = 1
 ) -> list[list[int]]:
-    """Balanced micro-batches whose token counts (sum of sequence lengths) stay under
-    ``max_tokens``, using as few micro-batches as the budget allows (at least
-    ``min_micro_batches``, e.g. the count another data-parallel rank needs).
+    """Micro-batches of rows of similar length whose padded size (rows x the longest row, what
+    a forward pass computes and keeps) stays under ``max_tokens``, as few as the budget allows
+    (at least ``min_micro_batches``, e.g. the count another data-parallel rank needs).
 
-    A sequence longer than the budget gets a micro-batch of its own. When there are fewer rows
-    than ``min_micro_batches`` the result has fewer micro-batches: the caller pads with empty
-    (zero-weight) ones. ``batch`` is a SequenceBatch or a sequence of lengths.
+    Rows sorted by length are cut into runs: the fewest micro-batches, and among those the
+    least padding (an exact dynamic program over the cuts), so a long response does not pad
+    short ones up to its length (with long-tailed lengths, balancing token sums instead put one
+    long row in every micro-batch and computed 2-3x the tokens). A sequence longer than the
+    budget gets a micro-batch of its own. When there are fewer rows than ``min_micro_batches``
+    the result has fewer micro-batches: the caller pads with empty (zero-weight) ones.
+    ``batch`` is a SequenceBatch or a sequence of lengths.
     """
     if max_tokens < 1:
         raise ValueError(f"max_tokens must be >= 1, got {max_tokens}")
     lengths = sequence_lengths(batch)
-    if not lengths:
-        return []
-    # Each over-long sequence needs its own micro-batch; the rest share the budget.
-    k = max(min_micro_batches, math.ceil(sum(lengths) / max_tokens))
-    k = min(k, len(lengths))
-    while True:
-        parts = [p for p in karmarkar_karp(lengths, k) if p]
-        over = [p for p in parts if len(p) > 1 and sum(lengths[i] for i in p) > max_tokens]
-        if not over or k >= len(lengths):
-            break
-        k += 1
-    return sorted(parts, key=lambda p: p[0])
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups = [order[a:b] for a, b in _cheapest_cuts([lengths[i] for i in order], max_tokens)]
+    while len(groups) < min(min_micro_batches, len(lengths)):
+        # Halve the costliest micro-batch that has more than one row.
+        j = max(
+            (g for g in range(len(groups)) if len(groups[g]) > 1),
+            key=lambda g: len(groups[g]) * lengths[groups[g][0]],
+        )
+        group = groups.pop(j)
+        groups[j:j] = [group[: len(group) // 2], group[len(group) // 2 :]]
+    return sorted((sorted(g) for g in groups), key=lambda p: p[0])
+
+
+def _cheapest_cuts(widths: list[int], max_tokens: int) -> list[tuple[int, int]]:
+    """``[start, end)`` runs of ``widths`` (longest first; a run is padded to its first) under
+    ``max_tokens`` each (a single row may exceed it): fewest runs, then least padding."""
+    inf = (math.inf, math.inf)
+    best: list[tuple[float, float]] = [(0, 0)] + [inf] * len(widths)
+    cut = [0] * (len(widths) + 1)
+    filled = 0  # tokens of widths[:end], for each run's padding
+    prefix = [0]
+    for w in widths:
+        filled += w
+        prefix.append(filled)
+    for end in range(1, len(widths) + 1):
+        for start in range(end - 1, -1, -1):
+            rows = end - start
+            if rows > 1 and rows * widths[start] > max_tokens:
+                break  # longer runs start at wider rows: over the budget too
+            count, padding = best[start]
+            option = (count + 1, padding + rows * widths[start] - (prefix[end] - prefix[start]))
+            if option < best[end]:
+                best[end], cut[end] = option, start
+    runs = []
+    end = len(widths)
+    while end:
+        runs.append((cut[end], end))
+        end = cut[end]
+    return runs[::-1]
 
 
 def balance_across_ranks(lengths: Sequence[int], num_ranks: int) -> list[list[int]]:

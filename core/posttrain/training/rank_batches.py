@@ -19,7 +19,11 @@ from posttrain.config.scoring_options import scoring_options
 from posttrain.protocol import SequenceBatch
 from posttrain.scoring.logprob_head import TokenLogprobs
 from posttrain.scoring.modeling import shifted_entropy, shifted_token_logprobs, shifted_values
-from posttrain.training.micro_batching import fixed_micro_batches, token_budget_micro_batches
+from posttrain.training.micro_batching import (
+    fixed_micro_batches,
+    length_sorted_micro_batches,
+    token_budget_micro_batches,
+)
 
 if TYPE_CHECKING:
     from posttrain.launch.worker import WorkerContext
@@ -53,6 +57,8 @@ def plan_micro_batches(
     budget = _token_budget(worker) if train else None
     if budget is not None:
         groups = token_budget_micro_batches(batch, budget)
+    elif for_logprobs:  # results go back by row: rows of similar length share a pass
+        groups = length_sorted_micro_batches(batch, micro_batch_size(worker, train, for_logprobs))
     else:
         groups = fixed_micro_batches(len(batch), micro_batch_size(worker, train, for_logprobs))
     count = agree_max(len(groups), rank_device(worker))
