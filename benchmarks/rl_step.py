@@ -196,8 +196,8 @@ def planned_peaks(path: Path, overrides: list[str]) -> dict[str, float]:
     ``path`` as ``posttrain run`` plans it (``auto`` checkpointing and release knobs resolved for
     this GPU, or ``cluster.gpu_memory_gib``)."""
     from posttrain.cli import _parse_overrides
-    from posttrain.config.workflow import load_workflow
     from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.loading.workflow import load_workflow
     from posttrain.memory.plan import card_bytes, plan_memory, resolve_memory
 
     host = create_plugin_host()

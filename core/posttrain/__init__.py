@@ -61,7 +61,7 @@ _PUBLIC = {
     "load_tokenizer": "posttrain.backends.models",
     "load_causal_lm": "posttrain.backends.models",
     "load_model_with_head": "posttrain.backends.models",
-    "no_hf_progress_bars": "posttrain.backends.hf_progress",
+    "no_hf_progress_bars": "posttrain.hf_progress",
     "is_preset": "posttrain.tasks.presets",
     "PRESETS": "posttrain.tasks.presets",
     # Torch plumbing of backends
@@ -197,7 +197,6 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         destroy_default_process_group,
         init_default_process_group,
     )
-    from posttrain.backends.hf_progress import no_hf_progress_bars
     from posttrain.backends.lora import (
         LORA_ADAPTER,
         LORA_RECORD,
@@ -260,6 +259,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         UserError,
         WorkerError,
     )
+    from posttrain.hf_progress import no_hf_progress_bars
     from posttrain.host.doctor import EnvCheck, module_version
     from posttrain.host.engine_hooks import EngineHooks
     from posttrain.host.strategy import Capabilities, StrategySpec

@@ -93,7 +93,7 @@ SET_HELP = (
 def _load(args, host):
     """The workflow and its report; its warnings are shown here, for every command that
     loads one (a run goes on after them)."""
-    from posttrain.config.workflow import load_workflow
+    from posttrain.loading.workflow import load_workflow
 
     workflow, report = load_workflow(args.workflow, host, _parse_overrides(args.set))
     _print_warnings(report.warnings)
@@ -110,8 +110,8 @@ def _print_warnings(warnings) -> None:
 def cmd_validate(args, host) -> int:
     from rich.markup import escape
 
-    from posttrain.config.hub_models import warn_uncached
     from posttrain.config.report import ErrorReport
+    from posttrain.loading.hub_models import warn_uncached
 
     workflow, report = _load(args, host)
     if workflow is not None:
@@ -268,7 +268,7 @@ def _sandbox_table():
 
 
 def cmd_run(args, host) -> int:
-    from posttrain.trainer.command import run_workflow
+    from posttrain.commands.run import run_workflow
 
     workflow, report = _load(args, host)
     report.raise_if_errors(display_path(args.workflow))
@@ -295,7 +295,7 @@ def cmd_plan(args, host) -> int:
 
 
 def cmd_eval(args, host) -> int:
-    from posttrain.evaluation.command import evaluate_checkpoint
+    from posttrain.commands.evaluate import evaluate_checkpoint
 
     workflow, report = _load(args, host)
     report.raise_if_errors(display_path(args.workflow))
@@ -304,7 +304,7 @@ def cmd_eval(args, host) -> int:
 
 
 def cmd_export_hf(args, host) -> int:
-    from posttrain.checkpoint.export_hf import export_checkpoint_to_hf
+    from posttrain.commands.export_hf import export_checkpoint_to_hf
 
     export_checkpoint_to_hf(
         args.checkpoint, args.output, host, console=_console(), role=args.role, merge=args.merge

@@ -19,9 +19,9 @@ from typing import Any
 
 import attrs
 
-from posttrain.backends.hf_infer_plugin import HFInferConfig
 from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
+from posttrain.hf_infer.plugin import HFInferConfig
 from posttrain.rollout.environments.calculator import CalculatorConfig
 from posttrain.rollout.environments.python_sandbox import PythonSandboxConfig
 from posttrain.sandbox.result import SandboxLimits

@@ -15,8 +15,8 @@ from posttrain.algorithms.registry import AdvantageEstimator, Advantages, Policy
 from posttrain.algorithms.value_loss import ValueLoss
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import AlgorithmConfig
-from posttrain.config.workflow import build_workflow
 from posttrain.host.plugin_host import create_plugin_host
+from posttrain.loading.workflow import build_workflow
 from posttrain.protocol import SequenceBatch, build_sequence_batch
 
 pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`

@@ -60,7 +60,7 @@ def test_plugin_host_records_failure_and_keeps_others(broken_venv):
     assert out["failures"] == [["broken", "entry point", "posttrain-broken-plugin", ERROR]]
     assert "broken" not in out["loaded"]
     assert "hf_infer" in out["strategies"]
-    assert out["hf_infer_plugin"] == "posttrain.backends.hf_infer_plugin"
+    assert out["hf_infer_plugin"] == "posttrain.hf_infer.plugin"
 
 
 @pytest.mark.slow

@@ -8,7 +8,7 @@ import yaml
 
 from posttrain.checkpoint.record import run_changes, workflow_record
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import load_workflow
+from posttrain.loading.workflow import load_workflow
 
 QUICKSTART = "examples/quickstart.yaml"
 

@@ -172,7 +172,7 @@ def test_plugins_fits_80_columns_and_names_every_hook_in_full(capsys, monkeypatc
         # The hook list may wrap, never between the letters of a name.
         listed = blocks[name].split("hooks:", 1)[1].replace(",", " ").split()
         assert listed == [h.removeprefix("posttrain_") for h in host.hooks_of(name)]
-    assert "strategies: hf_infer" in blocks["posttrain.backends.hf_infer_plugin"]
+    assert "strategies: hf_infer" in blocks["posttrain.hf_infer.plugin"]
 
 
 def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
@@ -183,7 +183,7 @@ def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     assert main(["plugins", "--json"]) == EXIT_OK
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
-    hf = plugins["posttrain.backends.hf_infer_plugin"]
+    hf = plugins["posttrain.hf_infer.plugin"]
     assert [hf["source"], hf["distribution"], hf["version"]] == [
         "builtin",
         "posttrain",
@@ -349,7 +349,7 @@ def test_plugins_list_what_each_plugin_adds_by_kind(capsys, monkeypatch):
     ]
     transports = plugins["posttrain.weight_sync.builtin"]["weight_transports"]
     assert transports == ["broadcast", "in_process", "shared_memory"]
-    assert plugins["posttrain.config.checks"]["commands"] == []
+    assert plugins["posttrain.loading.checks"]["commands"] == []
     assert main(["plugins"]) == EXIT_OK
     blocks = _plugin_blocks(capsys.readouterr().out)
     assert "environments: calculator" in blocks["posttrain.rollout.environments.builtin"]

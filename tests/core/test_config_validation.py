@@ -15,8 +15,8 @@ from posttrain.config.converter import structure_into
 from posttrain.config.ranges import OutOfRange, at_least, between, range_of
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import ModelArgs, TrainingArgs
-from posttrain.config.workflow import build_workflow, load_workflow
 from posttrain.host.strategy import Capabilities, StrategySpec
+from posttrain.loading.workflow import build_workflow, load_workflow
 
 pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
 
@@ -565,9 +565,9 @@ def _numeric(tp) -> bool:
 def test_every_number_in_the_workflow_declares_its_range():
     """A new count or size gets its range by one annotation; this keeps anyone from forgetting
     it, in core sections and in the installed strategies' configs alike."""
-    from posttrain.backends.hf_infer_plugin import HFInferConfig
     from posttrain.config_reference import _walk
     from posttrain.errors import PluginError
+    from posttrain.hf_infer.plugin import HFInferConfig
     from posttrain.host.plugin_host import create_plugin_host
 
     classes = {*_walk(), HFInferConfig}

@@ -12,7 +12,7 @@ from posttrain.config.device_mapping import (
     parse_device_mapping,
 )
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
+from posttrain.loading.workflow import build_workflow
 
 pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
 

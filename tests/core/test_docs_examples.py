@@ -49,10 +49,10 @@ import posttrain
 from posttrain import hookspecs
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import RoleConfig, Workflow
-from posttrain.config.workflow import build_workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.host.plugin_host import ENTRY_POINT_GROUP, create_plugin_host
 from posttrain.host.strategy import StrategySpec
+from posttrain.loading.workflow import build_workflow
 from posttrain.tasks.presets import PRESETS
 
 pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`

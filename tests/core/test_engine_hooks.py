@@ -145,7 +145,7 @@ def test_the_installed_engines_are_named_as_engine_hooks_calls_them():
         warnings.simplefilter("error", PluginWarning)
         host = create_plugin_host()
     engines = [p for p in host.pm.get_plugins() if isinstance(p, EngineHooks)]
-    assert any(p.engine == "posttrain.backends.hf_infer" for p in engines)
+    assert any(p.engine == "posttrain.hf_infer.engine" for p in engines)
     assert all(misnamed_engine_functions(p) == [] for p in engines)
 
 

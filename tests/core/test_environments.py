@@ -8,9 +8,9 @@ import pytest
 
 from posttrain import hookimpl
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
 from posttrain.errors import UserError
 from posttrain.host.plugin_host import create_plugin_host
+from posttrain.loading.workflow import build_workflow
 from posttrain.rollout.environments.calculator import (
     CalculatorConfig,
     calculator_environment,

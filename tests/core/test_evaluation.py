@@ -16,9 +16,9 @@ import pytest
 from posttrain.cli import EXIT_USER, main
 from posttrain.config.data_sections import DataConfig, SyntheticData
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
 from posttrain.evaluation.pass_at_k import group_metrics, k_values, pass_at_k
 from posttrain.evaluation.phase import evaluates_after
+from posttrain.loading.workflow import build_workflow
 from posttrain.rollout.batches import AsyncBatches
 from posttrain.tasks.data import read_records, synthetic_single_digit_addition
 from posttrain.trainer.phase_timer import PhaseTimer
@@ -273,7 +273,7 @@ def test_eval_command_refuses_bad_arguments(tmp_path, capsys):
 
 
 def test_the_eval_summary_is_a_line_per_dataset():
-    from posttrain.evaluation.command import summary
+    from posttrain.commands.evaluate import summary
 
     metrics = {
         "val/heldout/reward_mean": 0.72727,

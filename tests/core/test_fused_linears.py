@@ -8,7 +8,7 @@ import pytest
 import torch
 from tiny_models import tiny_qwen2
 
-from posttrain.backends.fused_linears import (
+from posttrain.hf_infer.fused_linears import (
     fuse_sibling_linears,
     stacked_projections,
     unfuse_sibling_linears,

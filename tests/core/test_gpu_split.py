@@ -14,8 +14,8 @@ import pytest
 from rich.console import Console
 
 from posttrain.checkpoint.record import workflow_record
-from posttrain.config.workflow import load_workflow
 from posttrain.host.plugin_host import create_plugin_host
+from posttrain.loading.workflow import load_workflow
 from posttrain.memory.estimate import GIB
 from posttrain.memory.split import (
     BROADCAST_GB_S,

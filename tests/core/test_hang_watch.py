@@ -222,7 +222,7 @@ def test_timeouts_that_cannot_come_first_are_errors(fake_train_host, model_dir, 
     from test_config_validation import _valid_raw
 
     from posttrain.config.report import ErrorReport
-    from posttrain.config.workflow import build_workflow
+    from posttrain.loading.workflow import build_workflow
 
     raw = _valid_raw(str(model_dir))
     raw["cluster"] = {"call_timeout_s": 60, "hang_report_s": 60, "collective_timeout_s": 90}

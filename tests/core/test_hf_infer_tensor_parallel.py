@@ -32,8 +32,8 @@ class TestHFInferTensorParallelContract(StrategyContract):
 
 
 def test_a_split_replica_is_checked_before_anything_starts():
-    from posttrain.config.workflow import load_workflow
     from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.loading.workflow import load_workflow
 
     config = "actor_infer.strategy_args.strategy_config"
     _, report = load_workflow(

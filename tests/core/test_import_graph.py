@@ -1,5 +1,6 @@
 """The import graph of core and the plugins: no circles (imports inside functions and under
-``TYPE_CHECKING`` included), and plugins import only core's public face.
+``TYPE_CHECKING`` included), core's folders in floors (FLOORS: run-time imports only go down),
+and plugins import only core's public face.
 
 Read with ``ast`` (nothing is imported): an edge is any ``import`` statement anywhere in a module,
 to the module it names (``from pkg import sub`` is an edge to ``pkg.sub`` when ``sub`` is a
@@ -114,3 +115,73 @@ def test_plugins_import_only_the_public_face(package):
     assert not wrong, "import core internals (use `from posttrain import NAME`):\n" + "\n".join(
         wrong
     )
+
+
+# Core's floors, bottom to top: a folder (or top-level module) imports, at run time, only from
+# floors below its own. Imports under ``TYPE_CHECKING`` are exempt: they name types, not code.
+FLOORS = [
+    # ground: no posttrain import but these
+    {"errors", "markers", "paths", "protocol", "version", "hf_progress"},
+    # 1. The hook specifications; each phase's typed settings (config); the checkpoint files.
+    {"hookspecs", "config", "checkpoint"},
+    # 2. Pieces that need only settings: the plugin host, algorithms, tasks, the sandbox.
+    {"algorithms", "host", "sandbox", "tasks"},
+    # 3. Backend plumbing (torch, process groups) and the memory plan.
+    {"backends", "memory"},
+    # 4. What engines and the loop share: log-prob heads, reward scoring, weight-sync sides.
+    {"rewards", "scoring", "weight_sync"},
+    # 5. The built-in engine, rollouts and environments, micro-batched training.
+    {"hf_infer", "rollout", "training"},
+    # 6. Rank processes and launchers; held-out evaluation.
+    {"launch", "evaluation"},
+    # 7. The loop; the conformance kit that drives engines as the loop does.
+    {"trainer", "testing"},
+    # 8. A workflow file loaded and checked against every phase above.
+    {"loading"},
+    # 9. The CLI's commands, then the CLI and the public face.
+    {"commands"},
+    {"cli", "config_reference", "__init__"},
+]
+FLOOR_OF = {folder: floor for floor, folders in enumerate(FLOORS) for folder in folders}
+
+
+def _folder(module: str) -> str:
+    """``posttrain.a.b`` -> ``a``; ``posttrain`` itself -> ``__init__``."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+def runtime_imports_of(name: str) -> list[tuple[str, int]]:
+    """:func:`imports_of` less the imports under ``if TYPE_CHECKING:``."""
+    tree = ast.parse(MODULES[name].read_text(encoding="utf-8"))
+    typing_lines = {
+        node.lineno
+        for block in ast.walk(tree)
+        if isinstance(block, ast.If) and "TYPE_CHECKING" in ast.unparse(block.test)
+        for node in ast.walk(block)
+        if isinstance(node, (ast.Import, ast.ImportFrom))
+    }
+    return [(target, line) for target, line in imports_of(name) if line not in typing_lines]
+
+
+CORE = sorted(name for name in MODULES if name.split(".")[0] == "posttrain")
+
+
+def test_every_core_folder_has_a_floor():
+    unplaced = sorted({_folder(name) for name in CORE} - set(FLOOR_OF))
+    assert not unplaced, f"place these in FLOORS (tests/core/test_import_graph.py): {unplaced}"
+
+
+def test_core_folders_import_only_from_floors_below():
+    upward = [
+        f"{MODULES[name].relative_to(REPO)}:{line}: {_folder(name)} "
+        f"(floor {FLOOR_OF[_folder(name)]}) imports {target} "
+        f"({_folder(target)}, floor {FLOOR_OF[_folder(target)]})"
+        for name in CORE
+        for target, line in runtime_imports_of(name)
+        if target.startswith("posttrain")
+        and _folder(target) != _folder(name)
+        and FLOOR_OF.get(_folder(target), 0) >= FLOOR_OF.get(_folder(name), 0)
+    ]
+    assert not upward, "imports from a floor not below (move the code down, or the import under "
+    "TYPE_CHECKING if it names a type):\n" + "\n".join(upward)

@@ -9,7 +9,7 @@ import pytest
 
 from posttrain import LoggerContext, LoggerSpec, UserError, hookimpl
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
+from posttrain.loading.workflow import build_workflow
 from posttrain.trainer.logger_registry import logger_specs, make_loggers
 
 

@@ -4,7 +4,7 @@ refused on a trainer whose strategy does not train adapters (``Capabilities.lora
 from __future__ import annotations
 
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
+from posttrain.loading.workflow import build_workflow
 
 CONTRACT_FAKE_TRAIN = "contract_fake_train"  # declared by conftest's fake plugin; no lora
 

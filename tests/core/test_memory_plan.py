@@ -14,8 +14,8 @@ import torch
 import transformers
 from torch.autograd.graph import saved_tensors_hooks
 
-from posttrain.config.workflow import load_workflow
 from posttrain.host.plugin_host import create_plugin_host
+from posttrain.loading.workflow import load_workflow
 from posttrain.memory.estimate import GIB, layer_activation_bytes, training_activation_bytes
 from posttrain.memory.geometry import geometry_from_config, preset_geometry, read_geometry
 from posttrain.memory.plan import (

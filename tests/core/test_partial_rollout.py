@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
+from posttrain.loading.workflow import build_workflow
 from posttrain.protocol import GenerationRequest, SamplingParams, WeightBucket
 from posttrain.protocol import build_sequence_batch as batch_of
 from posttrain.rollout.batches import AsyncBatches
@@ -46,13 +46,13 @@ def engine(hf_infer_worker, tiny_model_path):
 
 
 def load(worker, state: dict) -> None:
-    from posttrain.backends import hf_infer
+    from posttrain.hf_infer import engine as hf_infer
 
     hf_infer.import_weights(worker, [WeightBucket(list(state.items()))])
 
 
 def generate_on(worker):
-    from posttrain.backends import hf_infer
+    from posttrain.hf_infer import engine as hf_infer
 
     def generate(prompt_ids, sampling, seed):
         request = GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, seed=seed)

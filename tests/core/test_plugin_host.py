@@ -12,11 +12,11 @@ import pytest
 
 from posttrain import hookimpl
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
 from posttrain.errors import PluginError
 from posttrain.host.plugin_host import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, create_plugin_host
 from posttrain.host.references import WHERE_MODULES_ARE
 from posttrain.host.strategy import Capabilities, StrategySpec
+from posttrain.loading.workflow import build_workflow
 
 pytestmark = pytest.mark.quick  # README command 2: the quick subset, `pytest -m quick`
 
@@ -97,7 +97,7 @@ def test_builtins_are_registered_first():
     host = create_plugin_host()
     builtin = [p.name for p in host.plugins if p.source == "builtin"]
     assert builtin == [name.partition(":")[0] for name in BUILTIN_PLUGINS]
-    assert host.strategies()["hf_infer"].plugin == "posttrain.backends.hf_infer_plugin"
+    assert host.strategies()["hf_infer"].plugin == "posttrain.hf_infer.plugin"
     assert host.strategies()["hf_infer"].capabilities.kind == "rollout"
 
 

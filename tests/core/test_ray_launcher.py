@@ -139,9 +139,9 @@ def test_too_few_nodes_names_them_and_what_to_do():
 @pytest.fixture(scope="module")
 def ray_setup(posttrain_cache, tmp_path_factory):
     pytest.importorskip("ray")
-    from posttrain.config.workflow import load_workflow
     from posttrain.host.plugin_host import create_plugin_host
     from posttrain.launch.ray import RayLauncher
+    from posttrain.loading.workflow import load_workflow
 
     host = create_plugin_host()
     overrides = {

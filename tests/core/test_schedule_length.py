@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 
 from posttrain.cli import EXIT_OK, main
-from posttrain.config.workflow import load_workflow
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.launch.plan import group_spec
+from posttrain.loading.workflow import load_workflow
 from posttrain.training.lr_schedule import lr_lambda
 
 REPO = Path(__file__).resolve().parents[2]

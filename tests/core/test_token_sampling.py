@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from posttrain.backends.token_sampling import gumbel_choice, is_plain
+from posttrain.hf_infer.token_sampling import gumbel_choice, is_plain
 from posttrain.protocol import SamplingParams
 
 

@@ -13,7 +13,6 @@ import time
 import pytest
 import torch
 
-from posttrain.backends.hf_infer_plugin import HFInferConfig
 from posttrain.config.sections import (
     AlgorithmConfig,
     GeneratingArgs,
@@ -22,6 +21,7 @@ from posttrain.config.sections import (
     StrategyArgs,
 )
 from posttrain.errors import WorkerError
+from posttrain.hf_infer.plugin import HFInferConfig
 from posttrain.launch.base import GroupSpec
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import WeightBucket, bucketize

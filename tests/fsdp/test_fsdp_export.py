@@ -16,9 +16,9 @@ def test_export_weights_matches_trained_state_and_hf_export(dp2_run):
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
-    from posttrain.backends import hf_infer
     from posttrain.backends.models import resolve_model_path
     from posttrain.config.sections import ModelArgs
+    from posttrain.hf_infer import engine as hf_infer
     from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import WeightBucket, fused_group
 

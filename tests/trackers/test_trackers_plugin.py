@@ -11,8 +11,8 @@ from pathlib import Path
 
 import attrs
 
-from posttrain.config.workflow import load_workflow
 from posttrain.host.plugin_host import create_plugin_host
+from posttrain.loading.workflow import load_workflow
 from posttrain_trackers.mlflow_logger import flat, mlflow_name
 from posttrain_trackers.options import MlflowOptions, WandbOptions
 from posttrain_trackers.run_state import RunState

@@ -22,8 +22,8 @@ from __future__ import annotations
 import os
 from typing import TYPE_CHECKING, Any
 
-from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.errors import UserError
+from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.tasks.presets import is_preset, preset_path
 
 if TYPE_CHECKING:

@@ -5,11 +5,14 @@ comment feeds docs/config-reference.md, as in :mod:`posttrain.config.sections`.
 
 from __future__ import annotations
 
+import os
 from typing import Any, Literal
 
 import attrs
 
 from posttrain.config.ranges import at_least, between, greater_than
+from posttrain.config.report import ErrorReport
+from posttrain.paths import display_path
 
 
 @attrs.frozen(kw_only=True)
@@ -96,3 +99,23 @@ class EvaluationConfig:
     pass_reward: float = attrs.field(default=1.0, validator=greater_than(0))
     # Seed of sampled decoding: every evaluation draws with the same seeds.
     seed: int = 0
+
+
+def check_prompt_source(data, base_dir: str, where: str, report: ErrorReport) -> None:
+    """A data section (``data``, or a held-out dataset at YAML path ``where``) names one
+    source of prompts: a file that exists, or a synthetic task."""
+    if data.path and data.synthetic:
+        report.error(where, f"give either {where}.path or {where}.synthetic, not both")
+    elif not data.path and not data.synthetic:
+        report.error(
+            where,
+            "no prompts",
+            f"set {where}.path to a JSONL/Parquet file or "
+            f"{where}.synthetic: {{task: single_digit_addition}}",
+        )
+    elif data.path:
+        local = data.path if os.path.isabs(data.path) else os.path.join(base_dir, data.path)
+        if not os.path.exists(local):
+            report.error(f"{where}.path", f"file not found: {display_path(local)}")
+        elif not local.endswith((".jsonl", ".json", ".parquet")):
+            report.error(f"{where}.path", "unsupported file type", "use .jsonl or .parquet")

@@ -96,7 +96,8 @@ class TrainingArgs:
     max_steps: int = attrs.field(
         default=-1, validator=at_least(1, also={-1: "unset: the run's optimizer steps"})
     )
-    # Dynamic micro-batches: pack sequences under a token budget instead of a fixed count.
+    # Dynamic micro-batches: rows of similar length under a token budget instead of a fixed
+    # count; the budget counts padded tokens (rows x the micro-batch's longest row).
     use_dynamic_batch_size: bool = False
     max_tokens_per_micro_batch: int = attrs.field(default=4096, validator=at_least(1))
 
@@ -375,6 +376,8 @@ ROLE_NAMES = ("actor_train", "actor_infer", "reference", "critic")
 SECTION_ROLES = ("reward",)
 # The model head each role loads (WorkerContext.head); others load a causal LM.
 ROLE_HEADS = {"critic": "value", "reward": "score"}
+# The roles that produce a step's samples (rollout and reward), the rest run the loop's phases.
+PRODUCER_ROLES = ("actor_infer", "reward")
 
 
 @attrs.frozen(kw_only=True)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import re
 
-from posttrain.config.checks import check_prompt_source
+from posttrain.config.data_sections import check_prompt_source
 from posttrain.config.report import ErrorReport, join_path
 from posttrain.config.sections import Workflow
 from posttrain.rewards.functions import check_reward_function

@@ -25,14 +25,14 @@ from posttrain.host.strategy import KNOWN_PROVIDERS, StrategySpec
 
 ENTRY_POINT_GROUP = "posttrain"
 BUILTIN_PLUGINS = (
-    "posttrain.backends.hf_infer_plugin:plugin",
+    "posttrain.hf_infer.plugin:plugin",
     "posttrain.rewards.builtin",
     "posttrain.algorithms.builtin",
     "posttrain.rollout.environments.builtin",
     "posttrain.weight_sync.builtin",
     "posttrain.trainer.plotting",
     "posttrain.trainer.loggers",
-    "posttrain.config.checks",
+    "posttrain.loading.checks",
     "posttrain.launch.plan",
 )
 

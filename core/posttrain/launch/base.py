@@ -54,6 +54,10 @@ class WorkerGroup(abc.ABC):
     def shares_processes_with(self, other: WorkerGroup) -> bool:
         return self.processes is other.processes
 
+    def shares_devices_with(self, other: WorkerGroup) -> bool:
+        """Colocated: the two groups have a device in common."""
+        return bool(set(self.devices) & set(other.devices))
+
     @property
     def dp_size(self) -> int:
         return self.parallel[0].get("dp_size", self.world_size) if self.parallel else 1

@@ -5,10 +5,6 @@ from __future__ import annotations
 from posttrain.launch.base import WorkerGroup
 
 
-def colocated(a: WorkerGroup, b: WorkerGroup) -> bool:
-    return bool(set(a.devices) & set(b.devices))
-
-
 class TimeSharing:
     """Before a role runs, colocated roles release their memory; a released role resumes when
     it runs again (offload / vLLM sleep / SGLang release through the lifecycle hooks)."""
@@ -29,7 +25,7 @@ class TimeSharing:
         for name, other in self.groups.items():
             if name in roles or name in self.released:
                 continue
-            if any(colocated(me, other) for me in active):
+            if any(me.shares_devices_with(other) for me in active):
                 other.call("release_memory", self.TAGS)
                 self.released.add(name)
         for role in roles:

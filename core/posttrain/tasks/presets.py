@@ -14,8 +14,8 @@ import tempfile
 
 import attrs
 
-from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.errors import UserError
+from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.tasks.warm_start import RECIPES, TOOL_TAGS
 
 PRESET_PREFIX = "preset:"

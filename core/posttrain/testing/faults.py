@@ -37,7 +37,7 @@ import time
 
 import attrs
 
-from posttrain import hookimpl
+from posttrain.markers import hookimpl
 
 KINDS = (
     "delay_train",

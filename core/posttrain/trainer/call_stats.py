@@ -11,7 +11,7 @@ generations: asked from the loop's thread, they would answer only after the gene
 
 from __future__ import annotations
 
-from posttrain.config.checks import PRODUCER_ROLES
+from posttrain.config.sections import PRODUCER_ROLES
 from posttrain.launch.base import WorkerGroup
 from posttrain.launch.worker import PROCESS_STATS
 

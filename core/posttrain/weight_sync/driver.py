@@ -6,7 +6,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from posttrain.errors import UserError
-from posttrain.launch.placement import colocated
 
 if TYPE_CHECKING:
     from posttrain.launch.base import WorkerGroup
@@ -19,7 +18,7 @@ def make_transport(
     """The transport ``posttrain_select_weight_transport`` names, among those declared, checking
     the buckets ``verify`` names (trainer.weight_sync_verify)."""
     name = hook.posttrain_select_weight_transport(
-        source=train, target=infer, colocated=colocated(train, infer)
+        source=train, target=infer, colocated=train.shares_devices_with(infer)
     )
     transports: dict[str, type[WeightTransport]] = {}
     for mapping in hook.posttrain_add_weight_transports():

@@ -7,9 +7,10 @@ in :mod:`posttrain.weight_sync.rank_side` and is invoked through ``run_function`
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from posttrain.launch.base import WorkerGroup
+if TYPE_CHECKING:
+    from posttrain.launch.base import WorkerGroup
 
 RANK_SIDE = "posttrain.weight_sync.rank_side"
 

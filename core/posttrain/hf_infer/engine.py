@@ -15,10 +15,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from posttrain.backends.decode_loop import DynamicDecode, StaticDecode, sample_rows
 from posttrain.backends.distributed import init_default_process_group
-from posttrain.backends.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
-from posttrain.backends.hf_progress import no_hf_progress_bars
 from posttrain.backends.models import load_causal_lm, load_model_with_head, load_tokenizer
 from posttrain.backends.plumbing import (
     end_process_group,
@@ -27,11 +24,14 @@ from posttrain.backends.plumbing import (
     log_once,
     memory_tags,
 )
-from posttrain.backends.static_decode import DecodeSettings, StaticDecoders, supports_static
 from posttrain.backends.tensors import unshare_storage
-from posttrain.backends.token_sampling import draw, gumbel_draw, is_plain
 from posttrain.config.scoring_options import scoring_options
 from posttrain.errors import UserError
+from posttrain.hf_infer.decode_loop import DynamicDecode, StaticDecode, sample_rows
+from posttrain.hf_infer.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
+from posttrain.hf_infer.static_decode import DecodeSettings, StaticDecoders, supports_static
+from posttrain.hf_infer.token_sampling import draw, gumbel_draw, is_plain
+from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.protocol import (
     GenerationRequest,
     RolloutSamples,

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import os
 
-from posttrain.config.hub_models import check_reachable
 from posttrain.config.sections import Workflow
+from posttrain.loading.hub_models import check_reachable
 from posttrain.paths import display_path
 from posttrain.trainer.run import Trainer
 

@@ -15,9 +15,9 @@ import shutil
 from posttrain.checkpoint.manifest import verify
 from posttrain.checkpoint.record import RECORD, checkpoint_record, read_record
 from posttrain.config.report import ErrorReport
-from posttrain.config.workflow import build_workflow
 from posttrain.errors import CheckpointError, UserError
 from posttrain.launch.plan import group_spec, make_launcher, resolve_device
+from posttrain.loading.workflow import build_workflow
 from posttrain.paths import display_path
 
 

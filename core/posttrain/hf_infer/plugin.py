@@ -1,6 +1,6 @@
 """The ``hf_infer`` strategy: rollout and log-probs on plain transformers (the reference backend).
 
-This module is cheap to import; the engine code lives in :mod:`posttrain.backends.hf_infer` and is
+This module is cheap to import; the engine code lives in :mod:`posttrain.hf_infer.engine` and is
 imported by the worker hooks (from :class:`posttrain.EngineHooks`) when a rank first
 needs it.
 """
@@ -78,7 +78,7 @@ class HFInferConfig(ScoringOptions):
 
 class HFInferPlugin(EngineHooks):
     strategies = (STRATEGY,)
-    engine = "posttrain.backends.hf_infer"
+    engine = "posttrain.hf_infer.engine"
 
     @hookimpl(trylast=True)
     def posttrain_add_strategies(self):

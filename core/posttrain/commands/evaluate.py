@@ -18,8 +18,8 @@ import attrs
 from posttrain.checkpoint import manager
 from posttrain.checkpoint.record import plain
 from posttrain.checkpoint.resume import verified
-from posttrain.config.hub_models import check_reachable
 from posttrain.errors import UserError
+from posttrain.loading.hub_models import check_reachable
 from posttrain.paths import display_path
 
 REPORT_VERSION = 1

@@ -5,11 +5,12 @@ from __future__ import annotations
 import math
 import os
 
-from posttrain.config.hub_models import check_hub_ids, looks_local
+from posttrain.config.data_sections import check_prompt_source
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
-from posttrain.config.sections import ROLE_HEADS, Workflow
+from posttrain.config.sections import PRODUCER_ROLES, ROLE_HEADS, Workflow
 from posttrain.host.doctor import EnvCheck
 from posttrain.launch.base import partial_overlaps
+from posttrain.loading.hub_models import check_hub_ids, looks_local
 from posttrain.markers import hookimpl
 from posttrain.paths import display_path
 from posttrain.rollout.partial import segment_tokens
@@ -186,26 +187,6 @@ def _check_data(wf: Workflow, report: ErrorReport) -> None:
     check_prompt_source(wf.data, wf.base_dir, "data", report)
 
 
-def check_prompt_source(data, base_dir: str, where: str, report: ErrorReport) -> None:
-    """A data section (``data``, or a held-out dataset at YAML path ``where``) names one
-    source of prompts: a file that exists, or a synthetic task."""
-    if data.path and data.synthetic:
-        report.error(where, f"give either {where}.path or {where}.synthetic, not both")
-    elif not data.path and not data.synthetic:
-        report.error(
-            where,
-            "no prompts",
-            f"set {where}.path to a JSONL/Parquet file or "
-            f"{where}.synthetic: {{task: single_digit_addition}}",
-        )
-    elif data.path:
-        local = data.path if os.path.isabs(data.path) else os.path.join(base_dir, data.path)
-        if not os.path.exists(local):
-            report.error(f"{where}.path", f"file not found: {display_path(local)}")
-        elif not local.endswith((".jsonl", ".json", ".parquet")):
-            report.error(f"{where}.path", "unsupported file type", "use .jsonl or .parquet")
-
-
 def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
     algo = wf.algorithm
     samples = algo.rollout_batch_size * algo.group_size
@@ -301,7 +282,6 @@ def _check_trainer(wf: Workflow, report: ErrorReport) -> None:
 
 
 # Roles the asynchronous producer uses (the rest run on the loop's thread meanwhile).
-PRODUCER_ROLES = ("actor_infer", "reward")
 
 
 def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
