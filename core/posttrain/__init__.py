@@ -24,6 +24,9 @@ _PUBLIC = {
     "StrategySpec": "posttrain.host.strategy",
     "Capabilities": "posttrain.host.strategy",
     "EngineHooks": "posttrain.host.engine_hooks",
+    "Engine": "posttrain.host.engine_protocols",
+    "TrainEngine": "posttrain.host.engine_protocols",
+    "RolloutEngine": "posttrain.host.engine_protocols",
     "EnvCheck": "posttrain.host.doctor",
     "module_version": "posttrain.host.doctor",
     # One rank of a worker group
@@ -262,6 +265,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     from posttrain.hf_progress import no_hf_progress_bars
     from posttrain.host.doctor import EnvCheck, module_version
     from posttrain.host.engine_hooks import EngineHooks
+    from posttrain.host.engine_protocols import Engine, RolloutEngine, TrainEngine
     from posttrain.host.strategy import Capabilities, StrategySpec
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain.memory.estimate import (

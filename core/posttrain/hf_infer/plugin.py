@@ -7,7 +7,7 @@ needs it.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
@@ -25,6 +25,12 @@ from posttrain.memory.estimate import (
     logit_bytes,
     release_knobs,
 )
+
+if TYPE_CHECKING:
+    from posttrain.hf_infer import engine
+    from posttrain.host.engine_protocols import RolloutEngine
+
+    _ENGINE: RolloutEngine = engine  # mypy: the engine defines every function it must, typed
 
 STRATEGY = "hf_infer"
 

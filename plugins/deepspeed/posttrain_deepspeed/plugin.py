@@ -8,9 +8,16 @@ This module is cheap to import (no torch, no deepspeed): ``posttrain validate``,
 from __future__ import annotations
 
 import logging
+from typing import TYPE_CHECKING
 
 from posttrain import Capabilities, EngineHooks, EnvCheck, ErrorReport, StrategySpec, hookimpl
 from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
+
+if TYPE_CHECKING:
+    from posttrain import TrainEngine
+    from posttrain_deepspeed import engine
+
+    _ENGINE: TrainEngine = engine  # mypy: the engine defines every function it must, typed
 
 TRAIN = "deepspeed_train"
 INFER = "deepspeed_infer"

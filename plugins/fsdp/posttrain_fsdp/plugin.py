@@ -7,7 +7,7 @@ it. The worker hooks (from :class:`posttrain.EngineHooks`) import
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 
@@ -27,6 +27,12 @@ from posttrain import (
     logit_bytes,
     release_knobs,
 )
+
+if TYPE_CHECKING:
+    from posttrain import TrainEngine
+    from posttrain_fsdp import engine
+
+    _ENGINE: TrainEngine = engine  # mypy: the engine defines every function it must, typed
 
 TRAIN = "fsdp2_train"
 INFER = "fsdp2_infer"

@@ -8,8 +8,16 @@ and ``doctor`` load it. The worker hooks (from :class:`posttrain.EngineHooks`) i
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from posttrain import Capabilities, EngineHooks, EnvCheck, ErrorReport, StrategySpec, hookimpl
 from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
+
+if TYPE_CHECKING:
+    from posttrain import TrainEngine
+    from posttrain_megatron import engine
+
+    _ENGINE: TrainEngine = engine  # mypy: the engine defines every function it must, typed
 
 TRAIN = "megatron_train"
 INFER = "megatron_infer"

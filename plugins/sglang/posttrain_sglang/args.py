@@ -90,7 +90,7 @@ def owned_keys() -> set[str]:
     """ServerArgs fields that strategy_config (or the plugin) sets: not for engine_kwargs."""
     import attrs
 
-    from posttrain_sglang.plugin import SGLangConfig
+    from posttrain_sglang.config import SGLangConfig
 
     return {f.name for f in attrs.fields(SGLangConfig)} - {"engine_kwargs"} | {"model_path"}
 

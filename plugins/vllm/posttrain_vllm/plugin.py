@@ -8,7 +8,7 @@ vLLM itself is imported only there.
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
 
@@ -22,6 +22,12 @@ from posttrain import (
     hookimpl,
     module_version,
 )
+
+if TYPE_CHECKING:
+    from posttrain import RolloutEngine
+    from posttrain_vllm import engine
+
+    _ENGINE: RolloutEngine = engine  # mypy: the engine defines every function it must, typed
 
 STRATEGY = "vllm"
 # The vLLM versions this plugin is tested with (also the extras' pins in pyproject.toml).
