@@ -152,12 +152,16 @@ def posttrain_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
 
 @hookspec
 def posttrain_validate_workflow(
-    workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+    workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport, hook: Any
 ) -> None:
     """Add cross-field checks for a structured workflow.
 
     ``strategies`` maps every installed strategy name to its spec. Roles whose strategy is
     unknown or whose ``strategy_config`` failed to structure still hold a plain dict there.
+    ``hook`` is the plugin host's hook relay, for checks that look a name up in what other
+    hooks register (algorithm pieces, reward functions). A section that failed to structure is
+    in ``report.failed_sections``: skip its checks. Core's own checks (the algorithm, the
+    reward function, evaluation, roles and devices) are ``trylast`` implementations.
 
     Called on the driver by ``posttrain validate`` and before ``posttrain run`` starts any
     process, after every section was structured. Report problems with

@@ -12,6 +12,7 @@ from posttrain.algorithms.registry import (
 from posttrain.config.report import ErrorReport, did_you_mean
 from posttrain.config.sections import Workflow
 from posttrain.errors import UserError
+from posttrain.markers import hookimpl
 
 
 def _unknown(report: ErrorReport, path: str, what: str, name: str, known: dict) -> None:
@@ -86,3 +87,9 @@ def check_algorithm(wf: Workflow, hook, report: ErrorReport) -> None:
             f"{algo.critic_warmup} warm-up steps, but there is no critic role",
             "remove it, or add a critic",
         )
+
+
+@hookimpl(trylast=True)
+def posttrain_validate_workflow(workflow: Workflow, report: ErrorReport, hook) -> None:
+    if "algorithm" not in report.failed_sections:
+        check_algorithm(workflow, hook, report)

@@ -8,6 +8,7 @@ import re
 from posttrain.config.data_sections import check_prompt_source
 from posttrain.config.report import ErrorReport, join_path
 from posttrain.config.sections import Workflow
+from posttrain.markers import hookimpl
 from posttrain.rewards.functions import check_reward_function
 
 # A dataset's name is part of its metrics' names (val/<name>/...): a path segment of its own.
@@ -61,3 +62,9 @@ def check_evaluation(workflow: Workflow, hook, report: ErrorReport) -> None:
                 "environment's rewards do not score single turns)",
                 f"set {where}.reward: {{function: exact_match}}",
             )
+
+
+@hookimpl(trylast=True)
+def posttrain_validate_workflow(workflow: Workflow, report: ErrorReport, hook) -> None:
+    if "evaluation" not in report.failed_sections:
+        check_evaluation(workflow, hook, report)

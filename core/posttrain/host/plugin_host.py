@@ -33,6 +33,8 @@ BUILTIN_PLUGINS = (
     "posttrain.trainer.plotting",
     "posttrain.trainer.loggers",
     "posttrain.loading.checks",
+    "posttrain.algorithms.checks",
+    "posttrain.evaluation.checks",
     "posttrain.launch.plan",
 )
 

@@ -8,17 +8,14 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from posttrain.algorithms.checks import check_algorithm
 from posttrain.config.converter import structure_into
 from posttrain.config.report import ErrorReport, did_you_mean, join_path, unknown_name_hint
 from posttrain.config.sections import ROLE_NAMES, SECTION_ROLES, ModelArgs, Workflow
 from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
-from posttrain.evaluation.checks import check_evaluation
 from posttrain.host.references import import_beside
 from posttrain.host.strategy import KNOWN_PROVIDERS
 from posttrain.paths import display_path
-from posttrain.rewards.functions import check_reward_function
 from posttrain.rollout.environments.validation import check_environment
 from posttrain.trainer.logger_registry import check_loggers
 
@@ -99,13 +96,11 @@ def build_workflow(
         strategies = host.strategies()
     except UserError:
         strategies = {}  # the conflict was reported by _structure_strategy_configs
-    host.hook.posttrain_validate_workflow(workflow=workflow, strategies=strategies, report=report)
-    if "algorithm" not in report.failed_sections:
-        check_algorithm(workflow, host.hook, report)
-    if "reward" not in report.failed_sections:
-        check_reward_function(workflow.reward.function, host.hook, report)
-    if "evaluation" not in report.failed_sections:
-        check_evaluation(workflow, host.hook, report)
+    host.hook.posttrain_validate_workflow(
+        workflow=workflow, strategies=strategies, report=report, hook=host.hook
+    )
+    # These two structure their sections with the class their plugin names (as the strategy
+    # configs above), so they return a new workflow rather than only check it.
     workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)
     workflow = check_loggers(workflow, host.hook, report)
     return workflow, report

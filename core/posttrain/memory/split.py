@@ -373,7 +373,7 @@ def validation_errors(workflow: Workflow, host) -> list[str]:
     """What ``posttrain validate`` would refuse in ``workflow`` (rendered)."""
     report = ErrorReport()
     host.hook.posttrain_validate_workflow(
-        workflow=workflow, strategies=host.strategies(), report=report
+        workflow=workflow, strategies=host.strategies(), report=report, hook=host.hook
     )
     return [issue.render() for issue in report.errors]
 
