@@ -30,9 +30,9 @@ wheel=$(ls "$wheels"/sglang-0.5.23-*.whl)
 "${pip[@]}" --no-deps "$wheel"
 
 # The trainers (fsdp, megatron) too: the sync-parity tests feed SGLang from them.
-local_pkgs=(./core ./plugins/fsdp ./plugins/megatron ./plugins/sglang)
+local_pkgs=(./core ./plugins/hf_infer ./plugins/fsdp ./plugins/megatron ./plugins/sglang)
 if [ "$mode" = "--editable" ]; then
-  local_pkgs=(-e ./core -e ./plugins/fsdp -e ./plugins/megatron -e ./plugins/sglang)
+  local_pkgs=(-e ./core -e ./plugins/hf_infer -e ./plugins/fsdp -e ./plugins/megatron -e ./plugins/sglang)
 fi
 "${pip[@]}" -c "$constraints" "${local_pkgs[@]}" "pytest>=8" "pytest-timeout>=2.3"
 

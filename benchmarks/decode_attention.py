@@ -22,13 +22,13 @@ UNSEEN_TAIL = 64  # slots of a window past the rows' last seen key
 
 
 def attention(mode: str):
-    from posttrain.hf_infer import static_decode
+    from posttrain_hf_infer import static_decode
 
     if mode == "sdpa":
         return lambda *args: static_decode.grouped_sdpa(None, *args)[0]
     if mode == "cudnn":
         return lambda *args: static_decode.cudnn_sdpa(None, *args)[0]
-    from posttrain.hf_infer import decode_attention_kernel
+    from posttrain_hf_infer import decode_attention_kernel
 
     return decode_attention_kernel.decode_attention_op
 

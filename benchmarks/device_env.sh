@@ -37,7 +37,7 @@ case "${1:-}" in
   git archive HEAD | tar -x -C "$src"
   out=$(realpath -m "$WHEELS/posttrain")
   (cd "$src" && python3 -m pip wheel -q --no-deps --no-build-isolation -w "$out" ./core \
-    ./plugins/fsdp ./plugins/megatron ./plugins/deepspeed)
+    ./plugins/hf_infer ./plugins/fsdp ./plugins/megatron ./plugins/deepspeed)
   rm -rf "$src"
   exit 0
   ;;

@@ -49,9 +49,10 @@ BASELINES = ("before", "hf_generate")
 
 
 def make_worker(model_dir: str, device: str, dtype: str):
+    from posttrain_hf_infer import engine as hf_infer
+    from posttrain_hf_infer.plugin import HFInferConfig
+
     from posttrain.config.sections import ModelArgs
-    from posttrain.hf_infer import engine as hf_infer
-    from posttrain.hf_infer.plugin import HFInferConfig
     from posttrain.launch.worker import WorkerContext
 
     worker = WorkerContext(
@@ -93,12 +94,11 @@ def hf_generate(worker, prompts, new_tokens: int) -> list[list[int]]:
 
 def hf_infer_before(worker, prompts, new_tokens: int, seed: int):
     """hf_infer's ``_sample`` when the fast path was asked for (``git show
-    a2b1f01^:core/posttrain/hf_infer/engine.py``), as it was, its sampling fixed to this
+    a2b1f01^:plugins/hf_infer/posttrain_hf_infer/engine.py``), as it was, its sampling fixed to this
     benchmark's (temperature 1, no top-k/top-p, forced length, no stop token or string): the
     responses and their log-probs."""
     import torch
-
-    from posttrain.hf_infer.token_sampling import filter_logits
+    from posttrain_hf_infer.token_sampling import filter_logits
 
     model, device = worker.model, worker.device
     pad_id = worker.state["tokenizer"].pad_token_id
@@ -154,8 +154,8 @@ def timed_generate(worker, prompts, new_tokens: int, mode: str):
     """Seconds of one generation, and its responses and their log-probs (``None`` where the
     mode returns none)."""
     import torch
+    from posttrain_hf_infer import engine as hf_infer
 
-    from posttrain.hf_infer import engine as hf_infer
     from posttrain.protocol import GenerationRequest, SamplingParams
 
     sampling = SamplingParams(n=1, max_new_tokens=new_tokens, ignore_eos=True)

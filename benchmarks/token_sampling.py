@@ -21,8 +21,8 @@ from common import device_name, print_table
 
 def drawer(mode: str, device: str):
     import torch
+    from posttrain_hf_infer import token_sampling
 
-    from posttrain.hf_infer import token_sampling
     from posttrain.protocol import SamplingParams
 
     generator = torch.Generator(device=device).manual_seed(0)
@@ -37,7 +37,7 @@ def drawer(mode: str, device: str):
             return choice(logits, uniform, 1.0)
 
         return compiled
-    from posttrain.hf_infer.gumbel_kernel import gumbel_max
+    from posttrain_hf_infer.gumbel_kernel import gumbel_max
 
     return lambda logits: gumbel_max(logits, 1.0, generator)
 

@@ -51,6 +51,7 @@ _PUBLIC = {
     "score_sequences": "posttrain.training.rank_batches",
     "score_rows": "posttrain.training.rank_batches",
     "logprob_forward": "posttrain.scoring.logprob_head",
+    "TokenLogprobs": "posttrain.scoring.logprob_head",
     "shifted_token_logprobs": "posttrain.scoring.modeling",
     "shifted_entropy": "posttrain.scoring.modeling",
     "shifted_values": "posttrain.scoring.modeling",
@@ -304,7 +305,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         ToolError,
         tool_environment_spec,
     )
-    from posttrain.scoring.logprob_head import logprob_forward
+    from posttrain.scoring.logprob_head import TokenLogprobs, logprob_forward
     from posttrain.scoring.modeling import (
         sequence_scores,
         shifted_entropy,

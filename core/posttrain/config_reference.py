@@ -21,7 +21,7 @@ import attrs
 
 from posttrain.config.ranges import range_of
 from posttrain.config.sections import ROLE_NAMES, Workflow
-from posttrain.hf_infer.plugin import HFInferConfig
+from posttrain.host.plugin_host import create_plugin_host
 from posttrain.rollout.environments.calculator import CalculatorConfig
 from posttrain.rollout.environments.python_sandbox import PythonSandboxConfig
 from posttrain.sandbox.result import SandboxLimits
@@ -54,6 +54,8 @@ a string YAML would read otherwise (`--set 'key="-"'`). A relative path given wi
 """
 
 # Fields that are not YAML keys.
+# The strategy whose config the reference documents (a plugin; the others document their own).
+REFERENCE_ENGINE = "hf_infer"
 _INTERNAL = {(Workflow, "base_dir")}
 
 
@@ -260,10 +262,13 @@ def generate() -> str:
     lines.append(
         "`<role>.strategy_args.strategy_config` is checked against the config class of the "
         "strategy named in `strategy_name`; each plugin documents its own. `posttrain plugins` "
-        "lists the installed strategies. The built-in one:\n"
+        "lists the installed strategies. The reference rollout engine's (`plugins/hf_infer`):\n"
     )
-    lines.append(f"### {HFInferConfig.__name__} (`strategy_name: hf_infer`)\n")
-    lines += _class_table(HFInferConfig)
+    reference = create_plugin_host().strategies().get(REFERENCE_ENGINE)
+    if reference is not None:
+        config = reference.config_class
+        lines.append(f"### {config.__name__} (`strategy_name: {REFERENCE_ENGINE}`)\n")
+        lines += _class_table(config)
     lines.append("\n## Environment configs\n")
     lines.append(
         "`environment.kwargs` is checked against the config class of the environment named in "

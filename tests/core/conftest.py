@@ -55,11 +55,11 @@ def contract_fake_train_plugin():
 
 @pytest.fixture
 def fake_train_host(monkeypatch, contract_fake_train_plugin):
-    """A plugin host with built-ins and the fake train strategy; entry points are not loaded so
-    the result does not depend on which plugins happen to be installed."""
+    """A plugin host with built-ins, hf_infer and the fake train strategy; no other entry point is
+    loaded, so the result does not depend on which plugins happen to be installed."""
     from posttrain.host.plugin_host import create_plugin_host
 
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     return create_plugin_host(extra_plugins=[contract_fake_train_plugin])
 
 
@@ -87,9 +87,10 @@ def write_workflow(tmp_path):
 def load_hf_infer_worker(model_path: str, device: str = "cpu", dtype: str = "fp32", **config):
     """hf_infer's engine on ``model_path`` in ``dtype`` (``model_args.dtype``), ``config`` its
     ``strategy_config``."""
+    from posttrain_hf_infer import engine as hf_infer
+    from posttrain_hf_infer.plugin import HFInferConfig
+
     from posttrain.config.sections import ModelArgs
-    from posttrain.hf_infer import engine as hf_infer
-    from posttrain.hf_infer.plugin import HFInferConfig
     from posttrain.launch.worker import WorkerContext
 
     worker = WorkerContext(

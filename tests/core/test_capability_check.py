@@ -225,7 +225,7 @@ class HandWrittenPlugin:
 
 
 def test_hand_written_hooks_are_judged_by_calling_them_on_a_rank(monkeypatch):
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     host = create_plugin_host(extra_plugins=[HandWrittenPlugin()])
     spec = host.strategies()[HAND_WRITTEN]
     rank = SimpleNamespace(
@@ -261,7 +261,7 @@ def test_a_wrapper_is_not_an_implementation(monkeypatch):
         def posttrain_train_step(self, worker, batch, loss_fn):
             return (yield)
 
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     host = create_plugin_host(extra_plugins=[Timer()])
     answers = implemented(host, "hf_infer").answers
     assert answers["train_step"] is False and answers["generate"] is True

@@ -264,7 +264,7 @@ def test_only_template_call_syntaxes_give_the_template_a_tool_list(monkeypatch):
     from posttrain.host.plugin_host import create_plugin_host
     from posttrain.rollout.environments.registry import prompt_tools
 
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     hook = create_plugin_host().hook
     hermes, compact = (
         EnvironmentConfig(name="calculator", kwargs=CalculatorConfig(syntax=syntax))

@@ -51,7 +51,7 @@ def test_validate_reports_every_error_with_paths_and_hints(bad_workflow):
         [sys.executable, "-m", "posttrain.cli", "validate", bad_workflow],
         capture_output=True,
         text=True,
-        env=_env(POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD="1"),
+        env=_env(POSTTRAIN_PLUGINS="hf_infer"),
         timeout=60,
     )
     wall = time.perf_counter() - start
@@ -107,7 +107,7 @@ def test_validate_is_fast_and_imports_no_torch(bad_workflow):
 
 
 def test_validate_ok_exits_zero(write_workflow, model_dir, capsys, monkeypatch):
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     monkeypatch.setenv("COLUMNS", "400")
     path = write_workflow(
         f"""\
@@ -129,7 +129,7 @@ def test_validate_ok_exits_zero(write_workflow, model_dir, capsys, monkeypatch):
 
 
 def test_validate_set_override(write_workflow, model_dir, capsys, monkeypatch):
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     path = write_workflow(BAD_WORKFLOW.format(model=model_dir))
     code = main(["validate", path, "--set", "trainer.max_steps=5", "--set", "trainer.max_step=~"])
     err = capsys.readouterr().err
@@ -157,7 +157,7 @@ def _plugin_blocks(out: str) -> dict[str, str]:
 
 
 def test_plugins_fits_80_columns_and_names_every_hook_in_full(capsys, monkeypatch):
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     monkeypatch.setenv("COLUMNS", "80")  # what a pipe gets, and a narrow terminal
     assert main(["plugins"]) == EXIT_OK
     out = capsys.readouterr().out
@@ -172,7 +172,7 @@ def test_plugins_fits_80_columns_and_names_every_hook_in_full(capsys, monkeypatc
         # The hook list may wrap, never between the letters of a name.
         listed = blocks[name].split("hooks:", 1)[1].replace(",", " ").split()
         assert listed == [h.removeprefix("posttrain_") for h in host.hooks_of(name)]
-    assert "strategies: hf_infer" in blocks["posttrain.hf_infer.plugin"]
+    assert "strategies: hf_infer" in blocks["hf_infer"]
 
 
 def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
@@ -180,13 +180,13 @@ def test_plugins_json_lists_everything_for_scripts(capsys, monkeypatch):
 
     from posttrain import __version__
 
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     assert main(["plugins", "--json"]) == EXIT_OK
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
-    hf = plugins["posttrain.hf_infer.plugin"]
+    hf = plugins["hf_infer"]  # a plugin like the others, found through its entry point
     assert [hf["source"], hf["distribution"], hf["version"]] == [
-        "builtin",
-        "posttrain",
+        "entry point",
+        "posttrain-hf-infer",
         __version__,
     ]
     assert hf["strategies"] == ["hf_infer"]
@@ -274,7 +274,7 @@ def test_paths_print_resolved(tmp_path, monkeypatch, capsys):
     assert display_path(tmp_path) == "."
     assert display_path("../elsewhere") == str(tmp_path.parent / "elsewhere")  # not under cwd
     # Through validate: the workflow's own relative paths resolve against its directory.
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     (tmp_path / "examples").mkdir()
     (tmp_path / "examples" / "w.yaml").write_text("data: {path: ../data/missing.jsonl}\n")
     assert main(["validate", "examples/../examples/w.yaml"]) == EXIT_USER
@@ -332,7 +332,7 @@ def test_run_help_explains_paths_and_yaml_values(capsys):
 def test_plugins_list_what_each_plugin_adds_by_kind(capsys, monkeypatch):
     import json
 
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     assert main(["plugins", "--json"]) == EXIT_OK
     plugins = {p["name"]: p for p in json.loads(capsys.readouterr().out)["plugins"]}
     algorithms = plugins["posttrain.algorithms.builtin"]

@@ -256,7 +256,7 @@ def test_roll_role_block_validates(
     from posttrain.host.plugin_host import create_plugin_host
 
     if train == CONTRACT_FAKE_TRAIN:
-        monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+        monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
         host = create_plugin_host(extra_plugins=[contract_fake_train_plugin])
     else:
         if train not in _installed_train_strategies():
@@ -411,7 +411,7 @@ def test_stop_strings_need_a_strategy_that_supports_them(
 ):
     from posttrain.host.plugin_host import create_plugin_host
 
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     host = create_plugin_host(extra_plugins=[contract_fake_train_plugin, _NoStopStringsRollout()])
     raw = _valid_raw(str(model_dir))
     raw["actor_infer"]["strategy_args"] = {"strategy_name": "no_stop_rollout"}
@@ -565,9 +565,10 @@ def _numeric(tp) -> bool:
 def test_every_number_in_the_workflow_declares_its_range():
     """A new count or size gets its range by one annotation; this keeps anyone from forgetting
     it, in core sections and in the installed strategies' configs alike."""
+    from posttrain_hf_infer.plugin import HFInferConfig
+
     from posttrain.config_reference import _walk
     from posttrain.errors import PluginError
-    from posttrain.hf_infer.plugin import HFInferConfig
     from posttrain.host.plugin_host import create_plugin_host
 
     classes = {*_walk(), HFInferConfig}

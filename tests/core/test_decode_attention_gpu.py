@@ -33,7 +33,7 @@ def test_step_attentions_equal_float64_attention(heads, kv_heads, dim, window):
     """1.5B's heads and others (query heads a KV head: 6, 1, 7), windows short of the cache and
     not a multiple of a block, rows seeing scattered slots, a row's last seen slot early in the
     window, a row seeing one slot; each kernel within bf16's rounding of float64 attention."""
-    from posttrain.hf_infer.static_decode import (
+    from posttrain_hf_infer.static_decode import (
         cudnn_sdpa,
         decode_by_rows,
         grouped_sdpa,
@@ -77,9 +77,7 @@ def head32_model_path(posttrain_cache):
 
 @needs_ampere
 def test_the_kernels_serve_bf16_not_fp32(head32_model_path):
-    from transformers import AutoModelForCausalLM
-
-    from posttrain.hf_infer.static_decode import (
+    from posttrain_hf_infer.static_decode import (
         ATTENTION,
         BY_ROWS_ATTENTION,
         CUDNN_ATTENTION,
@@ -89,6 +87,7 @@ def test_the_kernels_serve_bf16_not_fp32(head32_model_path):
         triton_prefers,
         triton_serves,
     )
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(head32_model_path).cuda()
     assert not cudnn_serves(model, "cuda")  # fp32: grouped SDPA
@@ -119,8 +118,8 @@ def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(
 ):
     """Sampled, several windows (their bucket made small), through each attention: every
     sample's log-probs are a bf16 forward pass's over its prompt and response."""
-    from posttrain.hf_infer import engine as hf_infer
-    from posttrain.hf_infer import static_decode
+    from posttrain_hf_infer import engine as hf_infer
+    from posttrain_hf_infer import static_decode
 
     worker = hf_infer_loader(
         head32_model_path, "cuda", dtype="bf16", decode="compiled", decode_attention=attention
@@ -145,10 +144,9 @@ def test_auto_takes_either_kernel_by_the_rows_from_one_compile(
     a decoder of few rows (cuDNN's) and then one of many (the Triton kernel) share one compile
     (a choice inside the step was one of its guards, and the other kernel compiled it again).
     Both score what a forward pass scores."""
+    from posttrain_hf_infer import decode_attention_kernel, static_decode
+    from posttrain_hf_infer import engine as hf_infer
     from torch._dynamo.utils import counters
-
-    from posttrain.hf_infer import decode_attention_kernel, static_decode
-    from posttrain.hf_infer import engine as hf_infer
 
     calls = {"triton": 0, "cudnn": 0}
 

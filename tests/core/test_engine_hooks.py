@@ -53,7 +53,7 @@ def _engine_plugin(tmp_path, monkeypatch, module: str, source: str, package_init
         (folder / "__init__.py").write_text(package_init)
     (folder / f"{leaf}.py").write_text(textwrap.dedent(source))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
 
     class MisnamedPlugin(EngineHooks):
         strategies = ("contract_misnamed",)
@@ -145,7 +145,7 @@ def test_the_installed_engines_are_named_as_engine_hooks_calls_them():
         warnings.simplefilter("error", PluginWarning)
         host = create_plugin_host()
     engines = [p for p in host.pm.get_plugins() if isinstance(p, EngineHooks)]
-    assert any(p.engine == "posttrain.hf_infer.engine" for p in engines)
+    assert any(p.engine == "posttrain_hf_infer.engine" for p in engines)
     assert all(misnamed_engine_functions(p) == [] for p in engines)
 
 
@@ -162,7 +162,7 @@ def test_the_cli_shows_plugin_warnings_as_its_own(monkeypatch, capsys):
         return real()
 
     monkeypatch.setattr(posttrain.host.plugin_host, "create_plugin_host", warning_host)
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     assert main(["plugins", "--json"]) == 0
     err = capsys.readouterr().err
     assert "warning: plugin 'x': engine.shutdown is never called [sic]" in err

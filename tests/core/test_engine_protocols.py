@@ -23,7 +23,7 @@ PLUGINS = {
     REPO / "plugins/megatron/posttrain_megatron/plugin.py": "TrainEngine",
     REPO / "plugins/vllm/posttrain_vllm/plugin.py": "RolloutEngine",
     REPO / "plugins/sglang/posttrain_sglang/plugin.py": "RolloutEngine",
-    REPO / "core/posttrain/hf_infer/plugin.py": "RolloutEngine",
+    REPO / "plugins/hf_infer/posttrain_hf_infer/plugin.py": "RolloutEngine",
 }
 
 

@@ -26,7 +26,7 @@ from posttrain.rollout.environments.tools import Tool, ToolEnvironment, ToolErro
 
 @pytest.fixture
 def host(monkeypatch):
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     host = create_plugin_host()
     host.pm.register(env_support, name="env-support")
     return host

@@ -37,7 +37,7 @@ class Recorder:
         self.rounds: list[tuple[list[list[int]], list[list[int]]]] = []
 
     def __call__(self, contexts, sampling, turn):
-        from posttrain.hf_infer import engine as hf_infer
+        from posttrain_hf_infer import engine as hf_infer
 
         request = GenerationRequest(prompt_ids=contexts, sampling=sampling, seed=11 + turn)
         out = hf_infer.generate(self.worker, request)

@@ -17,7 +17,7 @@ pytestmark = [
 @pytest.mark.parametrize("temperature", [1.0, 0.5])
 def test_draws_follow_the_tempered_softmax(temperature):
     """Likely tokens in different chunks of the vocabulary (the kernel reads 8192 a program)."""
-    from posttrain.hf_infer.gumbel_kernel import gumbel_max
+    from posttrain_hf_infer.gumbel_kernel import gumbel_max
 
     logits = torch.full((20_000,), -30.0, device="cuda")
     likely = [0, 9_000, 17_000, 19_999]
@@ -34,7 +34,7 @@ def test_draws_follow_the_tempered_softmax(temperature):
 
 
 def test_a_vocabulary_of_many_blocks_in_bf16_and_its_seed():
-    from posttrain.hf_infer.gumbel_kernel import gumbel_max
+    from posttrain_hf_infer.gumbel_kernel import gumbel_max
 
     logits = (torch.randn(64, 151_936, device="cuda") * 4).to(torch.bfloat16)
     first = gumbel_max(logits, 0.7, torch.Generator(device="cuda").manual_seed(3))

@@ -130,8 +130,8 @@ FLOORS = [
     {"backends", "memory"},
     # 4. What engines and the loop share: log-prob heads, reward scoring, weight-sync sides.
     {"rewards", "scoring", "weight_sync"},
-    # 5. The built-in engine, rollouts and environments, micro-batched training.
-    {"hf_infer", "rollout", "training"},
+    # 5. Rollouts and environments, micro-batched training.
+    {"rollout", "training"},
     # 6. Rank processes and launchers; held-out evaluation.
     {"launch", "evaluation"},
     # 7. The loop; the conformance kit that drives engines as the loop does.

@@ -46,13 +46,13 @@ def engine(hf_infer_worker, tiny_model_path):
 
 
 def load(worker, state: dict) -> None:
-    from posttrain.hf_infer import engine as hf_infer
+    from posttrain_hf_infer import engine as hf_infer
 
     hf_infer.import_weights(worker, [WeightBucket(list(state.items()))])
 
 
 def generate_on(worker):
-    from posttrain.hf_infer import engine as hf_infer
+    from posttrain_hf_infer import engine as hf_infer
 
     def generate(prompt_ids, sampling, seed):
         request = GenerationRequest(prompt_ids=prompt_ids, sampling=sampling, seed=seed)

@@ -97,7 +97,8 @@ def test_builtins_are_registered_first():
     host = create_plugin_host()
     builtin = [p.name for p in host.plugins if p.source == "builtin"]
     assert builtin == [name.partition(":")[0] for name in BUILTIN_PLUGINS]
-    assert host.strategies()["hf_infer"].plugin == "posttrain.hf_infer.plugin"
+    # hf_infer is a plugin like the others: found through its entry point.
+    assert host.strategies()["hf_infer"].plugin == "hf_infer"
     assert host.strategies()["hf_infer"].capabilities.kind == "rollout"
 
 
@@ -109,7 +110,7 @@ def test_entry_points_are_loaded_and_failures_named(fake_entry_points):
     assert host.strategies()["contract_fake_ep_train"].plugin == "fake_ok"
     assert [p.name for p in host.failures] == ["fake_broken"]
     assert "ModuleNotFoundError" in by_name["fake_broken"].error
-    assert "hf_infer" in host.strategies()  # a broken plugin does not take the others down
+    # A broken plugin does not take the others down: fake_ok's strategy is there (above).
 
 
 def test_disable_autoload_loads_no_entry_point(fake_entry_points, monkeypatch):
@@ -117,7 +118,7 @@ def test_disable_autoload_loads_no_entry_point(fake_entry_points, monkeypatch):
     host = create_plugin_host()
     assert [p for p in host.plugins if p.source != "builtin"] == []
     assert FAKE_EP_MODULE not in sys.modules
-    assert set(host.strategies()) == {"hf_infer"}
+    assert host.strategies() == {}  # core alone ships no engine
     assert host.failures == []
 
 
@@ -125,7 +126,7 @@ def test_disable_autoload_with_real_entry_points(monkeypatch):
     monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
     host = create_plugin_host()
     assert {p.source for p in host.plugins} == {"builtin"}
-    assert set(host.strategies()) == {"hf_infer"}
+    assert host.strategies() == {}  # core alone ships no engine: `pip install ./core` lists none
 
 
 def test_allowlist_loads_only_named_entry_points(fake_entry_points, monkeypatch):
@@ -168,12 +169,18 @@ def test_workflow_plugins_load_a_module_for_the_run(monkeypatch, tmp_path, model
             class Config:
                 tensor_model_parallel_size: int = 1
 
+            @attrs.frozen(kw_only=True)
+            class InferConfig:
+                pass
+
             @hookimpl
             def posttrain_add_strategies():
                 return [StrategySpec(
                     name="contract_fake_workflow_train", config_class=Config,
                     capabilities=Capabilities(
-                        kind="train", parallel_dims=("tensor_model_parallel_size",)))]
+                        kind="train", parallel_dims=("tensor_model_parallel_size",))),
+                    StrategySpec(name="contract_fake_workflow_infer", config_class=InferConfig,
+                                 capabilities=Capabilities(kind="rollout"))]
             """
         )
     )
@@ -194,7 +201,10 @@ def test_workflow_plugins_load_a_module_for_the_run(monkeypatch, tmp_path, model
             },
             "device_mapping": "list(range(4))",
         },
-        "actor_infer": {"strategy_args": {"strategy_name": "hf_infer"}, "device_mapping": [0]},
+        "actor_infer": {
+            "strategy_args": {"strategy_name": "contract_fake_workflow_infer"},
+            "device_mapping": [0],
+        },
     }
     try:
         workflow, report = build_workflow(raw, host, ErrorReport(), base_dir=str(tmp_path))

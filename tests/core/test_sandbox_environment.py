@@ -138,7 +138,7 @@ def test_sandbox_run_reports_every_bad_flag_and_a_missing_file(tmp_path, capsys)
 
 def test_doctor_reports_the_sandbox_guarantees_of_this_machine(capsys, monkeypatch):
     monkeypatch.setenv("COLUMNS", "200")
-    monkeypatch.setenv("POSTTRAIN_DISABLE_PLUGIN_AUTOLOAD", "1")
+    monkeypatch.setenv("POSTTRAIN_PLUGINS", "hf_infer")
     main(["doctor"])
     out = capsys.readouterr().out
     found = iso.detect()

@@ -20,7 +20,7 @@ class TestHFInferStaticDecodeContract(StrategyContract):
 
 
 def generate(worker, decode: str, prompts, sampling, seed: int):
-    from posttrain.hf_infer import engine as hf_infer
+    from posttrain_hf_infer import engine as hf_infer
 
     worker.config = attrs.evolve(worker.config, decode=decode)
     return hf_infer.generate(
@@ -39,8 +39,8 @@ ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), rea
 
 
 def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_settings, monkeypatch):
-    from posttrain.hf_infer import engine as hf_infer
-    from posttrain.hf_infer import static_decode
+    from posttrain_hf_infer import engine as hf_infer
+    from posttrain_hf_infer import static_decode
 
     # Windows of 4 slots: the prefill and the steps attend to 2 or 3 growing windows, not to
     # the whole cache of 128 (the GPU's 128-slot windows are the same code at a larger size).
@@ -115,7 +115,7 @@ def test_fused_and_separate_projections_decode_alike(hf_infer_settings):
 def test_a_gpu_kernel_asked_for_on_the_cpu_leaves_grouped_sdpa(hf_infer_settings):
     """``decode_attention: triton`` (or cudnn) where the kernel does not serve (here: no GPU)
     decodes with grouped SDPA, the same samples as the default."""
-    from posttrain.hf_infer import static_decode
+    from posttrain_hf_infer import static_decode
 
     sampling = SamplingParams(n=2, max_new_tokens=4)
     with hf_infer_settings() as worker:
@@ -137,7 +137,7 @@ class TestHFInferCompiledDecodeContract(StrategyContract):
 def test_compiled_decode_decodes_what_the_static_decode_decodes(hf_infer_settings, monkeypatch):
     """Greedy, so the compiled mode's fused sampling is not in play (the kit above checks its
     log-probs): the compiled step gives the eager step's tokens and log-probs across windows."""
-    from posttrain.hf_infer import static_decode
+    from posttrain_hf_infer import static_decode
 
     monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
     sampling = SamplingParams(n=2, max_new_tokens=9, temperature=0.0)
@@ -150,7 +150,7 @@ def test_compiled_decode_decodes_what_the_static_decode_decodes(hf_infer_setting
 
 
 def test_a_step_that_does_not_compile_runs_uncompiled(hf_infer_settings, monkeypatch, caplog):
-    from posttrain.hf_infer import static_decode
+    from posttrain_hf_infer import static_decode
 
     def untraceable(*args):
         raise torch._dynamo.exc.Unsupported("a model torch.compile cannot trace")
@@ -182,7 +182,7 @@ def test_refilled_rows_score_what_a_forward_pass_scores(request, monkeypatch, de
     sample's log-probs are what a forward pass over its prompt and response gives, and the
     samples are those of batches of rows run to their end (on a GPU: the compiled step in its
     CUDA graphs)."""
-    from posttrain.hf_infer import decode_loop, static_decode
+    from posttrain_hf_infer import decode_loop, static_decode
 
     monkeypatch.setattr(static_decode, "WINDOW_BUCKET", 4)
     monkeypatch.setattr(decode_loop, "look_interval", lambda device, sampling: 3)

@@ -28,7 +28,7 @@ def test_stop_string_start(text, stop, start):
 
 
 def test_hf_infer_stops_with_the_token_completing_a_stop_string(hf_infer_worker):
-    from posttrain.hf_infer import engine as hf_infer
+    from posttrain_hf_infer import engine as hf_infer
 
     worker = hf_infer_worker
     tokenizer = worker.state["tokenizer"]
@@ -61,7 +61,7 @@ def test_hf_infer_stops_with_the_token_completing_a_stop_string(hf_infer_worker)
 def test_hf_infer_ignore_eos_samples_the_full_length(hf_infer_worker):
     """``generating_args.ignore_eos`` (forced lengths, for benchmarks): every sample runs to
     max_new_tokens; without it some end at EOS, which the tiny model samples often."""
-    from posttrain.hf_infer import engine as hf_infer
+    from posttrain_hf_infer import engine as hf_infer
 
     eos = hf_infer_worker.state["tokenizer"].eos_token_id
 

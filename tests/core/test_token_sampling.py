@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from posttrain_hf_infer.token_sampling import gumbel_choice, is_plain
 
-from posttrain.hf_infer.token_sampling import gumbel_choice, is_plain
 from posttrain.protocol import SamplingParams
 
 

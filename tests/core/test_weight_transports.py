@@ -12,6 +12,7 @@ import time
 
 import pytest
 import torch
+from posttrain_hf_infer.plugin import HFInferConfig
 
 from posttrain.config.sections import (
     AlgorithmConfig,
@@ -21,7 +22,6 @@ from posttrain.config.sections import (
     StrategyArgs,
 )
 from posttrain.errors import WorkerError
-from posttrain.hf_infer.plugin import HFInferConfig
 from posttrain.launch.base import GroupSpec
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import WeightBucket, bucketize

@@ -13,12 +13,12 @@ def load(directory, name):
 
 
 def test_export_weights_matches_trained_state_and_hf_export(dp2_run):
+    from posttrain_hf_infer import engine as hf_infer
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from posttrain.backends.models import resolve_model_path
     from posttrain.config.sections import ModelArgs
-    from posttrain.hf_infer import engine as hf_infer
     from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import WeightBucket, fused_group
 

@@ -25,7 +25,6 @@ from posttrain.host.strategy import KNOWN_PROVIDERS, StrategySpec
 
 ENTRY_POINT_GROUP = "posttrain"
 BUILTIN_PLUGINS = (
-    "posttrain.hf_infer.plugin:plugin",
     "posttrain.rewards.builtin",
     "posttrain.algorithms.builtin",
     "posttrain.rollout.environments.builtin",

@@ -107,7 +107,7 @@ class StrategySpec:
 
 # This project's own strategies, by the package that provides them: used for install hints.
 KNOWN_PROVIDERS: dict[str, str] = {
-    "hf_infer": "posttrain",
+    "hf_infer": "posttrain-hf-infer (pip install ./plugins/hf_infer)",
     "fsdp2_train": "posttrain-fsdp (pip install ./plugins/fsdp)",
     "fsdp2_infer": "posttrain-fsdp (pip install ./plugins/fsdp)",
     "megatron_train": "posttrain-megatron (pip install ./plugins/megatron)",

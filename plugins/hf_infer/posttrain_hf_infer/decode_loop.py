@@ -2,7 +2,7 @@
 step, with per-token log-probs.
 
 Rows are filled from a queue of prompts (shortest first, when they do not all fit at once).
-With the fixed-shape decoders of :mod:`~posttrain.hf_infer.static_decode`, a row whose sample
+With the fixed-shape decoders of :mod:`~posttrain_hf_infer.static_decode`, a row whose sample
 ended is refilled with the next prompt while the other rows go on (continuous batching): a
 batch no longer runs as long as its longest sample with its ended rows decoding padding. The
 dynamic cache (as ``generate``) cannot take a new prompt into one row: its rows are refilled
@@ -19,8 +19,8 @@ from collections import deque
 
 import torch
 
-from posttrain.hf_infer.static_decode import cache_argument, prompt_positions
-from posttrain.protocol import stop_string_start
+from posttrain import stop_string_start
+from posttrain_hf_infer.static_decode import cache_argument, prompt_positions
 
 # On a GPU, steps between the host's looks at which rows ended: in between it queues the next
 # steps' kernels while the GPU runs the last ones.
@@ -85,7 +85,7 @@ class DynamicDecode:
 
 
 class StaticDecode:
-    """Generations on a :class:`~posttrain.hf_infer.static_decode.StaticDecoder` (its rows past
+    """Generations on a :class:`~posttrain_hf_infer.static_decode.StaticDecoder` (its rows past
     those in flight decode padding, never read)."""
 
     refills_rows = True

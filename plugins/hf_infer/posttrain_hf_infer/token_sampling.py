@@ -62,10 +62,10 @@ _compiled_choice = None
 
 def gumbel_draw(logits: torch.Tensor, temperature: float, generator):
     """:func:`gumbel_choice` as one kernel, its noise drawn from ``generator``: on a GPU the
-    Triton kernel of :mod:`~posttrain.hf_infer.gumbel_kernel` (uniforms drawn in registers),
+    Triton kernel of :mod:`~posttrain_hf_infer.gumbel_kernel` (uniforms drawn in registers),
     elsewhere the compiled function reading uniforms ``torch.rand`` wrote."""
     if logits.is_cuda:
-        from posttrain.hf_infer.gumbel_kernel import gumbel_max
+        from posttrain_hf_infer.gumbel_kernel import gumbel_max
 
         return gumbel_max(logits, temperature, generator)
     global _compiled_choice

@@ -17,7 +17,7 @@ itself, so a padding row never attends to nothing (which would put NaN into the 
 Each row writes its next token at a slot of its own (:func:`row_slot_layer`): a row that
 ended stops there, and an ended row is refilled with another prompt (prefilled on its own, its
 keys and values copied into the row's slots) while the other rows go on decoding (continuous
-batching: :mod:`~posttrain.hf_infer.decode_loop` decides when).
+batching: :mod:`~posttrain_hf_infer.decode_loop` decides when).
 
 A step attends to the cache's first slots only, up to the latest row's query rounded up to
 ``WINDOW_BUCKET``: reading the whole cache at every step (a 512-token generation fills half of
@@ -51,7 +51,7 @@ import attrs
 import torch
 import torch.nn.functional as F
 
-from posttrain.hf_infer.fused_linears import stacked_projections
+from posttrain_hf_infer.fused_linears import stacked_projections
 
 LOG = logging.getLogger(__name__)
 
@@ -127,13 +127,13 @@ def cudnn_one_token(query, key, value, mask, scale: float | None) -> torch.Tenso
 
 def triton_decode(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
     """A one-token step's attention in the Triton kernel of
-    :mod:`~posttrain.hf_infer.decode_attention_kernel` (registered as the operator
+    :mod:`~posttrain_hf_infer.decode_attention_kernel` (registered as the operator
     ``posttrain::decode_attention``: the compiler calls it as it is): each KV head read once for its
     query heads, and no slot after a row's last visible one. Only where :func:`triton_serves`.
     Longer inputs (the prefill) take :func:`grouped_sdpa`."""
     if query.shape[2] != 1:
         return grouped_sdpa(module, query, key, value, attention_mask, scaling)
-    from posttrain.hf_infer.decode_attention_kernel import decode_attention_op
+    from posttrain_hf_infer.decode_attention_kernel import decode_attention_op
 
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     return decode_attention_op(query, key, value, attention_mask, scale), None
@@ -159,7 +159,7 @@ def decode_attention_by_rows(
     guards, and a decoder with the other kernel (a later request with fewer rows) compiled the
     step again (2 minutes at 1.5B on an H200)."""
     if triton_prefers(query.shape[0], key.shape[1], query.device):
-        from posttrain.hf_infer.decode_attention_kernel import decode_attention
+        from posttrain_hf_infer.decode_attention_kernel import decode_attention
 
         return decode_attention(query, key, value, mask, scale)
     return cudnn_one_token(query, key, value, mask, scale)

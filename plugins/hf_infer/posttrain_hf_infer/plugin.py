@@ -1,6 +1,6 @@
 """The ``hf_infer`` strategy: rollout and log-probs on plain transformers (the reference backend).
 
-This module is cheap to import; the engine code lives in :mod:`posttrain.hf_infer.engine` and is
+This module is cheap to import; the engine code lives in :mod:`posttrain_hf_infer.engine` and is
 imported by the worker hooks (from :class:`posttrain.EngineHooks`) when a rank first
 needs it.
 """
@@ -11,27 +11,29 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from posttrain.config.ranges import at_least
-from posttrain.config.scoring_options import ScoringOptions
-from posttrain.host.engine_hooks import EngineHooks
-from posttrain.host.strategy import Capabilities, StrategySpec
-from posttrain.markers import hookimpl
-from posttrain.memory.estimate import (
-    FLOAT32,
+from posttrain import (
+    Capabilities,
+    EngineHooks,
     MemoryQuery,
     ReleaseKnob,
     RoleMemory,
+    ScoringOptions,
+    StrategySpec,
+    at_least,
     forward_working_bytes,
+    hookimpl,
     logit_bytes,
     release_knobs,
 )
 
 if TYPE_CHECKING:
-    from posttrain.hf_infer import engine
-    from posttrain.host.engine_protocols import RolloutEngine
+    from posttrain import RolloutEngine
+    from posttrain_hf_infer import engine
 
     _ENGINE: RolloutEngine = engine  # mypy: the engine defines every function it must, typed
 
+# Bytes of a float32 (the sampling step's probabilities).
+FLOAT32 = 4
 STRATEGY = "hf_infer"
 
 
@@ -84,7 +86,7 @@ class HFInferConfig(ScoringOptions):
 
 class HFInferPlugin(EngineHooks):
     strategies = (STRATEGY,)
-    engine = "posttrain.hf_infer.engine"
+    engine = "posttrain_hf_infer.engine"
 
     @hookimpl(trylast=True)
     def posttrain_add_strategies(self):

@@ -3,7 +3,7 @@ registers (Philox, four numbers a call, from a seed drawn from the request's gen
 the running argmax of ``logits / T - log(-log u)`` and the running log-sum-exp of the logits.
 Each row's vocabulary is cut into chunks read in parallel; a second kernel merges the chunks.
 
-The compiled :func:`~posttrain.hf_infer.token_sampling.gumbel_choice` it replaces on a GPU reads
+The compiled :func:`~posttrain_hf_infer.token_sampling.gumbel_choice` it replaces on a GPU reads
 a ``[rows, vocab]`` float32 tensor of uniforms that ``torch.rand`` wrote first: 0.3 ms of a 4 ms
 1.5B step at 256 rows on an H200 (a vocabulary of 152k makes that tensor 155 MB).
 This module imports Triton: it is imported only where the draw runs on a GPU.

@@ -15,34 +15,35 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from posttrain.backends.distributed import init_default_process_group
-from posttrain.backends.models import load_causal_lm, load_model_with_head, load_tokenizer
-from posttrain.backends.plumbing import (
-    end_process_group,
-    forward_logits,
-    is_cuda,
-    log_once,
-    memory_tags,
-)
-from posttrain.backends.tensors import unshare_storage
-from posttrain.config.scoring_options import scoring_options
-from posttrain.errors import UserError
-from posttrain.hf_infer.decode_loop import DynamicDecode, StaticDecode, sample_rows
-from posttrain.hf_infer.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
-from posttrain.hf_infer.static_decode import DecodeSettings, StaticDecoders, supports_static
-from posttrain.hf_infer.token_sampling import draw, gumbel_draw, is_plain
-from posttrain.hf_progress import no_hf_progress_bars
-from posttrain.protocol import (
+from posttrain import (
     GenerationRequest,
     RolloutSamples,
     SequenceBatch,
+    TokenLogprobs,
+    UserError,
     WeightBucket,
+    end_process_group,
+    forward_logits,
+    init_default_process_group,
+    is_cuda,
+    load_causal_lm,
+    load_model_with_head,
+    load_tokenizer,
+    log_once,
+    logprob_forward,
+    memory_tags,
+    no_hf_progress_bars,
+    sequence_scores,
+    shifted_token_logprobs,
+    unshare_storage,
 )
-from posttrain.scoring.logprob_head import TokenLogprobs, logprob_forward
-from posttrain.scoring.modeling import sequence_scores, shifted_token_logprobs
+from posttrain_hf_infer.decode_loop import DynamicDecode, StaticDecode, sample_rows
+from posttrain_hf_infer.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
+from posttrain_hf_infer.static_decode import DecodeSettings, StaticDecoders, supports_static
+from posttrain_hf_infer.token_sampling import draw, gumbel_draw, is_plain
 
 if TYPE_CHECKING:
-    from posttrain.launch.worker import WorkerContext
+    from posttrain import WorkerContext
 
 LOG = logging.getLogger(__name__)
 
@@ -190,7 +191,7 @@ def _in_chunks(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tens
     """``score(ids, mask)`` over ``logprob_micro_batch_size`` or ``micro_batch_size`` rows at a
     time when set, else ``infer_batch_size`` (or ``batch_size``), concatenated on the host."""
     parts = []
-    step = scoring_options(worker).scoring_rows() or _batch_size(worker)
+    step = worker.config.scoring_rows() or _batch_size(worker)
     for start in range(0, len(batch), step):
         ids = batch.input_ids[start : start + step].to(worker.device)
         mask = batch.attention_mask[start : start + step].to(worker.device)
