@@ -54,8 +54,8 @@ def make_worker(model_path: str, base_dir: str, infer_batch_size: int, kv_tokens
         run_dir=base_dir,
         hook=host.hook,
         seed=0,
+        infer_batch_size=infer_batch_size,
     )
-    ctx.state["infer_batch_size"] = infer_batch_size
     runtime = WorkerRuntime(ctx)
     runtime.setup()
     return runtime

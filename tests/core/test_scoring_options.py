@@ -73,7 +73,7 @@ def test_inherited_fields_structure_with_ranges_and_did_you_mean():
 def _worker(config, infer_batch_size=None, per_device=4):
     return SimpleNamespace(
         config=config,
-        state={"infer_batch_size": infer_batch_size} if infer_batch_size else {},
+        infer_batch_size=infer_batch_size,
         require_training_args=lambda: SimpleNamespace(per_device_train_batch_size=per_device),
     )
 

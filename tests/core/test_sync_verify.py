@@ -8,6 +8,7 @@ import torch
 
 from posttrain.protocol import WeightBucket
 from posttrain.weight_sync.verify import (
+    SyncState,
     WeightSyncMismatch,
     begin_sync,
     byte_sums,
@@ -36,7 +37,7 @@ def buckets(n: int) -> list[WeightBucket]:
     ],
 )
 def test_which_buckets_each_policy_sums(verify, summed):
-    state: dict = {}
+    state = SyncState()
     for expected in summed:
         begin_sync(state, verify)
         out = list(with_digests(state, buckets(3)))
@@ -44,7 +45,7 @@ def test_which_buckets_each_policy_sums(verify, summed):
 
 
 def test_a_bucket_that_changed_on_the_way_is_named():
-    state: dict = {}
+    state = SyncState()
     begin_sync(state, "every")
     sent = list(with_digests(state, buckets(2)))
     sent[1].tensors[0] = ("w1", sent[1].tensors[0][1] + 1)
@@ -65,10 +66,14 @@ def test_a_renamed_or_reshaped_weight_is_named_with_the_engines_own():
         return [bucket]
 
     def import_(*tensors):
-        buckets = checked({}, received(*tensors), "actor_infer (hf_infer) rank 0", lambda: shapes)
+        buckets = checked(
+            SyncState(), received(*tensors), "actor_infer (hf_infer) rank 0", lambda: shapes
+        )
         return list(buckets)
 
-    assert list(checked({}, received(("x", torch.ones(2))), "r", lambda: None))  # unchecked
+    assert list(
+        checked(SyncState(), received(("x", torch.ones(2))), "r", lambda: None)
+    )  # unchecked
     # The tied head, sent by name, is the embedding's.
     assert import_(("lm_head.weight", torch.ones(8, 4)), ("model.norm.weight", torch.ones(4)))
     with pytest.raises(WeightSyncMismatch) as renamed:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 from posttrain.weight_sync import rank_side
+from posttrain.weight_sync.verify import SyncState
 
 
 class RecordingReceiver:
@@ -32,7 +33,7 @@ def _runtime(receiver):
         return receiver
 
     hook = SimpleNamespace(posttrain_weight_receiver=posttrain_weight_receiver)
-    ctx = SimpleNamespace(device="cpu", state={}, hook=hook)
+    ctx = SimpleNamespace(device="cpu", state={}, sync=SyncState(), hook=hook)
     return SimpleNamespace(ctx=ctx), asked
 
 
@@ -67,7 +68,7 @@ def test_receiver_takes_the_rank_s_place_in_the_group():
         ("receive", meta, "g_1234"),
         ("leave", "g_1234"),
     ]
-    assert runtime.ctx.state == {}
+    assert runtime.ctx.sync.link is None and runtime.ctx.state == {}  # left: nothing kept
 
 
 def test_trainer_rank_and_non_members_never_ask_for_a_receiver():

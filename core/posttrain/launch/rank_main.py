@@ -80,9 +80,8 @@ class RankServer:
                 algorithm=spec.algorithm,
                 hook=host.hook,
                 head=spec.head,
+                infer_batch_size=role.infer_batch_size or None,
             )
-            if role.infer_batch_size:
-                ctx.state["infer_batch_size"] = role.infer_batch_size
             self.runtimes[spec.role] = WorkerRuntime(ctx, peers=self.runtimes)
 
     def handle(self, role: str, method: str, args: tuple, kwargs: dict) -> Any:

@@ -16,8 +16,9 @@ import attrs
 from posttrain.algorithms.policy_loss import PolicyLoss
 from posttrain.algorithms.registry import policy_loss_term
 from posttrain.algorithms.value_loss import ValueLoss
-from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs
+from posttrain.config.sections import AlgorithmConfig, GeneratingArgs, ModelArgs, TrainingArgs
 from posttrain.errors import DeviceOutOfMemory, PosttrainError, UserError
+from posttrain.weight_sync.verify import SyncState
 
 
 @attrs.define(kw_only=True)
@@ -36,15 +37,21 @@ class WorkerContext:
     run_dir: str = ""
     base_dir: str = "."
     # Algorithm settings the backend needs for its loss (e.g. micro-batch normalisation).
-    algorithm: Any = None
-    hook: Any = None  # the plugin host's hook relay, to call other hooks
+    algorithm: AlgorithmConfig | None = None
+    hook: Any = None  # the plugin host's hook relay (pluggy.HookRelay), to call other hooks
+    # Rows a rollout or scoring role handles at once: the role's ``infer_batch_size``, or None
+    # where the workflow leaves it to the strategy.
+    infer_batch_size: int | None = None
     # The model head this role loads: "lm" (a causal LM: actor, reference, rollout), "value"
     # (the critic: posttrain_compute_values) or "score" (a reward model:
     # posttrain_compute_scores).
     head: str = "lm"
     parallel: dict[str, int] = attrs.field(factory=dict)
     model: Any = None
+    # The backend's own: its engine objects, between calls. Core keeps nothing here.
     state: dict[str, Any] = attrs.field(factory=dict)
+    # Core's between two weight syncs (posttrain.weight_sync.verify).
+    sync: SyncState = attrs.field(factory=SyncState)
 
     @property
     def metric_prefix(self) -> str:
@@ -109,6 +116,9 @@ class WorkerRuntime:
         self.ctx = ctx
         self.peers = peers if peers is not None else {ctx.role: self}
         self._export: Iterator | None = None
+        # What the engine takes in a sync, asked once (posttrain_weight_shapes; None: unsaid).
+        self._shapes: dict[str, tuple[int, ...]] | None = None
+        self._shapes_asked = False
 
     def _call(self, hook_name: str, **kwargs: Any) -> Any:
         on_gpu = str(self.ctx.device).startswith("cuda")
@@ -171,7 +181,7 @@ class WorkerRuntime:
     def export_begin(self, bucket_bytes: int, verify: str = "first") -> None:
         from posttrain.weight_sync.verify import begin_sync
 
-        begin_sync(self.ctx.state, verify)
+        begin_sync(self.ctx.sync, verify)
         self._export = self.export_weights(bucket_bytes, on_device=False)
 
     def export_next(self):
@@ -189,16 +199,16 @@ class WorkerRuntime:
         from posttrain.weight_sync.verify import checked
 
         where = f"{self.ctx.role} ({self.ctx.strategy_name}) rank {self.ctx.rank}"
-        buckets = checked(self.ctx.state, buckets, where, self._model_shapes)
+        buckets = checked(self.ctx.sync, buckets, where, self._engine_shapes)
         return self._call("posttrain_import_weights", buckets=buckets)
 
-    def _model_shapes(self) -> dict[str, tuple[int, ...]] | None:
+    def _engine_shapes(self) -> dict[str, tuple[int, ...]] | None:
         """The names and shapes the engine takes in a sync (``posttrain_weight_shapes``), asked
         once; None where the engine does not say."""
-        if "_weight_shapes" not in self.ctx.state:
-            shapes = self.ctx.hook.posttrain_weight_shapes(worker=self.ctx)
-            self.ctx.state["_weight_shapes"] = shapes
-        return self.ctx.state["_weight_shapes"]
+        if not self._shapes_asked:
+            self._shapes = self.ctx.hook.posttrain_weight_shapes(worker=self.ctx)
+            self._shapes_asked = True
+        return self._shapes
 
     def save_checkpoint(self, path: str) -> dict:
         return self._call("posttrain_save_checkpoint", path=path)

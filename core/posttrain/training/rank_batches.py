@@ -37,7 +37,7 @@ def micro_batch_size(worker: WorkerContext, train: bool, for_logprobs: bool) -> 
     options = scoring_options(worker)
     rows = options.scoring_rows() if for_logprobs else options.micro_batch_size
     if not train:
-        return rows or worker.state.get("infer_batch_size") or 8
+        return rows or worker.infer_batch_size or 8
     return rows or worker.require_training_args().per_device_train_batch_size
 
 

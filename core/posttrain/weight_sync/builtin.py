@@ -42,4 +42,4 @@ def posttrain_export_weights(worker, bucket_bytes, on_device):
         return None
     from posttrain.weight_sync.verify import with_digests
 
-    return with_digests(worker.state, buckets)
+    return with_digests(worker.sync, buckets)

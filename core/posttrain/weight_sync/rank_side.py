@@ -26,14 +26,8 @@ import torch
 
 from posttrain.backends.distributed import collective_timeout_s
 from posttrain.protocol import WeightBucket
-from posttrain.weight_sync.verify import VERIFIED, begin_sync
+from posttrain.weight_sync.verify import SyncLink, begin_sync
 
-_GROUP = "_sync_group"
-_STORE = "_sync_store"
-_ROUND = "_sync_round"
-_PENDING = "_sync_pending_bucket"
-_LAST_COUNT = "_sync_last_count"  # buckets the sending rank published in the previous round
-_RECEIVER = "_sync_receiver"
 META_PREFIX = "posttrain_meta/"
 
 
@@ -72,42 +66,47 @@ def join_sync_group(
     Made apart from each role's own default group, as SGLang's ``init_weights_update_group``.
     A rollout rank whose strategy answers ``posttrain_weight_receiver`` hands its place to that
     receiver (an engine whose own processes join the group and receive the broadcasts)."""
+    ctx = runtime.ctx
+    link = ctx.sync.link = SyncLink()  # a rank outside the group (-1) counts rounds only
     if group_rank < 0:
         return True
     timeout_s = timeout_s or collective_timeout_s()
-    ctx = runtime.ctx
     import torch.distributed as dist
 
-    ctx.state[_ROUND] = 0
     if group_rank > 0:
         receiver = ctx.hook.posttrain_weight_receiver(worker=ctx)
         if receiver is not None:
             receiver.join(addr, port, group_rank, size, group_name, timeout_s)
-            ctx.state[_RECEIVER] = (receiver, group_name)
+            link.receiver = (receiver, group_name)
             # The rank itself only reads the buckets' metadata from the group's store.
             store = dist.TCPStore(addr, port, is_master=False, timeout=timedelta(seconds=timeout_s))
-            ctx.state[_STORE] = dist.PrefixStore(META_PREFIX, store)
+            link.store = dist.PrefixStore(META_PREFIX, store)
             return True
     store = dist.TCPStore(
         addr, port, size, is_master=group_rank == 0, timeout=timedelta(seconds=timeout_s)
     )
-    ctx.state[_STORE] = dist.PrefixStore(META_PREFIX, store)
+    link.store = dist.PrefixStore(META_PREFIX, store)
     prefixed = _named_group_store(store, group_name, ctx.device)
     if ctx.device.startswith("cuda"):
         group = dist.ProcessGroupNCCL(prefixed, group_rank, size)
     else:
         group = dist.ProcessGroupGloo(prefixed, group_rank, size, timedelta(seconds=timeout_s))
-    ctx.state[_GROUP] = (group, store)
+    link.group = (group, store)  # the TCP store lives as long as its group
     return True
 
 
 def leave_sync_group(runtime) -> bool:
-    for key in (_GROUP, _STORE, _ROUND, _LAST_COUNT):
-        runtime.ctx.state.pop(key, None)
-    receiver = runtime.ctx.state.pop(_RECEIVER, None)
-    if receiver is not None:
-        receiver[0].leave(receiver[1])
+    link, runtime.ctx.sync.link = runtime.ctx.sync.link, None
+    if link is not None and link.receiver is not None:
+        link.receiver[0].leave(link.receiver[1])
     return True
+
+
+def _link(runtime) -> SyncLink:
+    link = runtime.ctx.sync.link
+    if link is None:
+        raise RuntimeError(f"{runtime.ctx.role} rank {runtime.ctx.rank} is in no sync group")
+    return link
 
 
 def bucket_meta(bucket: WeightBucket) -> list[tuple[str, tuple[int, ...], str, int]]:
@@ -122,7 +121,7 @@ def export_next_meta(runtime):
     bucket = runtime.export_next()
     if bucket is None:
         return None
-    runtime.ctx.state[_PENDING] = bucket
+    _link(runtime).pending = bucket
     return bucket_meta(bucket)
 
 
@@ -130,7 +129,7 @@ def _broadcast(runtime, flat: torch.Tensor):
     """Start broadcasting ``flat`` from group rank 0; return the work to wait on."""
     import torch.distributed as dist
 
-    group, _ = runtime.ctx.state[_GROUP]
+    group, _ = _link(runtime).group
     opts = dist.BroadcastOptions()
     opts.rootRank = 0
     return group.broadcast([flat], opts)
@@ -146,8 +145,9 @@ def _flatten(bucket: WeightBucket, device: str) -> torch.Tensor:
 
 
 def broadcast_pending(runtime) -> bool:
-    bucket = runtime.ctx.state.pop(_PENDING, None)
-    if _GROUP not in runtime.ctx.state:
+    link = _link(runtime)
+    bucket, link.pending = link.pending, None
+    if link.group is None or bucket is None:
         return True  # not the sending rank
     _broadcast(runtime, _flatten(bucket, runtime.ctx.device)).wait()
     return True
@@ -166,16 +166,16 @@ def _receive_bucket(runtime, meta, digests=None) -> WeightBucket:
 
 
 def receive_and_import(runtime, meta) -> bool:
-    receiver = runtime.ctx.state.get(_RECEIVER)
+    receiver = _link(runtime).receiver
     if receiver is not None:
         return receiver[0].receive(meta, receiver[1])
     return runtime.import_weights([_receive_bucket(runtime, meta)])
 
 
 def _next_round(runtime) -> int:
-    state = runtime.ctx.state
-    state[_ROUND] = state.get(_ROUND, 0) + 1
-    return state[_ROUND]
+    link = _link(runtime)
+    link.rounds += 1
+    return link.rounds
 
 
 def stream_send(runtime, bucket_bytes: int, verify: str = "first") -> dict[str, int]:
@@ -187,9 +187,10 @@ def stream_send(runtime, bucket_bytes: int, verify: str = "first") -> dict[str, 
     import pickle
 
     sync_round = _next_round(runtime)
-    begin_sync(runtime.ctx.state, verify)
-    sending = _GROUP in runtime.ctx.state
-    store = runtime.ctx.state.get(_STORE)
+    begin_sync(runtime.ctx.sync, verify)
+    link = _link(runtime)
+    sending = link.group is not None
+    store = link.store
     total, count = 0, 0
     in_flight = None  # (work, tensor): the tensor must outlive its broadcast
     for bucket in runtime.export_weights(bucket_bytes, on_device=True):
@@ -210,10 +211,10 @@ def stream_send(runtime, bucket_bytes: int, verify: str = "first") -> dict[str, 
     if sending:
         store.set(f"{sync_round}/{count}", pickle.dumps(None))
         if sync_round > 1:  # every reader of the previous round is done with it by now
-            for key in range(runtime.ctx.state.get(_LAST_COUNT, -1) + 1):
+            for key in range(link.last_count + 1):
                 store.delete_key(f"{sync_round - 1}/{key}")
                 store.delete_key(f"{sync_round - 1}/{key}/sums")
-        runtime.ctx.state[_LAST_COUNT] = count
+        link.last_count = count
     return {"bytes": total, "buckets": count}
 
 
@@ -223,8 +224,8 @@ def stream_receive(runtime) -> dict[str, int]:
     import pickle
 
     sync_round = _next_round(runtime)
-    store = runtime.ctx.state[_STORE]
-    receiver = runtime.ctx.state.get(_RECEIVER)
+    store = _link(runtime).store
+    receiver = _link(runtime).receiver
     counts = {"bytes": 0, "buckets": 0}
 
     def metas():
@@ -244,7 +245,7 @@ def stream_receive(runtime) -> dict[str, int]:
             _receive_bucket(runtime, meta, pickle.loads(store.get(f"{sync_round}/{n}/sums")))
             for n, meta in enumerate(metas())
         )
-        counts["verified"] = runtime.ctx.state.get(VERIFIED, 0)
+        counts["verified"] = runtime.ctx.sync.verified
     return counts
 
 
@@ -254,7 +255,7 @@ def hand_over(
     """Hybrid engine: export on this rank's trainer role (every rank gathers the full tensors
     on its device) and load each bucket into ``target_role`` of the same process as it comes."""
     target = runtime.peers[target_role]
-    begin_sync(runtime.ctx.state, verify)
+    begin_sync(runtime.ctx.sync, verify)
     counts = {"bytes": 0, "buckets": 0}
     buckets = runtime.export_weights(bucket_bytes, on_device=True)
 
@@ -267,5 +268,5 @@ def hand_over(
     target.import_weights(counted())
     for _ in buckets:  # the export is collective: finish it even if the import stopped early
         continue
-    counts["verified"] = target.ctx.state.get(VERIFIED, 0)
+    counts["verified"] = target.ctx.sync.verified
     return counts

@@ -14,7 +14,9 @@ broadcast in its metadata. An engine that receives broadcasts in processes of it
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
+
+import attrs
 
 from posttrain.errors import UserError
 from posttrain.weight_sync.manifest import name_problems
@@ -24,11 +26,29 @@ if TYPE_CHECKING:
 
     from posttrain.protocol import WeightBucket
 
-# Where a rank keeps what it needs between two syncs (WorkerContext.state).
-PLAN = "_sync_digest_plan"  # "all", a bucket index, or None: which buckets of this sync to sum
-ROUND = "_sync_digest_round"
-COUNT = "_sync_digest_count"  # buckets of the previous sync (which one to sample next)
-VERIFIED = "_sync_verified"  # buckets checked on the receiving side, this sync
+
+@attrs.define
+class SyncLink:
+    """A rank's place in a broadcast sync group (posttrain.weight_sync.rank_side)."""
+
+    store: Any = None  # the group's store: each round's bucket metadata and byte sums
+    group: Any = None  # the process group, on the ranks that broadcast or receive themselves
+    receiver: Any = None  # (an engine's receiver, the group's name): it takes the broadcasts
+    rounds: int = 0  # broadcast rounds begun
+    last_count: int = -1  # buckets the sending rank published in the previous round
+    pending: WeightBucket | None = None  # the exported bucket its broadcast waits to send
+
+
+@attrs.define
+class SyncState:
+    """What a rank keeps between two syncs (``WorkerContext.sync``)."""
+
+    link: SyncLink | None = None  # set while the rank is in a broadcast group
+    rounds: int = 0  # syncs begun on this rank
+    # Which buckets of this sync to sum: "all", a bucket index, or None.
+    plan: str | int | None = None
+    count: int = 1  # buckets of the previous sync (which one to sample next)
+    verified: int = 0  # buckets checked on the receiving side, this sync
 
 
 class WeightSyncMismatch(UserError):
@@ -50,20 +70,20 @@ def byte_sums(tensors: Iterable[torch.Tensor]) -> list[int]:
     return [int(s) for s in torch.stack([s.to(sums[0].device) for s in sums]).tolist()]
 
 
-def begin_sync(state: dict, verify: str) -> None:
+def begin_sync(state: SyncState, verify: str) -> None:
     """On a sending rank, before its export: which buckets this sync sums."""
-    state[ROUND] = state.get(ROUND, 0) + 1
-    if verify == "every" or (verify == "first" and state[ROUND] == 1):
-        state[PLAN] = "all"
+    state.rounds += 1
+    if verify == "every" or (verify == "first" and state.rounds == 1):
+        state.plan = "all"
     elif verify == "first":
-        state[PLAN] = (state[ROUND] - 2) % max(1, state.get(COUNT, 1))
+        state.plan = (state.rounds - 2) % max(1, state.count)
     else:
-        state[PLAN] = None
+        state.plan = None
 
 
-def with_digests(state: dict, buckets: Iterable[WeightBucket]) -> Iterator[WeightBucket]:
+def with_digests(state: SyncState, buckets: Iterable[WeightBucket]) -> Iterator[WeightBucket]:
     """The export's buckets, those the plan names carrying their byte sums."""
-    plan = state.pop(PLAN, None)
+    plan, state.plan = state.plan, None
     index = 0
     for bucket in buckets:
         if bucket:
@@ -71,11 +91,11 @@ def with_digests(state: dict, buckets: Iterable[WeightBucket]) -> Iterator[Weigh
                 bucket.digests = byte_sums(t for _, t in bucket.tensors)
             index += 1
         yield bucket
-    state[COUNT] = index
+    state.count = index
 
 
 def checked(
-    state: dict,
+    state: SyncState,
     buckets: Iterable[WeightBucket],
     where: str,
     engine_shapes: Callable[[], dict[str, tuple[int, ...]] | None] | None = None,
@@ -83,14 +103,14 @@ def checked(
     """The received buckets, each that carries sums checked before it is handed on: its bytes,
     and its names and shapes against ``engine_shapes()`` (what the receiving engine takes,
     ``posttrain_weight_shapes``; :mod:`posttrain.weight_sync.manifest`) where it says."""
-    state[VERIFIED] = 0
+    state.verified = 0
     for bucket in buckets:
         if bucket and bucket.digests is not None:
             expected = engine_shapes() if engine_shapes is not None else None
             if expected is not None:
                 check_names(bucket, where, expected)
             check(bucket, where)
-            state[VERIFIED] += 1
+            state.verified += 1
         yield bucket
 
 

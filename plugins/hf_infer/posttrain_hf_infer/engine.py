@@ -89,7 +89,7 @@ def load_model(worker: WorkerContext):
 
 
 def _batch_size(worker: WorkerContext) -> int:
-    return worker.state.get("infer_batch_size") or worker.config.batch_size
+    return worker.infer_batch_size or worker.config.batch_size
 
 
 @torch.no_grad()

@@ -44,7 +44,7 @@ log = logging.getLogger(__name__)
 def _rows_per_micro_batch(worker: WorkerContext, for_logprobs: bool) -> int:
     cfg = worker.config
     if worker.strategy_name != TRAIN:
-        return cfg.scoring_rows() or worker.state.get("infer_batch_size") or 8
+        return cfg.scoring_rows() or worker.infer_batch_size or 8
     train_rows = cfg.micro_batch_size or worker.require_training_args().per_device_train_batch_size
     return (cfg.logprob_micro_batch_size or train_rows) if for_logprobs else train_rows
 

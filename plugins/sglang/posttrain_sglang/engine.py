@@ -116,7 +116,7 @@ def _engine(worker: WorkerContext):
 
 
 def _batch_size(worker: WorkerContext) -> int | None:
-    return worker.state.get("infer_batch_size")
+    return worker.infer_batch_size
 
 
 def _sample_seed(seed: int | None, prompt: int, sample: int, n: int) -> int | None:

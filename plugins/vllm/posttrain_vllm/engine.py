@@ -257,7 +257,7 @@ def _llm(worker: WorkerContext):
 
 
 def _batch_size(worker: WorkerContext) -> int | None:
-    return worker.state.get("infer_batch_size")
+    return worker.infer_batch_size
 
 
 def _request_seed(seed: int | None, index: int, n: int) -> int | None:
