@@ -118,7 +118,8 @@ def main() -> None:
     torch.set_num_threads(1)
     import attrs
 
-    from posttrain import ModelArgs, load_causal_lm, load_tokenizer
+    from posttrain import ModelArgs
+    from posttrain.backend import load_causal_lm, load_tokenizer
     from posttrain.config.data_sections import SyntheticData
     from posttrain.tasks.data import SYNTHETIC_TASKS
     from posttrain.tasks.presets import PRESETS

@@ -128,7 +128,7 @@ def build_model(
     import torch
     import transformers
 
-    from posttrain import torch_dtype
+    from posttrain.backend import torch_dtype
     from posttrain.tasks.presets import preset_path
 
     config, model_class = model_config(shape, max_positions, tie_word_embeddings)

@@ -48,9 +48,9 @@ def workload(vocab: int, args) -> tuple[list[list[int]], tuple[int, ...]]:
 
 def timed(worker, prompts, sampling) -> tuple[float, list[list[int]]]:
     import torch
-    from posttrain_hf_infer import engine as hf_infer
 
     from posttrain.protocol import GenerationRequest
+    from posttrain_hf_infer import engine as hf_infer
 
     on_gpu = worker.device.startswith("cuda")
     if on_gpu:
@@ -65,9 +65,9 @@ def timed(worker, prompts, sampling) -> tuple[float, list[list[int]]]:
 
 def measure(worker, mode: str, decode: str, prompts, stops, args, share: int | None) -> dict:
     import attrs
-    from posttrain_hf_infer import decode_loop
 
     from posttrain.protocol import SamplingParams
+    from posttrain_hf_infer import decode_loop
 
     worker.config = attrs.evolve(
         worker.config,

@@ -49,11 +49,10 @@ BASELINES = ("before", "hf_generate")
 
 
 def make_worker(model_dir: str, device: str, dtype: str):
-    from posttrain_hf_infer import engine as hf_infer
-    from posttrain_hf_infer.plugin import HFInferConfig
-
     from posttrain.config.sections import ModelArgs
     from posttrain.launch.worker import WorkerContext
+    from posttrain_hf_infer import engine as hf_infer
+    from posttrain_hf_infer.plugin import HFInferConfig
 
     worker = WorkerContext(
         role="actor_infer",
@@ -98,6 +97,7 @@ def hf_infer_before(worker, prompts, new_tokens: int, seed: int):
     benchmark's (temperature 1, no top-k/top-p, forced length, no stop token or string): the
     responses and their log-probs."""
     import torch
+
     from posttrain_hf_infer.token_sampling import filter_logits
 
     model, device = worker.model, worker.device
@@ -154,9 +154,9 @@ def timed_generate(worker, prompts, new_tokens: int, mode: str):
     """Seconds of one generation, and its responses and their log-probs (``None`` where the
     mode returns none)."""
     import torch
-    from posttrain_hf_infer import engine as hf_infer
 
     from posttrain.protocol import GenerationRequest, SamplingParams
+    from posttrain_hf_infer import engine as hf_infer
 
     sampling = SamplingParams(n=1, max_new_tokens=new_tokens, ignore_eos=True)
     on_gpu = worker.device.startswith("cuda")

@@ -21,9 +21,9 @@ from common import device_name, print_table
 
 def drawer(mode: str, device: str):
     import torch
-    from posttrain_hf_infer import token_sampling
 
     from posttrain.protocol import SamplingParams
+    from posttrain_hf_infer import token_sampling
 
     generator = torch.Generator(device=device).manual_seed(0)
     if mode == "general":

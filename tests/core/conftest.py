@@ -87,11 +87,10 @@ def write_workflow(tmp_path):
 def load_hf_infer_worker(model_path: str, device: str = "cpu", dtype: str = "fp32", **config):
     """hf_infer's engine on ``model_path`` in ``dtype`` (``model_args.dtype``), ``config`` its
     ``strategy_config``."""
-    from posttrain_hf_infer import engine as hf_infer
-    from posttrain_hf_infer.plugin import HFInferConfig
-
     from posttrain.config.sections import ModelArgs
     from posttrain.launch.worker import WorkerContext
+    from posttrain_hf_infer import engine as hf_infer
+    from posttrain_hf_infer.plugin import HFInferConfig
 
     worker = WorkerContext(
         role="actor_infer",

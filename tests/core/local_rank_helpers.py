@@ -9,10 +9,9 @@ import sys
 
 
 def hf_infer_spec(model_path: str, run_dir: str, ranks: int = 1):
-    from posttrain_hf_infer.plugin import HFInferConfig
-
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, RoleConfig, StrategyArgs
     from posttrain.launch.base import GroupSpec
+    from posttrain_hf_infer.plugin import HFInferConfig
 
     return GroupSpec(
         role="actor_infer",

@@ -565,11 +565,10 @@ def _numeric(tp) -> bool:
 def test_every_number_in_the_workflow_declares_its_range():
     """A new count or size gets its range by one annotation; this keeps anyone from forgetting
     it, in core sections and in the installed strategies' configs alike."""
-    from posttrain_hf_infer.plugin import HFInferConfig
-
     from posttrain.config_reference import _walk
     from posttrain.errors import PluginError
     from posttrain.host.plugin_host import create_plugin_host
+    from posttrain_hf_infer.plugin import HFInferConfig
 
     classes = {*_walk(), HFInferConfig}
     try:

@@ -77,6 +77,8 @@ def head32_model_path(posttrain_cache):
 
 @needs_ampere
 def test_the_kernels_serve_bf16_not_fp32(head32_model_path):
+    from transformers import AutoModelForCausalLM
+
     from posttrain_hf_infer.static_decode import (
         ATTENTION,
         BY_ROWS_ATTENTION,
@@ -87,7 +89,6 @@ def test_the_kernels_serve_bf16_not_fp32(head32_model_path):
         triton_prefers,
         triton_serves,
     )
-    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(head32_model_path).cuda()
     assert not cudnn_serves(model, "cuda")  # fp32: grouped SDPA
@@ -144,9 +145,10 @@ def test_auto_takes_either_kernel_by_the_rows_from_one_compile(
     a decoder of few rows (cuDNN's) and then one of many (the Triton kernel) share one compile
     (a choice inside the step was one of its guards, and the other kernel compiled it again).
     Both score what a forward pass scores."""
+    from torch._dynamo.utils import counters
+
     from posttrain_hf_infer import decode_attention_kernel, static_decode
     from posttrain_hf_infer import engine as hf_infer
-    from torch._dynamo.utils import counters
 
     calls = {"triton": 0, "cudnn": 0}
 

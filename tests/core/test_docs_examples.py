@@ -46,6 +46,7 @@ import pytest
 import yaml
 
 import posttrain
+import posttrain.backend
 from posttrain import hookspecs
 from posttrain.config.report import ErrorReport
 from posttrain.config.sections import RoleConfig, Workflow
@@ -62,6 +63,7 @@ DOCS = [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
 QUICKSTART = REPO / "examples" / "quickstart.yaml"
 EXAMPLE_PLUGIN_SRC = REPO / "examples" / "third_party_plugin" / "src"
 FACE = REPO / "core" / "posttrain" / "__init__.py"
+FACES = {FACE: posttrain, REPO / "core" / "posttrain" / "backend.py": posttrain.backend}
 
 FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<info>.*)$")
 NO_RUN = re.compile(r"^\s*<!-- no-run: (?P<reason>\S.*?) -->\s*$")
@@ -392,8 +394,8 @@ def module_problems(span: str) -> list[str]:
         while parts and ((where / parts[0]).is_dir() or (where / f"{parts[0]}.py").exists()):
             where = where / parts.pop(0)
         source = where / "__init__.py" if where.is_dir() else where.with_suffix(".py")
-        # The public face defines its names lazily: they are its __all__.
-        names = set(posttrain.__all__) if source == FACE else top_level_names(source)
+        # The public faces define their names lazily: they are their __all__.
+        names = FACES[source].__all__ if source in FACES else top_level_names(source)
         if parts and parts[0] not in names:
             problems.append(f"{source.relative_to(REPO)} does not define {parts[0]}")
     return problems

@@ -6,12 +6,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tiny_models import tiny_qwen2
+
 from posttrain_hf_infer.fused_linears import (
     fuse_sibling_linears,
     stacked_projections,
     unfuse_sibling_linears,
 )
-from tiny_models import tiny_qwen2
 
 
 @pytest.fixture

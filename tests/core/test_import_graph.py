@@ -22,7 +22,7 @@ ROOTS = {
     "posttrain_example_plugin": REPO / "examples" / "third_party_plugin" / "src",
 }
 # What a plugin may import from core: the public face, the hook specifications, the kit.
-PUBLIC = ("posttrain", "posttrain.hookspecs", "posttrain.testing")
+PUBLIC = ("posttrain", "posttrain.backend", "posttrain.hookspecs", "posttrain.testing")
 
 
 def modules() -> dict[str, Path]:
@@ -140,7 +140,7 @@ FLOORS = [
     {"loading"},
     # 9. The CLI's commands, then the CLI and the public face.
     {"commands"},
-    {"cli", "config_reference", "__init__"},
+    {"cli", "config_reference", "__init__", "backend"},
 ]
 FLOOR_OF = {folder: floor for floor, folders in enumerate(FLOORS) for folder in folders}
 

@@ -1,4 +1,4 @@
-"""The LoRA pieces trainers share (``posttrain.wrap_lora`` and its neighbours) that need no
+"""The LoRA pieces trainers share (``posttrain.backend.wrap_lora`` and its neighbours) that need no
 process group: wrapping (and what it refuses), the merge that weight sync and export send, and
 the checkpoint's record of the base."""
 
@@ -11,11 +11,10 @@ import attrs
 import pytest
 import torch
 
-from posttrain import (
+from posttrain import CheckpointError, UserError
+from posttrain.backend import (
     LORA_ADAPTER,
     LORA_RECORD,
-    CheckpointError,
-    UserError,
     check_lora_record,
     is_lora_adapter_entry,
     lora_adapter_keys,
@@ -100,7 +99,7 @@ def test_checkpoint_record_refuses_another_base_or_shape(tmp_path):
 def test_an_exported_adapter_names_a_base_peft_can_load(tmp_path):
     from peft import AutoPeftModelForCausalLM
 
-    from posttrain import write_lora_adapter
+    from posttrain.backend import write_lora_adapter
     from posttrain.tasks.presets import preset_path
 
     w = types.SimpleNamespace(**vars(worker(rank=4, target_modules=["q_proj"])), base_dir=".")

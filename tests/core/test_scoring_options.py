@@ -79,7 +79,7 @@ def _worker(config, infer_batch_size=None, per_device=4):
 
 
 def test_core_reads_the_options_typed():
-    from posttrain import micro_batch_size
+    from posttrain.backend import micro_batch_size
 
     config = _EngineConfig(micro_batch_size=3, logprob_micro_batch_size=5, logprob_chunk_tokens=7)
     assert scoring_options(_worker(config)) is config

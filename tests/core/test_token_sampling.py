@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from posttrain_hf_infer.token_sampling import gumbel_choice, is_plain
 
 from posttrain.protocol import SamplingParams
+from posttrain_hf_infer.token_sampling import gumbel_choice, is_plain
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.5])

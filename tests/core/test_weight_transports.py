@@ -12,7 +12,6 @@ import time
 
 import pytest
 import torch
-from posttrain_hf_infer.plugin import HFInferConfig
 
 from posttrain.config.sections import (
     AlgorithmConfig,
@@ -31,6 +30,7 @@ from posttrain.weight_sync.transport import (
     InProcessTransport,
     SharedMemoryTransport,
 )
+from posttrain_hf_infer.plugin import HFInferConfig
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(240)]
 

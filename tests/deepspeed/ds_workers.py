@@ -148,7 +148,7 @@ def scenario_train(rank: int, world_size: int, out_dir: str, stage: int, extras:
         max_tokens_per_micro_batch=14,
     )
     plans = []
-    from posttrain import plan_micro_batches
+    from posttrain.backend import plan_micro_batches
 
     for step in range(STEPS):
         vocab = dyn.ctx.model.module.config.vocab_size

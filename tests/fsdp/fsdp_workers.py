@@ -176,7 +176,7 @@ def scenario_train(rank: int, world_size: int, out_dir: str, extras: bool = Fals
     dyn = make_runtime(rank, world_size, use_dynamic_batch_size=True, max_tokens_per_micro_batch=14)
     plans = []
     for step in range(STEPS):
-        from posttrain import plan_micro_batches
+        from posttrain.backend import plan_micro_batches
 
         share = rank_share(step_batch(step, dyn.ctx.model.config.vocab_size), rank, world_size)
         plans.append(plan_micro_batches(dyn.ctx, share, train=True))

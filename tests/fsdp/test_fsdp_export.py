@@ -13,7 +13,6 @@ def load(directory, name):
 
 
 def test_export_weights_matches_trained_state_and_hf_export(dp2_run):
-    from posttrain_hf_infer import engine as hf_infer
     from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
@@ -21,6 +20,7 @@ def test_export_weights_matches_trained_state_and_hf_export(dp2_run):
     from posttrain.config.sections import ModelArgs
     from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import WeightBucket, fused_group
+    from posttrain_hf_infer import engine as hf_infer
 
     export = load(dp2_run, "export.pt")
     buckets = export["buckets"]

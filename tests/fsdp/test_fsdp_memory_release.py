@@ -8,7 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from posttrain import MEMORY_TAGS
+from posttrain.backend import MEMORY_TAGS
 from posttrain_fsdp.engine import _offloaded
 from posttrain_fsdp.plugin import FSDP2InferConfig, FSDP2TrainConfig
 

@@ -12,7 +12,8 @@ from typing import Any
 
 import attrs
 
-from posttrain import ReleaseKnob, ScoringOptions, at_least, between
+from posttrain import ScoringOptions, at_least, between
+from posttrain.backend import ReleaseKnob
 
 
 @attrs.frozen(kw_only=True)

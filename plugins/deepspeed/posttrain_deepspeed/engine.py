@@ -25,16 +25,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from posttrain import (
+from posttrain import CheckpointError, SequenceBatch, UserError, WeightBucket, bucketize
+from posttrain.backend import (
     LORA_RECORD,
-    CheckpointError,
-    SequenceBatch,
-    UserError,
-    WeightBucket,
     accumulate_gradients,
     adamw,
     backend_for,
-    bucketize,
     check_lora_record,
     enable_gradient_checkpointing,
     end_process_group,

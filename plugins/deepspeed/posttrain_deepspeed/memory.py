@@ -3,7 +3,7 @@ what ZeRO keeps on each GPU at each stage, for ``posttrain plan``."""
 
 from __future__ import annotations
 
-from posttrain import (
+from posttrain.backend import (
     MemoryQuery,
     ModelGeometry,
     RoleMemory,

@@ -28,14 +28,12 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
-from posttrain import (
+from posttrain import SequenceBatch, WeightBucket, bucketize
+from posttrain.backend import (
     LORA_RECORD,
     HashingStream,
-    SequenceBatch,
-    WeightBucket,
     accumulate_gradients,
     adamw,
-    bucketize,
     check_lora_record,
     collective_timeout_s,
     enable_gradient_checkpointing,
@@ -487,7 +485,7 @@ def _write_extras(worker: WorkerContext, path: str, digests) -> dict:
 def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     import torch.distributed.checkpoint as dcp
 
-    from posttrain import FileDigests
+    from posttrain.backend import FileDigests
 
     os.makedirs(path, exist_ok=True)
     dcp.save(_dcp_state(worker), checkpoint_id=os.path.join(path, "dcp"))
@@ -506,7 +504,7 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     writing into a run directory that a restarted run may reuse."""
     import torch.distributed.checkpoint as dcp
 
-    from posttrain import BackgroundSave, HostBuffers, write_threads
+    from posttrain.backend import BackgroundSave, HostBuffers, write_threads
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     os.makedirs(path, exist_ok=True)

@@ -1,8 +1,8 @@
 """LoRA on ``fsdp2_train`` (``model_args.lora``): what is this plugin's own.
 
-The wrapping, the merge, the names and the checkpoint record are core's (``posttrain.wrap_lora``
-and its neighbours, shared with the other trainers). The HF model is wrapped before
-``fully_shard``, so the adapters shard with their layers.
+The wrapping, the merge, the names and the checkpoint record are core's
+(``posttrain.backend.wrap_lora`` and its neighbours, shared with the other trainers). The HF
+model is wrapped before ``fully_shard``, so the adapters shard with their layers.
 
 The reference is the base model, i.e. the actor with its adapters disabled: a reference role of
 this plugin that shares the actor's processes (same devices, same model) borrows the actor's
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from posttrain import wrap_lora
+from posttrain.backend import wrap_lora
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
@@ -24,7 +24,8 @@ _ACTORS: dict[str, WorkerContext] = {}
 
 
 def wrap(worker: WorkerContext, model) -> Any:
-    """``model`` with LoRA adapters (:func:`posttrain.wrap_lora`), lent to a reference beside."""
+    """``model`` with LoRA adapters (:func:`posttrain.backend.wrap_lora`), lent to a reference
+    beside."""
     peft_model = wrap_lora(worker, model)
     _ACTORS[worker.model_args.model_name_or_path or ""] = worker
     return peft_model

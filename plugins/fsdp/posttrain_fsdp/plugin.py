@@ -11,19 +11,15 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from posttrain import (
-    Capabilities,
-    EngineHooks,
+from posttrain import Capabilities, EngineHooks, ScoringOptions, StrategySpec, hookimpl
+from posttrain.backend import (
     MemoryQuery,
     ReleaseKnob,
     RoleMemory,
-    ScoringOptions,
-    StrategySpec,
     adam_trainer_state,
     dtype_bytes,
     forward_working_bytes,
     hf_trainer_phases,
-    hookimpl,
     logit_bytes,
     release_knobs,
 )

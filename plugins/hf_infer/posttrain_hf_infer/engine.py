@@ -15,13 +15,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from posttrain import (
-    GenerationRequest,
-    RolloutSamples,
-    SequenceBatch,
+from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, WeightBucket
+from posttrain.backend import (
     TokenLogprobs,
-    UserError,
-    WeightBucket,
     end_process_group,
     forward_logits,
     init_default_process_group,

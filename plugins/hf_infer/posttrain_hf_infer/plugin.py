@@ -11,17 +11,12 @@ from typing import TYPE_CHECKING, Literal
 
 import attrs
 
-from posttrain import (
-    Capabilities,
-    EngineHooks,
+from posttrain import Capabilities, EngineHooks, ScoringOptions, StrategySpec, at_least, hookimpl
+from posttrain.backend import (
     MemoryQuery,
     ReleaseKnob,
     RoleMemory,
-    ScoringOptions,
-    StrategySpec,
-    at_least,
     forward_working_bytes,
-    hookimpl,
     logit_bytes,
     release_knobs,
 )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 import torch
 import torch.distributed as dist
 
-from posttrain import is_cuda, restore_rng_state, rng_state
+from posttrain.backend import is_cuda, restore_rng_state, rng_state
 from posttrain_megatron import mcore_compat
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
@@ -88,7 +88,7 @@ def _make_target(path: str) -> str:
 def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     from megatron.core import dist_checkpointing
 
-    from posttrain import FileDigests
+    from posttrain.backend import FileDigests
 
     target = _make_target(path)
     optimizer = _saved_optimizer(worker)
@@ -105,7 +105,7 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     megatron's last step (gather of write results, ``.metadata``, ``metadata.json``) is
     collective: it runs on the main thread of every rank at the next train step once all ranks
     have written (:func:`advance_background_save`), or in :func:`finish_checkpoint`."""
-    from posttrain import BackgroundSave, HostBuffers, write_threads
+    from posttrain.backend import BackgroundSave, HostBuffers, write_threads
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     target = _make_target(path)

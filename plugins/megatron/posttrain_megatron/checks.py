@@ -12,7 +12,8 @@ import json
 import os
 from typing import Any
 
-from posttrain import PRESETS, ErrorReport, did_you_mean, is_preset, join_path
+from posttrain import ErrorReport, did_you_mean, join_path
+from posttrain.backend import PRESETS, is_preset
 from posttrain_megatron.config import MegatronInferConfig, MegatronParallelConfig
 from posttrain_megatron.dense_models import unsupported_reason
 from posttrain_megatron.transformer_fields import transformer_config_fields

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 import attrs
 
-from posttrain import ReleaseKnob, ScoringOptions, at_least, between
+from posttrain import ScoringOptions, at_least, between
+from posttrain.backend import ReleaseKnob
 
 # "auto": TransformerEngine's spec when it is installed, else "sdpa".
 AttentionBackend = Literal["auto", "sdpa", "local", "transformer_engine"]

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from posttrain import HEAD_WEIGHT
+from posttrain.backend import HEAD_WEIGHT
 from posttrain_megatron import dense_mapping
 from posttrain_megatron.dense_models import (
     gpt_model_kwargs,

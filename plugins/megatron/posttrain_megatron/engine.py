@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain import (
+from posttrain.backend import (
     end_process_group,
     is_cuda,
     log_once,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import attrs
 
-from posttrain import (
+from posttrain.backend import (
     MemoryQuery,
     ModelGeometry,
     RoleMemory,

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain import (
+from posttrain.backend import (
     collective_timeout_s,
     init_default_process_group,
     is_cuda,

@@ -18,8 +18,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from posttrain import (
-    SequenceBatch,
+from posttrain import SequenceBatch
+from posttrain.backend import (
     agree_max,
     fixed_micro_batches,
     rank_device,

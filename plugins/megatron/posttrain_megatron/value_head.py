@@ -23,7 +23,7 @@ import torch
 from mbridge.core.safetensor_io import SafeTensorIO
 from mbridge.utils.post_creation_callbacks import make_value_model
 
-from posttrain import HEAD_WEIGHT
+from posttrain.backend import HEAD_WEIGHT
 
 log = logging.getLogger(__name__)
 

@@ -15,14 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from posttrain import (
-    WeightBucket,
-    bucketize,
-    export_streamed,
-    is_rank0,
-    save_tokenizer_beside,
-    torch_dtype,
-)
+from posttrain import WeightBucket, bucketize
+from posttrain.backend import export_streamed, is_rank0, save_tokenizer_beside, torch_dtype
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from posttrain import UserError, resolve_model_path, unknown_keys
+from posttrain import UserError, unknown_keys
+from posttrain.backend import resolve_model_path
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext

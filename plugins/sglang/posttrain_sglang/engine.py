@@ -22,16 +22,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain import (
-    GenerationRequest,
-    RolloutSamples,
-    SequenceBatch,
-    UserError,
-    drain,
-    leads_replica,
-    load_tokenizer,
-    tensor_parallel_replicas,
-)
+from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError
+from posttrain.backend import drain, leads_replica, load_tokenizer, tensor_parallel_replicas
 from posttrain_sglang import args as engine_args_mod
 from posttrain_sglang import calls, leftovers
 from posttrain_sglang.receiver import DistributedReceiver

@@ -29,18 +29,14 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain import (
-    GenerationRequest,
-    RolloutSamples,
-    SequenceBatch,
-    UserError,
+from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, unknown_keys
+from posttrain.backend import (
     drain,
     is_cuda,
     leads_replica,
     load_tokenizer,
     resolve_model_path,
     tensor_parallel_replicas,
-    unknown_keys,
     unshare_storage,
 )
 from posttrain_vllm import worker_side
