@@ -12,9 +12,9 @@ torch or an engine until a function that needs one is called.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from posttrain.lazy_names import lazy_names
 from posttrain.markers import hookimpl
 from posttrain.version import __version__
 
@@ -85,17 +85,7 @@ _PUBLIC = {
 __all__ = ["__version__", "hookimpl", *_PUBLIC]
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'posttrain' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # imported once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names("posttrain", _PUBLIC, globals())
 
 
 if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps both lists equal)

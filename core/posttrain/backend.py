@@ -8,8 +8,9 @@ Like ``posttrain``, importing it is cheap: each name is imported when first used
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from posttrain.lazy_names import lazy_names
 
 # Public name -> the module that defines it.
 _PUBLIC = {
@@ -107,17 +108,7 @@ _PUBLIC = {
 __all__ = [*_PUBLIC]
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'posttrain.backend' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value  # imported once
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(__all__)
+__getattr__, __dir__ = lazy_names("posttrain.backend", _PUBLIC, globals())
 
 
 if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps both lists equal)

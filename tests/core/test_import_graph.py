@@ -121,7 +121,7 @@ def test_plugins_import_only_the_public_face(package):
 # floors below its own. Imports under ``TYPE_CHECKING`` are exempt: they name types, not code.
 FLOORS = [
     # ground: no posttrain import but these
-    {"errors", "markers", "paths", "protocol", "version", "hf_progress"},
+    {"errors", "markers", "paths", "protocol", "version", "hf_progress", "lazy_names"},
     # 1. The hook specifications; each phase's typed settings (config); the checkpoint files.
     {"hookspecs", "config", "checkpoint"},
     # 2. Pieces that need only settings: the plugin host, algorithms, tasks, the sandbox.
