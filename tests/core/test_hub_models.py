@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import huggingface_hub
+import huggingface_hub.constants  # a lazily loaded submodule: imported before it is patched
 import pytest
 
 from posttrain.cli import EXIT_OK, EXIT_USER, main

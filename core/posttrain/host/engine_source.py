@@ -18,7 +18,7 @@ from importlib.machinery import ModuleSpec
 
 def engine_names(module: str) -> frozenset[str] | None:
     """Top-level functions and imported names of ``module`` (descending into top-level ``if``,
-    ``try`` and ``with`` blocks; names from ``posttrain``'s public face left out), or None when
+    ``try`` and ``with`` blocks; names from core's public faces left out), or None when
     its source cannot be read or cannot tell (no file, a syntax error, a ``from x import *``)."""
     spec = _find_spec(module)
     if spec is None or not spec.origin or not spec.origin.endswith(".py"):
@@ -77,7 +77,8 @@ def _collect(body: list[ast.stmt], names: set[str]) -> bool:
         elif isinstance(node, ast.ImportFrom):
             if any(a.name == "*" for a in node.names):
                 return False
-            if node.module != "posttrain":  # core's helpers (score_logprobs, ...) are not hooks
+            # Core's helpers (score_logprobs, ...) from the public faces are not engine hooks.
+            if node.module not in ("posttrain", "posttrain.backend"):
                 names.update(a.asname or a.name for a in node.names)
         elif isinstance(node, ast.If | ast.Try | ast.With):
             blocks = [node.body, getattr(node, "orelse", []), getattr(node, "finalbody", [])]
