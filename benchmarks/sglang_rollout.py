@@ -121,10 +121,12 @@ def _sender(conn, port: int, group: str, model_path: str, bucket_bytes: int) -> 
     """Trainer rank 0 of the broadcast transport, with the core's rank-side functions."""
     import importlib
 
+    from posttrain.weight_sync.verify import SyncState
+
     rank_side = importlib.import_module(RANK_SIDE)
     buckets = iter(_buckets(model_path, bucket_bytes))
     runtime = SimpleNamespace(
-        ctx=SimpleNamespace(device="cpu", state={}, hook=None),
+        ctx=SimpleNamespace(device="cpu", state={}, sync=SyncState(), hook=None),
         export_next=lambda: next(buckets, None),
     )
     rank_side.join_sync_group(runtime, "127.0.0.1", port, 0, 2, 300.0, group)
