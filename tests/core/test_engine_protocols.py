@@ -103,3 +103,25 @@ def test_mypy_fails_an_engine_missing_a_function_or_with_another_signature(tmp_p
     changed = mypy(files, tmp_path)
     assert changed.returncode == 1
     assert "load_checkpoint" in changed.stdout
+
+
+def test_engine_state_is_one_typed_object_per_role_and_class():
+    import attrs
+
+    from posttrain import WorkerContext
+    from posttrain.config.sections import ModelArgs
+
+    @attrs.define
+    class Counter:
+        steps: int = 0
+
+    def context(role: str) -> WorkerContext:
+        return WorkerContext(
+            role=role, strategy_name="x", config=None, model_args=ModelArgs(model_name_or_path="m")
+        )
+
+    actor, critic = context("actor_train"), context("critic")
+    actor.engine_state(Counter).steps += 2
+    assert actor.engine_state(Counter).steps == 2
+    assert actor.engine_state(Counter) is actor.engine_state(Counter)
+    assert critic.engine_state(Counter).steps == 0

@@ -1,7 +1,8 @@
 """What one rank of a worker group knows, and the calls the driver makes on it.
 
-A :class:`WorkerContext` is handed to every worker hook. Backends keep their engine objects in
-``worker.state`` (a plain dict they own) and their model handle in ``worker.model``.
+A :class:`WorkerContext` is handed to every worker hook. Backends keep their engine objects in a
+typed object of their own (:meth:`WorkerContext.engine_state`) and their model handle in
+``worker.model``.
 """
 
 from __future__ import annotations
@@ -9,7 +10,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterator
-from typing import Any, ClassVar
+from typing import Any, ClassVar, TypeVar
 
 import attrs
 
@@ -19,6 +20,8 @@ from posttrain.algorithms.value_loss import ValueLoss
 from posttrain.config.sections import AlgorithmConfig, GeneratingArgs, ModelArgs, TrainingArgs
 from posttrain.errors import DeviceOutOfMemory, PosttrainError, UserError
 from posttrain.weight_sync.verify import SyncState
+
+StateT = TypeVar("StateT")
 
 
 @attrs.define(kw_only=True)
@@ -48,10 +51,21 @@ class WorkerContext:
     head: str = "lm"
     parallel: dict[str, int] = attrs.field(factory=dict)
     model: Any = None
-    # The backend's own: its engine objects, between calls. Core keeps nothing here.
-    state: dict[str, Any] = attrs.field(factory=dict)
+    # The backend's own, between calls: its typed state objects (engine_state), by class. Core
+    # keeps nothing here.
+    state: dict[Any, Any] = attrs.field(factory=dict)
     # Core's between two weight syncs (posttrain.weight_sync.verify).
     sync: SyncState = attrs.field(factory=SyncState)
+
+    def engine_state(self, cls: type[StateT]) -> StateT:
+        """This role's instance of ``cls``, the backend's own typed state (its engine objects
+        between calls): made by ``cls()`` on the first call, the same object after it. A plugin
+        declares one attrs class with a default for every field and reads its state through
+        it, so mypy checks every use; core never reads it."""
+        found = self.state.get(cls)
+        if found is None:
+            found = self.state[cls] = cls()
+        return found
 
     @property
     def metric_prefix(self) -> str:
