@@ -236,7 +236,9 @@ def build_sequence_batch(
     return SequenceBatch(tensors)
 
 
-def _response_tensor(prompt_ids: list[list[int]], values: Sequence[Sequence[float]], width: int):
+def _response_tensor(
+    prompt_ids: list[list[int]], values: Sequence[Sequence[float]], width: int
+) -> torch.Tensor:
     """Per-response-token values in a float32 [rows, width] tensor, at their tokens' positions
     (0 on the prompt and the padding)."""
     import torch

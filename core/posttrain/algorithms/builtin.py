@@ -4,13 +4,15 @@ Registered ``trylast``: a plugin declaring the same name is reported as a confli
 silently replacing them. Cheap to import: the functions import torch when called.
 """
 
+from __future__ import annotations
+
 from posttrain.algorithms import advantages, policy_loss
 from posttrain.algorithms.registry import AdvantageEstimator, AlgorithmPreset, PolicyLossTerm
 from posttrain.markers import hookimpl
 
 
 @hookimpl(trylast=True)
-def posttrain_add_advantage_estimators():
+def posttrain_add_advantage_estimators() -> dict[str, AdvantageEstimator]:
     return {
         "grpo": AdvantageEstimator(
             estimate=advantages.grpo,
@@ -35,7 +37,7 @@ def posttrain_add_advantage_estimators():
 
 
 @hookimpl(trylast=True)
-def posttrain_add_policy_losses():
+def posttrain_add_policy_losses() -> dict[str, PolicyLossTerm]:
     return {
         "ppo": PolicyLossTerm(
             surrogate=policy_loss.ppo_surrogate,
@@ -49,7 +51,7 @@ def posttrain_add_policy_losses():
 
 
 @hookimpl(trylast=True)
-def posttrain_add_algorithms():
+def posttrain_add_algorithms() -> dict[str, AlgorithmPreset]:
     return {
         "grpo": AlgorithmPreset(advantage_estimator="grpo"),
         "ppo": AlgorithmPreset(advantage_estimator="gae", description="needs a critic role"),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any
+
 from posttrain.algorithms.registry import (
     advantage_estimators,
     algorithm_presets,
@@ -14,8 +16,11 @@ from posttrain.config.sections import Workflow
 from posttrain.errors import UserError
 from posttrain.markers import hookimpl
 
+if TYPE_CHECKING:
+    import pluggy
 
-def _unknown(report: ErrorReport, path: str, what: str, name: str, known: dict) -> None:
+
+def _unknown(report: ErrorReport, path: str, what: str, name: str, known: dict[str, Any]) -> None:
     close = did_you_mean(name, known)
     hint = f"{close} " if close.startswith("did you mean") else ""
     report.error(
@@ -23,7 +28,7 @@ def _unknown(report: ErrorReport, path: str, what: str, name: str, known: dict) 
     )
 
 
-def check_algorithm(wf: Workflow, hook, report: ErrorReport) -> None:
+def check_algorithm(wf: Workflow, hook: pluggy.HookRelay, report: ErrorReport) -> None:
     algo = wf.algorithm
     try:
         presets, estimators, losses = (
@@ -90,6 +95,8 @@ def check_algorithm(wf: Workflow, hook, report: ErrorReport) -> None:
 
 
 @hookimpl(trylast=True)
-def posttrain_validate_workflow(workflow: Workflow, report: ErrorReport, hook) -> None:
+def posttrain_validate_workflow(
+    workflow: Workflow, report: ErrorReport, hook: pluggy.HookRelay
+) -> None:
     if "algorithm" not in report.failed_sections:
         check_algorithm(workflow, hook, report)

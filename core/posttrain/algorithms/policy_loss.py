@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
     from posttrain.algorithms.registry import PolicyLossTerm
+    from posttrain.config.sections import AlgorithmConfig
     from posttrain.protocol import SequenceBatch
 
 
@@ -27,7 +28,13 @@ def clip_bounds(cfg: Any) -> tuple[float, float]:
     return low, high
 
 
-def ppo_surrogate(logprobs, old, adv, mask, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def ppo_surrogate(
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgorithmConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO's clipped surrogate, with dual-clip (Ye et al. 2020): for negative advantages the
     loss is also capped at ``-adv * clip_ratio_c``, so one huge ratio cannot dominate."""
     import torch
@@ -47,7 +54,13 @@ def ppo_surrogate(logprobs, old, adv, mask, cfg) -> tuple[torch.Tensor, dict[str
     return per_token, stats
 
 
-def gspo_surrogate(logprobs, old, adv, mask, cfg) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def gspo_surrogate(
+    logprobs: torch.Tensor,
+    old: torch.Tensor,
+    adv: torch.Tensor,
+    mask: torch.Tensor,
+    cfg: AlgorithmConfig,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """GSPO (Zheng et al. 2025): one importance ratio per sequence, the geometric mean of its
     tokens' ratios, clipped as a whole; each token carries it with its own gradient."""
     import torch

@@ -17,8 +17,10 @@ import attrs
 from posttrain.errors import UserError
 
 if TYPE_CHECKING:
+    import pluggy
     import torch
 
+    from posttrain.config.sections import AlgorithmConfig
     from posttrain.protocol import SequenceBatch
 
 
@@ -74,7 +76,7 @@ class AlgorithmPreset:
     description: str = ""
 
 
-def _merged(results: list[dict | None], what: str) -> dict[str, Any]:
+def _merged(results: list[dict[str, Any] | None], what: str) -> dict[str, Any]:
     merged: dict[str, Any] = {}
     for mapping in results:
         for name, value in (mapping or {}).items():
@@ -84,33 +86,33 @@ def _merged(results: list[dict | None], what: str) -> dict[str, Any]:
     return merged
 
 
-def advantage_estimators(hook) -> dict[str, AdvantageEstimator]:
+def advantage_estimators(hook: pluggy.HookRelay) -> dict[str, AdvantageEstimator]:
     return _merged(hook.posttrain_add_advantage_estimators(), "advantage estimator")
 
 
-def policy_losses(hook) -> dict[str, PolicyLossTerm]:
+def policy_losses(hook: pluggy.HookRelay) -> dict[str, PolicyLossTerm]:
     return _merged(hook.posttrain_add_policy_losses(), "policy loss")
 
 
-def algorithm_presets(hook) -> dict[str, AlgorithmPreset]:
+def algorithm_presets(hook: pluggy.HookRelay) -> dict[str, AlgorithmPreset]:
     return _merged(hook.posttrain_add_algorithms(), "algorithm")
 
 
-def estimator_name(algorithm, hook) -> str:
+def estimator_name(algorithm: AlgorithmConfig, hook: pluggy.HookRelay) -> str:
     if algorithm.advantage_estimator:
         return algorithm.advantage_estimator
     return algorithm_presets(hook)[algorithm.name].advantage_estimator
 
 
-def policy_loss_name(algorithm, hook) -> str:
+def policy_loss_name(algorithm: AlgorithmConfig, hook: pluggy.HookRelay) -> str:
     if algorithm.policy_loss:
         return algorithm.policy_loss
     return algorithm_presets(hook)[algorithm.name].policy_loss
 
 
-def advantage_estimator(algorithm, hook) -> AdvantageEstimator:
+def advantage_estimator(algorithm: AlgorithmConfig, hook: pluggy.HookRelay) -> AdvantageEstimator:
     return advantage_estimators(hook)[estimator_name(algorithm, hook)]
 
 
-def policy_loss_term(algorithm, hook) -> PolicyLossTerm:
+def policy_loss_term(algorithm: AlgorithmConfig, hook: pluggy.HookRelay) -> PolicyLossTerm:
     return policy_losses(hook)[policy_loss_name(algorithm, hook)]
