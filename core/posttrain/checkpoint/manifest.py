@@ -5,12 +5,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from posttrain.errors import DamagedCheckpoint
 from posttrain.paths import display_path
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from posttrain.host.plugin_host import PluginInfo
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -101,12 +106,12 @@ def verify(directory: str) -> Manifest:
     return manifest
 
 
-def package_versions(plugins) -> dict[str, str]:
+def package_versions(plugins: Iterable[PluginInfo]) -> dict[str, str]:
     """The versions a manifest records: posttrain, torch, transformers and every plugin's
     distribution (``plugins``: the plugin host's ``PluginInfo`` list)."""
     import importlib.metadata
 
-    versions = {}
+    versions: dict[str, str] = {}
     for dist in ("posttrain", "torch", "transformers"):
         try:
             versions[dist] = importlib.metadata.version(dist)

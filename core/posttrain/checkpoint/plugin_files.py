@@ -6,14 +6,18 @@ from __future__ import annotations
 
 import os
 import posixpath
+from typing import TYPE_CHECKING
 
 from posttrain.checkpoint.digests import FileDigests
 from posttrain.errors import PluginError
 
+if TYPE_CHECKING:
+    from posttrain.host.plugin_host import PluginHost
+
 PLUGIN_FILES = "plugin_files"
 
 
-def collect(host, step: int, run_dir: str) -> dict[str, bytes]:
+def collect(host: PluginHost, step: int, run_dir: str) -> dict[str, bytes]:
     """Every plugin's files for the checkpoint of ``step``, by relative path."""
     files: dict[str, bytes] = {}
     owners: dict[str, str] = {}
@@ -37,7 +41,7 @@ def collect(host, step: int, run_dir: str) -> dict[str, bytes]:
     return files
 
 
-def _check(plugin: str, path, content) -> None:
+def _check(plugin: str, path: object, content: object) -> None:
     normal = posixpath.normpath(path) if isinstance(path, str) else ""
     if (
         not normal

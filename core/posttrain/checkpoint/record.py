@@ -10,13 +10,16 @@ with the workflow about to run and refuses a different run (:func:`run_changes`)
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import yaml
 
 from posttrain.errors import CheckpointError
 from posttrain.paths import display_path
+
+if TYPE_CHECKING:
+    from posttrain.config.sections import Workflow
 
 RECORD = "workflow.yaml"
 
@@ -54,7 +57,7 @@ def plain(value: Any) -> Any:
     return value
 
 
-def workflow_record(workflow, source: str) -> bytes:
+def workflow_record(workflow: Workflow, source: str) -> bytes:
     """The record of ``workflow`` (read from the file ``source``), as saved in checkpoints and
     as the run directory's ``workflow.yaml``."""
     run = {"source": source, "base_dir": workflow.base_dir}
@@ -80,7 +83,7 @@ def checkpoint_record(checkpoint_dir: str) -> dict[str, Any] | None:
     return read_record(path) if os.path.isfile(path) else None
 
 
-def run_changes(saved: dict[str, Any], workflow) -> list[str]:
+def run_changes(saved: dict[str, Any], workflow: Workflow) -> list[str]:
     """``key: old -> new`` for every key that defines the run and differs between the saved
     workflow (a record's ``workflow``) and ``workflow``."""
     current = yaml.safe_load(yaml.safe_dump(plain(workflow)))

@@ -15,6 +15,8 @@ from posttrain.errors import CheckpointError, DamagedCheckpoint, UserError
 from posttrain.paths import display_path
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
     from posttrain.config.sections import Workflow
 
 SHOWN_CHANGES = 12
@@ -39,7 +41,9 @@ def checkpoint_to_resume(workflow: Workflow, run_dir: str) -> str | None:
     return None
 
 
-def resumable(workflow: Workflow, run_dir: str, requested: Workflow, say) -> Resumable | None:
+def resumable(
+    workflow: Workflow, run_dir: str, requested: Workflow, say: Callable[..., None]
+) -> Resumable | None:
     """The checkpoint to resume, verified (``requested``: the workflow as written, which the
     checkpoint's record is compared with). A damaged latest checkpoint under ``resume: auto``
     stops the run naming the file, or with ``trainer.resume_fallback`` gives way to the latest

@@ -73,7 +73,9 @@ class CheckpointSaver:
                 raise no_space_error(self.run_dir, step, tmp) from None
             raise
 
-    def _begin(self, step, state: bytes, plugin_files, tmp: str, start: float) -> None:
+    def _begin(
+        self, step: int, state: bytes, plugin_files: dict[str, bytes], tmp: str, start: float
+    ) -> None:
         roles: dict[str, Any] = {}
         markers: list[tuple[str, int]] = []
         for role, group in self.groups.items():
@@ -103,13 +105,27 @@ class CheckpointSaver:
         )
         self._thread.start()
 
-    def _run_finalizer(self, step, tmp, roles, known, markers) -> None:
+    def _run_finalizer(
+        self,
+        step: int,
+        tmp: str,
+        roles: dict[str, Any],
+        known: dict[str, str],
+        markers: list[tuple[str, int]],
+    ) -> None:
         try:
             self._finalize(step, tmp, roles, known, markers)
         except BaseException as exc:  # raised on the loop's thread by the next wait()
             self._error = exc
 
-    def _finalize(self, step, tmp, roles, known, markers: list[tuple[str, int]]) -> None:
+    def _finalize(
+        self,
+        step: int,
+        tmp: str,
+        roles: dict[str, Any],
+        known: dict[str, str],
+        markers: list[tuple[str, int]],
+    ) -> None:
         begun = time.perf_counter()
         known = dict(known)
         waiting = list(markers)

@@ -11,6 +11,7 @@ from posttrain.checkpoint.saver import CheckpointSaver
 
 if TYPE_CHECKING:
     from posttrain.config.sections import Workflow
+    from posttrain.host.plugin_host import PluginHost
     from posttrain.launch.base import WorkerGroup
 
 # Roles whose state a checkpoint must hold (rollout and reference are rebuilt from them).
@@ -19,7 +20,12 @@ TRAINED_ROLES = ("actor_train", "critic")
 
 class RunCheckpoints:
     def __init__(
-        self, wf: Workflow, host, run_dir: str, groups: dict[str, WorkerGroup], record: bytes
+        self,
+        wf: Workflow,
+        host: PluginHost,
+        run_dir: str,
+        groups: dict[str, WorkerGroup],
+        record: bytes,
     ):
         self.wf, self.host, self.run_dir = wf, host, run_dir
         self.groups = {role: groups[role] for role in TRAINED_ROLES if role in groups}
