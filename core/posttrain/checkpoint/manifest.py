@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
@@ -14,8 +14,6 @@ from posttrain.paths import display_path
 
 if TYPE_CHECKING:
     from collections.abc import Iterable
-
-    from posttrain.host.plugin_host import PluginInfo
 
 MANIFEST = "manifest.json"
 FORMAT_VERSION = 1
@@ -106,7 +104,14 @@ def verify(directory: str) -> Manifest:
     return manifest
 
 
-def package_versions(plugins: Iterable[PluginInfo]) -> dict[str, str]:
+class _Distributed(Protocol):
+    # What package_versions reads of the plugin host's PluginInfo (which it cannot name: the
+    # hook specifications name Manifest, and the plugin host imports them).
+    distribution: str
+    version: str
+
+
+def package_versions(plugins: Iterable[_Distributed]) -> dict[str, str]:
     """The versions a manifest records: posttrain, torch, transformers and every plugin's
     distribution (``plugins``: the plugin host's ``PluginInfo`` list)."""
     import importlib.metadata
