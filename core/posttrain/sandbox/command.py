@@ -5,11 +5,18 @@ from __future__ import annotations
 
 import json
 import sys
+from typing import TYPE_CHECKING
 
 import attrs
 
 from posttrain.config.ranges import range_of
 from posttrain.errors import UserError
+
+if TYPE_CHECKING:
+    import argparse
+
+    from posttrain.host.plugin_host import PluginHost
+    from posttrain.sandbox.result import SandboxLimits
 
 # CLI flag -> SandboxLimits field.
 _FLAGS = {
@@ -21,7 +28,7 @@ _FLAGS = {
 }
 
 
-def add_sandbox_parser(sub) -> None:
+def add_sandbox_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     sandbox = sub.add_parser("sandbox", help="run code in the local sandbox (docs/sandbox.md)")
     actions = sandbox.add_subparsers(dest="sandbox_command", metavar="ACTION")
     actions.required = True
@@ -47,7 +54,7 @@ def add_sandbox_parser(sub) -> None:
     run.set_defaults(handler=cmd_sandbox_run)
 
 
-def _limits(args):
+def _limits(args: argparse.Namespace) -> SandboxLimits:
     """The limits the flags ask for; every flag out of range reported at once."""
     from posttrain.sandbox.result import SandboxLimits
 
@@ -63,7 +70,7 @@ def _limits(args):
     return SandboxLimits(**{name: getattr(args, name) for name in _FLAGS})
 
 
-def cmd_sandbox_run(args, host) -> int:
+def cmd_sandbox_run(args: argparse.Namespace, host: PluginHost) -> int:
     from posttrain.sandbox.local import resolve_level, run_python, warn_fallback_once
 
     limits = _limits(args)

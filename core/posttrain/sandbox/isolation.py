@@ -25,8 +25,12 @@ import os
 import shutil
 import stat
 import subprocess
+from typing import TYPE_CHECKING
 
 import attrs
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 # The sandbox user when the caller is root: the kernel exempts uid 0 from RLIMIT_NPROC.
 NOBODY = 65534
@@ -129,7 +133,7 @@ def interpreter_prefix(python: str) -> str | None:
     return None if real.startswith("/usr/") else os.path.dirname(os.path.dirname(real))
 
 
-def hidden_from_sandbox_user(paths) -> list[str]:
+def hidden_from_sandbox_user(paths: Iterable[str]) -> list[str]:
     """Problems with paths the run's processes must read, when they run as nobody: each path
     and every folder above it must let others through (bwrap, run as nobody, opens them)."""
     if sandbox_user() is None:  # the caller's own user runs the sandbox

@@ -21,10 +21,14 @@ import subprocess
 import sys
 import tempfile
 import time
+from typing import TYPE_CHECKING
 
 from posttrain.errors import UserError
 from posttrain.sandbox import isolation as iso
 from posttrain.sandbox.result import KilledReason, SandboxLimits, SandboxResult
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
 
 # The whole environment of a run. One thread per math library: their pools start a thread per
 # core, and threads count against the process-count limit.
@@ -91,7 +95,7 @@ def warn_fallback_once(requested: str, level: str) -> None:
         print(text, file=sys.stderr, flush=True)
 
 
-def check_paths(python: str, read_only_paths, level: str) -> list[str]:
+def check_paths(python: str, read_only_paths: Iterable[str], level: str) -> list[str]:
     """What keeps the interpreter or the read-only paths from the run, one line each."""
     if not os.path.isfile(python):
         return [f"the sandbox's interpreter {python} does not exist"]
@@ -115,11 +119,17 @@ def _rlimit_args(limits: SandboxLimits, nproc: bool) -> list[str]:
     return args + ([f"--nproc={limits.max_processes}"] if nproc else [])
 
 
-def _command(level: str, limits: SandboxLimits, python: str, workdir: str, extra_ro) -> list:
+def _command(
+    level: str, limits: SandboxLimits, python: str, workdir: str, extra_ro: Iterable[str]
+) -> list[str]:
     prlimit = iso.detect().prlimit
+    # resolve_level has refused a sandbox without prlimit, and bubblewrap without bwrap.
+    assert prlimit is not None
     program = [python, "-E", "-s"]
     if level == "rlimits":
         return [prlimit, *_rlimit_args(limits, nproc=True), "--", *program, "main.py"]
+    bwrap = shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin")
+    assert bwrap is not None
     binds = []
     prefix = iso.interpreter_prefix(python)
     if prefix is not None:
@@ -131,7 +141,7 @@ def _command(level: str, limits: SandboxLimits, python: str, workdir: str, extra
     # own limit is set inside it, where the kernel counts the run's processes only.
     return [
         prlimit, *_rlimit_args(limits, nproc=False), "--",
-        shutil.which("bwrap", path="/usr/bin:/bin:/usr/local/bin"),
+        bwrap,
         "--die-with-parent", "--unshare-all", "--new-session", "--clearenv", *env,
         *iso.system_dirs(), *binds,
         "--proc", "/proc", "--dev", "/dev",
@@ -176,7 +186,9 @@ def run_python(
         shutil.rmtree(workdir, ignore_errors=True)
 
 
-def _run(command, level, limits, workdir, uid) -> SandboxResult:
+def _run(
+    command: list[str], level: str, limits: SandboxLimits, workdir: str, uid: int | None
+) -> SandboxResult:
     try:
         process = subprocess.Popen(
             command,

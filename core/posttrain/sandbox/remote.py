@@ -71,7 +71,7 @@ def run_remote(
     return _result(answer, limits)
 
 
-def _result(answer, limits: SandboxLimits) -> SandboxResult:
+def _result(answer: object, limits: SandboxLimits) -> SandboxResult:
     if not isinstance(answer, dict) or answer.get("status") not in ("Success", "Failed"):
         status = answer.get("status") if isinstance(answer, dict) else type(answer).__name__
         message = answer.get("message", "") if isinstance(answer, dict) else ""
