@@ -6,12 +6,15 @@ import json
 import os
 import random
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from posttrain.config.data_sections import DataConfig
 from posttrain.errors import UserError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @attrs.frozen
@@ -105,6 +108,8 @@ def read_records(cfg: DataConfig, base_dir: str) -> list[dict]:
             if cfg.synthetic.num_prompts is None
             else [records[i % len(records)] for i in range(cfg.synthetic.num_prompts)]
         )
+    # check_data_source (config) has required data.path where there is no synthetic task.
+    assert cfg.path is not None
     path = cfg.path if os.path.isabs(cfg.path) else os.path.join(base_dir, cfg.path)
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
@@ -123,7 +128,10 @@ def read_records(cfg: DataConfig, base_dir: str) -> list[dict]:
 
 
 def load_prompts(
-    cfg: DataConfig, base_dir: str, tokenizer, tools: list[dict[str, Any]] | None = None
+    cfg: DataConfig,
+    base_dir: str,
+    tokenizer: PreTrainedTokenizerBase,
+    tools: list[dict[str, Any]] | None = None,
 ) -> list[Prompt]:
     """The dataset's prompts, rendered through the tokenizer's chat template when it applies;
     ``tools`` (the environment's tool schemas) go to the template's tool list."""
@@ -177,7 +185,7 @@ class PromptSampler:
     position: int = 0
     _order: list[int] = attrs.field(factory=list)
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         self._order = self._epoch_order(self.epoch)
 
     def _epoch_order(self, epoch: int) -> list[int]:
@@ -187,7 +195,7 @@ class PromptSampler:
         return order
 
     def next(self, count: int) -> list[int]:
-        out = []
+        out: list[int] = []
         while len(out) < count:
             if self.position >= self.size:
                 self.epoch += 1

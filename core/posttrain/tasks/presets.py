@@ -11,12 +11,16 @@ import os
 import shutil
 import sys
 import tempfile
+from typing import TYPE_CHECKING
 
 import attrs
 
 from posttrain.errors import UserError
 from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.tasks.warm_start import RECIPES, TOOL_TAGS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 PRESET_PREFIX = "preset:"
 # Small alphabet: digits, arithmetic signs and a space; chance of one right digit is about 1/16.
@@ -129,7 +133,7 @@ _VERSION = "v2"  # bump when a preset's construction changes, so caches are rebu
 
 
 def is_preset(name: str | None) -> bool:
-    return bool(name) and name.startswith(PRESET_PREFIX)
+    return name is not None and name.startswith(PRESET_PREFIX)
 
 
 def preset_name(name: str) -> str:
@@ -192,7 +196,7 @@ QWEN2_PRETOKENIZE_REGEX = (
 )
 
 
-def build_tokenizer(added_tokens: tuple[str, ...] = ()):
+def build_tokenizer(added_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFast:
     """A byte-level BPE tokenizer without merges over the arithmetic alphabet: one character,
     one token; each of ``added_tokens`` is one token too."""
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers
@@ -228,7 +232,7 @@ _ARCHS = {
 }
 
 
-def _arch_kwargs(preset: Preset) -> dict:
+def _arch_kwargs(preset: Preset) -> dict[str, int]:
     """Config fields only some families have."""
     if preset.arch == "qwen3":
         # Qwen3's default head_dim is 128, not hidden / heads.

@@ -9,10 +9,15 @@ from __future__ import annotations
 
 import random
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import attrs
 
 from posttrain.tasks.data import long_sum_problem, multi_digit_problem
+
+if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 # The ``compact`` call syntax of the calculator and of python_sandbox: the model writes
 # <call>EXPR</call>, the environment appends <result>VALUE</result>, the model writes its answer.
@@ -71,7 +76,7 @@ class ToolCallRecipe:
             ]
         return [(prompt, False), (_near_miss(int(answer), rng), True)]
 
-    def train(self, model, tokenizer) -> None:
+    def train(self, model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase) -> None:
         """Teacher-forced next-token training on the episodes, loss on the model's tokens."""
         import torch
 
@@ -105,7 +110,7 @@ class ToolCallRecipe:
             model.eval()
             torch.set_num_threads(threads)
 
-    def _encode(self, rng: random.Random, tokenizer) -> Row:
+    def _encode(self, rng: random.Random, tokenizer: PreTrainedTokenizerBase) -> Row:
         ids: list[int] = []
         mask: list[int] = []
         for text, trained in self.episode(rng):
@@ -140,7 +145,7 @@ def _length_buckets(rows: list[Row]) -> list[list[Row]]:
     return [buckets[key] for key in sorted(buckets)]
 
 
-def _pad(rows: list[Row], pad_id: int):
+def _pad(rows: list[Row], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Right-padded ids and loss mask; the pads follow every real token, so no attention mask."""
     import torch
 
