@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def backend_for(device: str) -> str:
@@ -42,7 +46,7 @@ def destroy_default_process_group() -> None:
         dist.destroy_process_group()
 
 
-def agree_max(value: int, device) -> int:
+def agree_max(value: int, device: torch.device | str) -> int:
     """The largest ``value`` over the default group's ranks (e.g. micro-batch counts, which
     every rank must run alike for collectives to line up)."""
     import torch

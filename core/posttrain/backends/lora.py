@@ -24,6 +24,9 @@ import torch
 from posttrain.errors import CheckpointError, UserError
 
 if TYPE_CHECKING:
+    from peft import PeftModel
+    from peft.tuners.lora import Linear as LoraLinear
+
     from posttrain.config.sections import LoraArgs
     from posttrain.launch.worker import WorkerContext
 
@@ -41,7 +44,7 @@ def lora_args(worker: WorkerContext, train_strategy: str) -> LoraArgs | None:
     return worker.model_args.lora
 
 
-def wrap_lora(worker: WorkerContext, model) -> Any:
+def wrap_lora(worker: WorkerContext, model: torch.nn.Module) -> Any:
     """``model`` with LoRA adapters on the targeted linears (base weights frozen); a target that
     is not a linear, or a linear whose weight is tied to another module's, is refused."""
     from peft import LoraConfig, get_peft_model
@@ -100,7 +103,7 @@ def _lora(worker: WorkerContext) -> LoraArgs:
     return args
 
 
-def _shared_adapted_weights(model) -> list[str]:
+def _shared_adapted_weights(model: torch.nn.Module) -> list[str]:
     """Adapted modules whose base weight is also another module's (a tied output layer)."""
     uses: dict[int, int] = {}
     for _, param in model.named_parameters(remove_duplicate=False):
@@ -118,14 +121,14 @@ def lora_plain_name(name: str) -> str:
     return name.removeprefix(_PEFT_PREFIX).replace(_BASE_SEGMENT, ".")
 
 
-def lora_base_model(model) -> Any:
+def lora_base_model(model: torch.nn.Module) -> Any:
     """The HF model inside a peft wrapper (the model itself without one): what holds the HF
     config and ``save_pretrained`` of a merged export."""
     get_base = getattr(model, "get_base_model", None)
     return get_base() if callable(get_base) else model
 
 
-def lora_layers(model) -> dict[str, Any]:
+def lora_layers(model: torch.nn.Module) -> dict[str, Any]:
     """``{state-dict prefix: peft LoRA linear}`` of every adapted module."""
     from peft.tuners.lora import LoraLayer
 
@@ -142,7 +145,9 @@ def lora_adapter_keys(prefix: str) -> tuple[str, str]:
     return f"{prefix}.lora_A.{LORA_ADAPTER}.weight", f"{prefix}.lora_B.{LORA_ADAPTER}.weight"
 
 
-def merge_lora_weight(base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer) -> torch.Tensor:
+def merge_lora_weight(
+    base: torch.Tensor, a: torch.Tensor, b: torch.Tensor, layer: LoraLinear
+) -> torch.Tensor:
     """``W + scale * B @ A`` in float32 (a new tensor: the trained model is untouched)."""
     delta = b.float() @ a.float()
     if layer.fan_in_fan_out:
@@ -187,7 +192,7 @@ def check_lora_record(worker: WorkerContext, path: str, wanted: LoraArgs | None)
 
 
 def write_lora_adapter(
-    worker: WorkerContext, peft_model, tensors: dict[str, torch.Tensor], path: str
+    worker: WorkerContext, peft_model: PeftModel, tensors: dict[str, torch.Tensor], path: str
 ) -> None:
     """Write the adapter in peft's format (``PeftModel.from_pretrained(base, path)`` loads it):
     ``tensors`` are the gathered adapters under their state-dict names; the config records the

@@ -27,6 +27,9 @@ from posttrain.hf_progress import no_hf_progress_bars
 from posttrain.tasks.presets import is_preset, preset_path
 
 if TYPE_CHECKING:
+    import torch
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
     from posttrain.config.sections import ModelArgs
 
 # ``ModelArgs.dtype`` (and a strategy's dtype options) -> the torch dtype's name.
@@ -40,7 +43,7 @@ DTYPES = {
 }
 
 
-def torch_dtype(name: str):
+def torch_dtype(name: str) -> torch.dtype:
     """The ``torch.dtype`` of a dtype name of :data:`DTYPES` (``"fp32"``, ``"bf16"``, ...);
     ``KeyError`` for any other (``ModelArgs.dtype`` is validated to be one)."""
     import torch
@@ -66,7 +69,7 @@ def resolve_model_path(name_or_path: str | None, base_dir: str = ".") -> str:
     return local if os.path.exists(local) else name_or_path
 
 
-def load_tokenizer(model_args: ModelArgs, base_dir: str = "."):
+def load_tokenizer(model_args: ModelArgs, base_dir: str = ".") -> PreTrainedTokenizerBase:
     """The role's tokenizer: from ``tokenizer_name_or_path``, else ``model_name_or_path``
     (resolved as by :func:`resolve_model_path`), of the class it was saved with, with its pad
     token set to EOS when it has none. The driver decodes rollouts and builds reward-model
@@ -93,7 +96,7 @@ def load_tokenizer(model_args: ModelArgs, base_dir: str = "."):
 
 def load_causal_lm(
     model_args: ModelArgs, base_dir: str = ".", device: str = "cpu", tp_mesh: Any = None
-):
+) -> PreTrainedModel:
     """An ``AutoModelForCausalLM`` of ``model_args`` (its dtype, ``trust_remote_code`` and
     ``attn_implementation``) on ``device``, in eval mode as transformers returns it, loaded
     without progress bars (they would fill the rank logs). With ``tp_mesh`` (a 1-D device
@@ -118,7 +121,9 @@ def load_causal_lm(
 HEAD_WEIGHT = "score.weight"
 
 
-def load_model_with_head(model_args: ModelArgs, head: str, base_dir: str = ".", device="cpu"):
+def load_model_with_head(
+    model_args: ModelArgs, head: str, base_dir: str = ".", device: str = "cpu"
+) -> PreTrainedModel:
     """The model a role runs, by its head (``worker.head``): a causal LM (``"lm"``, as
     :func:`load_causal_lm`), a value model (``"value"``: a critic; an
     ``AutoModelForTokenClassification`` with one bias-free output per token, named

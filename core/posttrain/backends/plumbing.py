@@ -157,7 +157,9 @@ def memory_tags(tags: Iterable[str] | None) -> set[str]:
     return set(tags or ("weights",))
 
 
-def move_optimizer_state(optimizers: Iterable[Any], device, skip: tuple[str, ...] = ()) -> None:
+def move_optimizer_state(
+    optimizers: Iterable[Any], device: torch.device | str, skip: tuple[str, ...] = ()
+) -> None:
     """Move every tensor of the optimizers' state (but the keys in ``skip``) to ``device``."""
     import torch
 
