@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from posttrain.config.sections import Workflow
 from posttrain.errors import UserError
 from posttrain.memory.estimate import GIB
@@ -14,8 +16,15 @@ from posttrain.memory.plan import (
     resolve_memory,
 )
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def checked_for_memory(workflow: Workflow, host, device: str, console) -> Workflow:
+    from posttrain.host.plugin_host import PluginHost
+
+
+def checked_for_memory(
+    workflow: Workflow, host: PluginHost, device: str, console: Console
+) -> Workflow:
     """``workflow`` with its ``auto`` checkpointing and release knobs resolved from the memory
     plan (:func:`resolve_memory`); a workflow whose
     plan does not fit this machine's GPUs is refused (a :class:`UserError` naming the numbers
@@ -57,7 +66,7 @@ def released_by_plan(plan: MemoryPlan) -> str:
     )
 
 
-def render_plan(plan: MemoryPlan, console) -> None:
+def render_plan(plan: MemoryPlan, console: Console) -> None:
     from rich.table import Table
 
     roles = Table(title="resident memory per GPU, by role (GiB)")
@@ -87,7 +96,9 @@ def render_plan(plan: MemoryPlan, console) -> None:
         console.print(f"[dim]note: {note}[/dim]")
 
 
-def print_plan(workflow: Workflow, host, console, gpu_memory_gib: float | None) -> bool:
+def print_plan(
+    workflow: Workflow, host: PluginHost, console: Console, gpu_memory_gib: float | None
+) -> bool:
     """``posttrain plan``: the plan against ``gpu_memory_gib`` (default: this machine's GPU),
     printed; False when it does not fit."""
     if gpu_memory_gib is not None and gpu_memory_gib <= 0:

@@ -87,9 +87,8 @@ def read_geometry(model: str | None) -> ModelGeometry | None:
 
     if is_preset(model):
         return preset_geometry(model)
-    path = os.path.join(model, "config.json")
-    if not os.path.isfile(path):
-        path = _cached_hub_config(model)
+    local = os.path.join(model, "config.json")
+    path = local if os.path.isfile(local) else _cached_hub_config(model)
     if path is None:
         return None
     with open(path) as f:

@@ -17,13 +17,16 @@ from __future__ import annotations
 import shutil
 import subprocess
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from posttrain.config.sections import RoleConfig, Workflow
 from posttrain.memory.estimate import GIB, MemoryQuery, RoleMemory, Workload
 from posttrain.memory.geometry import ModelGeometry, read_geometry
+
+if TYPE_CHECKING:
+    from posttrain.host.plugin_host import PluginHost
 
 PHASES = ("rollout", "logprobs", "train", "weight_sync")
 # The roles a weight sync makes resident together.
@@ -87,7 +90,7 @@ def workload_of(workflow: Workflow) -> Workload:
 
 
 def estimate_roles(
-    workflow: Workflow, host, device: str = "cuda"
+    workflow: Workflow, host: PluginHost, device: str = "cuda"
 ) -> tuple[dict[str, RoleMemory], list[str]]:
     """Each role's estimate from its strategy's plugin, and a note for each role without one."""
     workload = workload_of(workflow)
@@ -158,7 +161,7 @@ def _working(estimates: dict[str, RoleMemory], phase: str) -> list[str]:
 
 
 def plan_memory(
-    workflow: Workflow, host, capacity: int | None = None, device: str = "cuda"
+    workflow: Workflow, host: PluginHost, capacity: int | None = None, device: str = "cuda"
 ) -> MemoryPlan:
     estimates, notes = estimate_roles(workflow, host, device)
     roles = workflow.roles()
@@ -178,7 +181,7 @@ def with_recompute(workflow: Workflow, on: bool) -> Workflow:
     return attrs.evolve(workflow, **changes) if changes else workflow
 
 
-def resolve_recompute(workflow: Workflow, host, capacity: int | None) -> Workflow:
+def resolve_recompute(workflow: Workflow, host: PluginHost, capacity: int | None) -> Workflow:
     """``auto`` checkpointing resolved: on where the plan without it would fill more than
     ``RECOMPUTE_SHARE`` of a GPU, off elsewhere (and on the CPU, where memory is the host's)."""
     without = with_recompute(workflow, on=False)
@@ -210,7 +213,7 @@ def with_release(
     return attrs.evolve(workflow, **changes) if changes else workflow
 
 
-def resolve_release(workflow: Workflow, host, capacity: int | None) -> Workflow:
+def resolve_release(workflow: Workflow, host: PluginHost, capacity: int | None) -> Workflow:
     """Release knobs left at ``auto`` resolved: off where the plan fits without them; else
     turned on one at a time, the one freeing most first, until it fits. A knob that lowers no
     peak over the card stays off; if the plan is still over with the rest on, it refuses the
@@ -247,7 +250,7 @@ def overage(plan: MemoryPlan) -> int:
     return sum(peak.total - usable for peak in plan.over())
 
 
-def resolve_memory(workflow: Workflow, host, capacity: int | None) -> Workflow:
+def resolve_memory(workflow: Workflow, host: PluginHost, capacity: int | None) -> Workflow:
     """Every ``auto`` the memory plan decides, resolved: activation checkpointing first (it
     costs compute inside the step), then the release knobs (a host round trip each step)."""
     return resolve_release(resolve_recompute(workflow, host, capacity), host, capacity)

@@ -68,7 +68,7 @@ import os
 import shutil
 import statistics
 import subprocess
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -78,6 +78,13 @@ from posttrain.errors import UserError
 from posttrain.memory.estimate import GIB
 from posttrain.memory.plan import card_bytes, gib, plan_memory, refusal, resolve_memory
 from posttrain.paths import display_path
+
+if TYPE_CHECKING:
+    from collections.abc import Iterable
+
+    from rich.console import Console
+
+    from posttrain.host.plugin_host import PluginHost
 
 # GB/s of a weight sync across GPUs, for a layout the run did not measure: the ``broadcast``
 # transport measured 106-122 GB/s between two H100s (docs/performance.md, weight sync between
@@ -369,7 +376,7 @@ def candidate_workflow(workflow: Workflow, prediction: Prediction, staleness: in
     return attrs.evolve(workflow, **changes)
 
 
-def validation_errors(workflow: Workflow, host) -> list[str]:
+def validation_errors(workflow: Workflow, host: PluginHost) -> list[str]:
     """What ``posttrain validate`` would refuse in ``workflow`` (rendered)."""
     report = ErrorReport()
     host.hook.posttrain_validate_workflow(
@@ -378,7 +385,7 @@ def validation_errors(workflow: Workflow, host) -> list[str]:
     return [issue.render() for issue in report.errors]
 
 
-def check_fit(workflow: Workflow, host, capacity: int | None) -> Fit:
+def check_fit(workflow: Workflow, host: PluginHost, capacity: int | None) -> Fit:
     """Whether ``workflow`` (a candidate) validates and its memory plan fits ``capacity`` bytes
     a GPU, with ``auto`` checkpointing resolved as ``posttrain plan`` and ``run`` do."""
     errors = validation_errors(workflow, host)
@@ -407,7 +414,7 @@ def best_split(rows: list[tuple[Prediction, Fit]]) -> Prediction | None:
 def yaml_lines(workflow: Workflow) -> list[str]:
     """The settings of a candidate ``workflow`` to paste: each role's devices, the staleness."""
 
-    def listed(devices) -> str:
+    def listed(devices: Iterable[int]) -> str:
         return "[" + ", ".join(str(d) for d in devices) + "]"
 
     lines = []
@@ -458,8 +465,8 @@ def _share(value: float | None) -> str:
 
 def print_split(
     workflow: Workflow,
-    host,
-    console,
+    host: PluginHost,
+    console: Console,
     run_dir: str,
     gpus: int | None = None,
     gpu_memory_gib: float | None = None,
@@ -524,14 +531,22 @@ def print_split(
 
     rows = []
     for prediction in candidates(times, layout, gpus):
-        chosen = candidate_workflow(workflow, prediction, prediction.staleness)
+        candidate = candidate_workflow(workflow, prediction, prediction.staleness)
         # Validity and memory do not depend on the staleness: checked on-policy, so that a
         # setting asynchronous rollout also needs (e.g. tis_cap) is named once, below.
         layout_only = candidate_workflow(workflow, prediction, 0)
-        rows.append((prediction, chosen, check_fit(layout_only, host, capacity)))
+        rows.append((prediction, candidate, check_fit(layout_only, host, capacity)))
 
     table = Table(title=f"trainer + rollout GPUs of {gpus}, predicted from the run's phase times")
-    columns = ("split", "staleness", "trainer s", "rollout s", "sync s", "step s", "steps/h")
+    columns: tuple[str, ...] = (
+        "split",
+        "staleness",
+        "trainer s",
+        "rollout s",
+        "sync s",
+        "step s",
+        "steps/h",
+    )
     columns += ("trainer idle", "rollout idle", "on-policy s", "memory")
     for column in columns:
         table.add_column(column, justify="left" if column in ("split", "memory") else "right")
