@@ -28,6 +28,13 @@ def generate(worker, decode: str, prompts, sampling, seed: int):
     )
 
 
+def decoders(worker):
+    """The rank's kept fixed-shape decoders."""
+    from posttrain_hf_infer.engine import HFInferState
+
+    return worker.engine_state(HFInferState).decoders
+
+
 def assert_a_forward_pass_scores(worker, out) -> None:
     """Every sample's log-probs are what a forward pass over its prompt and response gives."""
     from posttrain.testing.expected import forward_logprob_gap
@@ -55,7 +62,7 @@ def test_static_decode_samples_what_the_dynamic_cache_samples(hf_infer_settings,
         fewer = attrs.evolve(sampling, n=2)
         other = generate(worker, "static", PROMPTS[1:3], fewer, seed=9)
         other_dynamic = generate(worker, "dynamic", PROMPTS[1:3], fewer, seed=9)
-        assert sorted(worker.state["decoders"]._decoders) == [(8, 128), (16, 128)]
+        assert sorted(decoders(worker)._decoders) == [(8, 128), (16, 128)]
     for a, b in ((dynamic, static), (static, again), (other_dynamic, other)):
         assert a.response_ids == b.response_ids
         for x, y in zip(a.response_logprobs, b.response_logprobs):
@@ -103,10 +110,10 @@ def test_fused_and_separate_projections_decode_alike(hf_infer_settings):
         fused = generate(worker, "static", PROMPTS[:2], sampling, seed=3)
         config = worker.model.config
         gate_up = [[config.intermediate_size] * 2] * config.num_hidden_layers
-        assert [g.sizes for g in worker.state["decoders"].groups][1::2] == gate_up
+        assert [g.sizes for g in decoders(worker).groups][1::2] == gate_up
     with hf_infer_settings(fuse_projections=False) as worker:
         separate = generate(worker, "static", PROMPTS[:2], sampling, seed=3)
-        assert worker.state["decoders"].groups == []
+        assert decoders(worker).groups == []
     assert fused.response_ids == separate.response_ids
     for x, y in zip(fused.response_logprobs, separate.response_logprobs):
         assert x == pytest.approx(y, abs=1e-5)
@@ -123,7 +130,7 @@ def test_a_gpu_kernel_asked_for_on_the_cpu_leaves_grouped_sdpa(hf_infer_settings
     for kernel in ("triton", "cudnn"):
         with hf_infer_settings(decode_attention=kernel) as worker:
             asked = generate(worker, "static", PROMPTS[:1], sampling, seed=2)
-            (decoder,) = worker.state["decoders"]._decoders.values()
+            (decoder,) = decoders(worker)._decoders.values()
         assert decoder.attention == static_decode.ATTENTION
         assert asked.response_ids == default.response_ids
 

@@ -82,7 +82,7 @@ def test_stop_strings_need_an_engine_with_a_tokenizer(tiny_model_path):
     stop strings is refused with a message saying where to put them."""
     from posttrain.backends.models import load_tokenizer
     from posttrain.launch.worker import WorkerContext
-    from posttrain_vllm.engine import sampling_params
+    from posttrain_vllm.engine import VLLMState, sampling_params
 
     worker = WorkerContext(
         role="actor_infer",
@@ -90,7 +90,7 @@ def test_stop_strings_need_an_engine_with_a_tokenizer(tiny_model_path):
         config=None,
         model_args=ModelArgs(model_name_or_path=tiny_model_path),
     )
-    worker.state["tokenizer"] = load_tokenizer(worker.model_args, ".")
+    worker.engine_state(VLLMState).tokenizer = load_tokenizer(worker.model_args, ".")
     assert sampling_params(worker, SamplingParams(), seed=1).stop == []
     with pytest.raises(UserError, match=r"generating_args\.stop_strings"):
         sampling_params(worker, SamplingParams(stop=("=",)), seed=1)

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
@@ -39,9 +40,41 @@ from posttrain_hf_infer.static_decode import DecodeSettings, StaticDecoders, sup
 from posttrain_hf_infer.token_sampling import draw, gumbel_draw, is_plain
 
 if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+    from transformers import PreTrainedTokenizerBase
+
     from posttrain import WorkerContext
 
 LOG = logging.getLogger(__name__)
+
+
+@attrs.define(kw_only=True)
+class HFInferState:
+    """What a rank keeps between calls (``worker.engine_state(HFInferState)``)."""
+
+    tokenizer: PreTrainedTokenizerBase | None = None  # set by load_model
+    # This rank's replica axis when the replica is split over ranks (tensor_parallel_size > 1).
+    tp_mesh: DeviceMesh | None = None
+    # The fixed-shape decoders, kept from one generation to the next (their caches, graphs).
+    decoders: StaticDecoders | None = None
+    # Page-locked host buffers the weights wait in while released, kept for the next release.
+    pinned: dict[str, torch.Tensor] = attrs.field(factory=dict)
+
+
+def _state(worker: WorkerContext) -> HFInferState:
+    return worker.engine_state(HFInferState)
+
+
+def _tokenizer(worker: WorkerContext) -> PreTrainedTokenizerBase:
+    tokenizer = _state(worker).tokenizer
+    if tokenizer is None:
+        raise RuntimeError("hf_infer: the tokenizer is loaded with the model (load_model)")
+    return tokenizer
+
+
+def _sharded(worker: WorkerContext) -> bool:
+    """Whether this rank holds a share of a replica split over ranks."""
+    return _state(worker).tp_mesh is not None
 
 
 def setup_parallel(worker: WorkerContext) -> dict[str, int]:
@@ -64,7 +97,7 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
         (worker.world_size // tp, tp),
         mesh_dim_names=("replica", "shard"),
     )
-    worker.state["tp_mesh"] = mesh["shard"]
+    _state(worker).tp_mesh = mesh["shard"]
     return {
         "dp_rank": worker.rank // tp,
         "dp_size": worker.world_size // tp,
@@ -74,13 +107,13 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
 
 
 def load_model(worker: WorkerContext):
-    mesh = worker.state.get("tp_mesh")
+    mesh = _state(worker).tp_mesh
     if mesh is not None:
         model = load_causal_lm(worker.model_args, worker.base_dir, worker.device, tp_mesh=mesh)
     else:
         model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
     model.eval()
-    worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
+    _state(worker).tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
     return model
 
 
@@ -91,7 +124,7 @@ def _batch_size(worker: WorkerContext) -> int:
 @torch.no_grad()
 def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
     sampling = request.sampling
-    tokenizer = worker.state["tokenizer"]
+    tokenizer = _tokenizer(worker)
     stop_ids = set(sampling.stop_token_ids)
     if not sampling.ignore_eos:
         stop_ids.add(tokenizer.eos_token_id)
@@ -129,7 +162,7 @@ def decode_mode(worker: WorkerContext) -> str:
     on the CPU; a model with other than full-attention layers decodes dynamically."""
     mode = worker.config.decode
     on_gpu = is_cuda(worker)
-    if "tp_mesh" in worker.state:
+    if _sharded(worker):
         if mode not in ("auto", "dynamic"):
             log_once(
                 LOG,
@@ -171,10 +204,11 @@ def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: in
         fuse_projections=worker.config.fuse_projections,
         attention=worker.config.decode_attention,
     )
-    decoders = worker.state.get("decoders")
+    state = _state(worker)
+    decoders = state.decoders
     if decoders is None or decoders.settings != settings:
         groups = fuse_sibling_linears(worker.model) if settings.fuse_projections else []
-        decoders = worker.state["decoders"] = StaticDecoders(settings, groups)
+        decoders = state.decoders = StaticDecoders(settings, groups)
     # Any prompt may come into any row: the cache holds the longest with its new tokens.
     width = max(len(p) for p in prompts)
     rows = min(pool, len(prompts))
@@ -200,7 +234,7 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
     # there (the model's own, gathered over the replica's ranks).
     forward: Callable[[SequenceBatch], Any] = (
         partial(forward_logits, worker.model)
-        if "tp_mesh" in worker.state
+        if _sharded(worker)
         else logprob_forward(worker, worker.model, train=False)
     )
 
@@ -227,7 +261,7 @@ def import_weights(worker: WorkerContext, buckets) -> bool:
                     raise KeyError(f"hf_infer: the model has no weight named {name!r}")
             targets = [params[name].data for name, _ in bucket.tensors]
             sources = [tensor for _, tensor in bucket.tensors]
-            if "tp_mesh" in worker.state:
+            if _sharded(worker):
                 # Whole tensors in, this rank's share of each kept.
                 sources = [local_share(t, s) for t, s in zip(targets, sources)]
                 targets = [local_tensor(t) for t in targets]
@@ -249,7 +283,7 @@ def weight_shapes(worker: WorkerContext) -> dict[str, tuple[int, ...]]:
 
 def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     # An inference engine has no optimizer state; its weights are what a sync put there.
-    sharded = "tp_mesh" in worker.state
+    sharded = _sharded(worker)
     if worker.rank == 0 or sharded:  # every rank of a sharded replica gathers
         from safetensors.torch import save_file
 
@@ -293,11 +327,11 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
 
 
 def export_hf(worker: WorkerContext, path: str) -> bool:
-    state = whole_state(worker.model) if "tp_mesh" in worker.state else None
+    state = whole_state(worker.model) if _sharded(worker) else None
     if worker.rank == 0:
         with no_hf_progress_bars():
             worker.model.save_pretrained(path, safe_serialization=True, state_dict=state)
-        worker.state["tokenizer"].save_pretrained(path)
+        _tokenizer(worker).save_pretrained(path)
     return True
 
 
@@ -307,10 +341,10 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     if worker.config.param_offload is True and "weights" in memory_tags(tags):
         # Captured decode graphs point at the weights' device memory, which the move frees;
         # stacked projections would keep a device copy (they are stacked again after).
-        worker.state.pop("decoders", None)
+        _state(worker).decoders = None
         unfuse_sibling_linears(worker.model)
         if is_cuda(worker):
-            weights_to_host(worker.model, worker.state.setdefault("pinned", {}))
+            weights_to_host(worker.model, _state(worker).pinned)
             torch.cuda.empty_cache()
         else:
             worker.model.to("cpu")
@@ -361,6 +395,8 @@ def weights_to_device(model: torch.nn.Module, device: str | torch.device) -> Non
 
 
 def shutdown_worker(worker: WorkerContext) -> bool:
-    if worker.state.pop("tp_mesh", None) is not None:
+    state = _state(worker)
+    if state.tp_mesh is not None:
+        state.tp_mesh = None
         end_process_group()
     return True

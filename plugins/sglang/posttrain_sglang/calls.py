@@ -18,11 +18,11 @@ from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 from posttrain import PosttrainError
+from posttrain_sglang.state import rank_state
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
 
-BROKEN = "sglang_engine_broken"
 log = logging.getLogger("posttrain.sglang")
 
 
@@ -31,7 +31,7 @@ class EngineCallFailed(PosttrainError):
 
 
 def check_usable(worker: WorkerContext) -> None:
-    reason = worker.state.get(BROKEN)
+    reason = rank_state(worker).broken
     if reason:
         raise EngineCallFailed(f"sglang: the engine is unusable since an earlier failure: {reason}")
 
@@ -48,7 +48,7 @@ def bounded(
     except TimeoutError:
         cause = "the trainer side of the weight sync" if peer else "SGLang's scheduler"
         reason = f"{what} did not finish within {timeout_s:.0f}s (is {cause} gone or stuck?)"
-        worker.state[BROKEN] = reason
+        rank_state(worker).broken = reason
         raise EngineCallFailed(f"sglang: {reason}") from None
 
 
@@ -73,7 +73,7 @@ def weight_update(worker: WorkerContext, engine, timeout_s: float) -> Iterator[N
         # Close the session after a failed load too, so that a retry can open one (the
         # weights are then undefined until a complete sync); not after a timeout: the scheduler
         # may still sit in the collective. The load's own error is the one to report.
-        if not worker.state.get(BROKEN):
+        if not rank_state(worker).broken:
             try:
                 _end(worker, engine, timeout_s)
             except EngineCallFailed as exc:

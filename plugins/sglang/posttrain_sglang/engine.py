@@ -27,15 +27,13 @@ from posttrain.backend import drain, leads_replica, load_tokenizer, tensor_paral
 from posttrain_sglang import args as engine_args_mod
 from posttrain_sglang import calls, leftovers
 from posttrain_sglang.receiver import DistributedReceiver
+from posttrain_sglang.state import rank_state, tokenizer
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
 
 log = logging.getLogger("posttrain.sglang")
 
-_ENGINE = "sglang_engine"
-_SHM_BEFORE = "sglang_shm_before"
-_NO_RELEASE_WARNED = "sglang_no_release_warned"
 # Engine calls that need no peer; the broadcast path uses the transport's timeout instead.
 LOCAL_CALL_TIMEOUT_S = 300.0
 # Environment of the engine's processes (set before SGLang is imported; its children inherit it).
@@ -59,7 +57,7 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
 
 
 def load_model(worker: WorkerContext):
-    worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
+    rank_state(worker).tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
     if not leads_replica(worker):
         return {"replica_leader": False}
     args = engine_args_mod.engine_args(worker)
@@ -71,14 +69,14 @@ def load_model(worker: WorkerContext):
     os.environ.update(_ENV)
     from sglang.srt.entrypoints.engine import Engine
 
-    worker.state[_SHM_BEFORE] = leftovers.shm_snapshot()
+    rank_state(worker).shm_before = leftovers.shm_snapshot()
     started = time.monotonic()
     try:
         engine = Engine(**args)
     except (TypeError, ValueError) as exc:
         raise UserError(f"sglang: the engine rejected its arguments: {exc}") from exc
     log.info("SGLang engine ready in %.1fs", time.monotonic() - started)
-    worker.state[_ENGINE] = engine
+    rank_state(worker).engine = engine
     if not args["skip_tokenizer_init"]:
         check_engine_tokenizer(worker, engine)
     return engine
@@ -88,7 +86,7 @@ def check_engine_tokenizer(worker: WorkerContext, engine) -> None:
     """Stop strings are matched on the engine's detokenized text: its tokenizer must be the one
     posttrain decodes with."""
     theirs = engine.tokenizer_manager.tokenizer
-    if theirs is None or theirs.get_vocab() != worker.state["tokenizer"].get_vocab():
+    if theirs is None or theirs.get_vocab() != tokenizer(worker).get_vocab():
         raise UserError(
             "sglang: the engine loaded a tokenizer whose vocabulary differs from the model's "
             "(needed for generating_args.stop_strings); set model_args.tokenizer_name_or_path"
@@ -96,7 +94,7 @@ def check_engine_tokenizer(worker: WorkerContext, engine) -> None:
 
 
 def _engine(worker: WorkerContext):
-    engine = worker.state.get(_ENGINE)
+    engine = rank_state(worker).engine
     if engine is not None:
         calls.check_usable(worker)
     return engine
@@ -120,7 +118,7 @@ def _sample_seed(seed: int | None, prompt: int, sample: int, n: int) -> int | No
 
 
 def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
-    eos = None if sampling.ignore_eos else worker.state["tokenizer"].eos_token_id
+    eos = None if sampling.ignore_eos else tokenizer(worker).eos_token_id
     stop_ids = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
     params: dict[str, Any] = {
         "n": 1,  # the plugin repeats each prompt n times (one seed per sample)
@@ -133,7 +131,7 @@ def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
     }
     stop = list(sampling.stop)
     if stop:
-        if worker.state.get(_ENGINE) is not None and engine_has_no_tokenizer(worker):
+        if rank_state(worker).engine is not None and engine_has_no_tokenizer(worker):
             raise UserError(
                 "sglang: stop strings need the engine's tokenizer; set generating_args."
                 "stop_strings in the workflow (the engine then loads one)"
@@ -143,7 +141,7 @@ def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
 
 
 def engine_has_no_tokenizer(worker: WorkerContext) -> bool:
-    return worker.state[_ENGINE].tokenizer_manager.tokenizer is None
+    return rank_state(worker).engine.tokenizer_manager.tokenizer is None
 
 
 def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
@@ -257,9 +255,10 @@ def resume_memory(worker: WorkerContext, tags) -> bool:
 
 
 def _warn_no_release(worker: WorkerContext) -> None:
-    if worker.state.get(_NO_RELEASE_WARNED):
+    kept = rank_state(worker)
+    if kept.no_release_warned:
         return
-    worker.state[_NO_RELEASE_WARNED] = True
+    kept.no_release_warned = True
     if engine_args_mod.is_cuda(worker):
         reason = "enable_memory_saver is off"
     else:
@@ -268,7 +267,8 @@ def _warn_no_release(worker: WorkerContext) -> None:
 
 
 def shutdown_worker(worker: WorkerContext) -> bool:
-    engine = worker.state.pop(_ENGINE, None)
+    kept = rank_state(worker)
+    engine, kept.engine = kept.engine, None
     if engine is not None:
         try:
             engine.shutdown()
@@ -280,7 +280,7 @@ def shutdown_worker(worker: WorkerContext) -> bool:
         del engine
         worker.model = None
         gc.collect()
-    before = worker.state.pop(_SHM_BEFORE, None)
+    before, kept.shm_before = kept.shm_before, None
     if before is not None:
         leftovers.remove_shm_leftovers(before)
     return True

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 
 from posttrain_sglang import calls
 from posttrain_sglang.args import is_cuda
+from posttrain_sglang.state import rank_state
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
@@ -57,6 +58,6 @@ class DistributedReceiver:
         return True
 
     def leave(self, group_name) -> None:
-        if self.engine is None or self.worker.state.get(calls.BROKEN):
+        if self.engine is None or rank_state(self.worker).broken:
             return
         calls.destroy_group(self.worker, self.engine, group_name, self.timeout_s)

@@ -27,6 +27,7 @@ import time
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
+import attrs
 import torch
 
 from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, unknown_keys
@@ -42,19 +43,44 @@ from posttrain.backend import (
 from posttrain_vllm import worker_side
 
 if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
     from posttrain import WorkerContext
 
 log = logging.getLogger("posttrain.vllm")
 
-_ENGINE = "vllm_engine"
-_SHM_DIR = "vllm_shm_dir"
-_HAS_TOKENIZER = "vllm_has_tokenizer"
-_CPU_SLEEP_WARNED = "vllm_cpu_sleep_warned"
-_EXTERNAL_WORLD = "vllm_external_world"
 CPU_KV_CACHE_BYTES = 64 << 20
 _DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "auto": "auto"}
 _MP_ENV = "VLLM_ENABLE_V1_MULTIPROCESSING"
 _EMBED_NAMES = ("model.embed_tokens.weight", "lm_head.weight")
+
+
+@attrs.define(kw_only=True)
+class VLLMState:
+    """What a rank keeps between calls (``worker.engine_state(VLLMState)``)."""
+
+    tokenizer: PreTrainedTokenizerBase | None = None  # set by load_model, on every rank
+    # The replica's ``vllm.LLM`` (vLLM's classes are untyped to the check); None on the other
+    # ranks of a replica and after shutdown.
+    engine: Any = None
+    # The engine joined the trainer's world (external_launcher): shutdown leaves it standing.
+    external_world: bool = False
+    # The engine loaded a tokenizer (it matches stop strings).
+    has_tokenizer: bool = False
+    # The tmpfs directory buckets pass through to a multiprocessing engine.
+    shm_dir: str | None = None
+    cpu_sleep_warned: bool = False
+
+
+def _state(worker: WorkerContext) -> VLLMState:
+    return worker.engine_state(VLLMState)
+
+
+def _tokenizer(worker: WorkerContext) -> PreTrainedTokenizerBase:
+    tokenizer = _state(worker).tokenizer
+    if tokenizer is None:
+        raise RuntimeError("vllm: the tokenizer is loaded with the model (load_model)")
+    return tokenizer
 
 
 def multiprocessing_engine() -> bool:
@@ -131,7 +157,7 @@ def _stop_strings(worker: WorkerContext) -> list[str]:
 def _check_engine_tokenizer(worker: WorkerContext, llm) -> None:
     """Stop strings are matched on the engine's detokenized text: its tokenizer must be the
     one posttrain decodes with."""
-    ours = worker.state["tokenizer"].get_vocab()
+    ours = _tokenizer(worker).get_vocab()
     if llm.get_tokenizer().get_vocab() != ours:
         raise UserError(
             "vllm: the engine loaded a tokenizer whose vocabulary differs from the model's "
@@ -181,7 +207,7 @@ def check_cpu_head_size(path: str) -> None:
 
 
 def load_model(worker: WorkerContext):
-    worker.state["tokenizer"] = load_tokenizer(worker.model_args, worker.base_dir)
+    _state(worker).tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
     if not leads_replica(worker):
         return {"replica_leader": False}
     os.environ.setdefault(_MP_ENV, "0")
@@ -215,10 +241,11 @@ def load_model(worker: WorkerContext):
     finally:
         # vLLM drops torch to one thread in-process; give the rank back its setting.
         _restore_threads(threads)
-    worker.state[_ENGINE] = llm  # before the check below, so that shutdown stops it
-    worker.state[_EXTERNAL_WORLD] = args.get("distributed_executor_backend") == "external_launcher"
-    worker.state[_HAS_TOKENIZER] = not args["skip_tokenizer_init"]
-    if worker.state[_HAS_TOKENIZER]:
+    state = _state(worker)
+    state.engine = llm  # before the check below, so that shutdown stops it
+    state.external_world = args.get("distributed_executor_backend") == "external_launcher"
+    state.has_tokenizer = not args["skip_tokenizer_init"]
+    if state.has_tokenizer:
         _check_engine_tokenizer(worker, llm)
     log.info(
         "vLLM %s engine ready in %.1fs",
@@ -244,7 +271,7 @@ def _restore_threads(threads: int) -> None:
 
 
 def _llm(worker: WorkerContext):
-    return worker.state.get(_ENGINE)
+    return _state(worker).engine
 
 
 # ---------------------------------------------------------------------------------------------
@@ -267,9 +294,9 @@ def _request_seed(seed: int | None, index: int, n: int) -> int | None:
 def sampling_params(worker: WorkerContext, sampling, seed: int | None, **extra):
     from vllm import SamplingParams
 
-    eos = None if sampling.ignore_eos else worker.state["tokenizer"].eos_token_id
+    eos = None if sampling.ignore_eos else _tokenizer(worker).eos_token_id
     stop = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
-    if sampling.stop and not worker.state.get(_HAS_TOKENIZER):
+    if sampling.stop and not _state(worker).has_tokenizer:
         raise UserError(
             "vllm: this request has stop strings but the engine was started without a "
             "tokenizer; list them in the role's generating_args.stop_strings"
@@ -355,11 +382,11 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
 
 
 def _shm_dir(worker: WorkerContext) -> str:
-    path = worker.state.get(_SHM_DIR)
+    state = _state(worker)
+    path = state.shm_dir
     if path is None:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        path = tempfile.mkdtemp(prefix=f"posttrain-vllm-{os.getpid()}-", dir=base)
-        worker.state[_SHM_DIR] = path
+        path = state.shm_dir = tempfile.mkdtemp(prefix=f"posttrain-vllm-{os.getpid()}-", dir=base)
     return path
 
 
@@ -429,15 +456,17 @@ def resume_memory(worker: WorkerContext, tags) -> bool:
 
 
 def _warn_no_sleep(worker: WorkerContext) -> None:
-    if worker.state.get(_CPU_SLEEP_WARNED):
+    state = _state(worker)
+    if state.cpu_sleep_warned:
         return
-    worker.state[_CPU_SLEEP_WARNED] = True
+    state.cpu_sleep_warned = True
     reason = "vLLM has no sleep mode on CPU" if not is_cuda(worker) else "sleep mode is off"
     log.warning("%s: release/resume memory keeps the engine as it is", reason)
 
 
 def shutdown_worker(worker: WorkerContext) -> bool:
-    llm = worker.state.pop(_ENGINE, None)
+    state = _state(worker)
+    llm, state.engine = state.engine, None
     if llm is not None:
         engine_core = getattr(getattr(llm, "llm_engine", None), "engine_core", None)
         if engine_core is not None and hasattr(engine_core, "shutdown"):
@@ -455,14 +484,15 @@ def shutdown_worker(worker: WorkerContext) -> bool:
             )
 
             destroy_model_parallel()
-            if not worker.state.pop(_EXTERNAL_WORLD, False):
+            external_world, state.external_world = state.external_world, False
+            if not external_world:
                 # The world is vLLM's own; beside a trainer it is the trainer's, left to it.
                 destroy_distributed_environment()
         except Exception as exc:
             log.debug("vLLM distributed teardown: %s", exc)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    folder = worker.state.pop(_SHM_DIR, None)
+    folder, state.shm_dir = state.shm_dir, None
     if folder:
         shutil.rmtree(folder, ignore_errors=True)
     return True
