@@ -152,10 +152,17 @@ def step_batch(step: int, vocab: int):
     return random_step_batch(step, vocab, BATCH_ROWS)
 
 
+def engine_state(ctx):
+    """The role's typed megatron engine state (step counters, optimizer, vocabulary size)."""
+    from posttrain_megatron.state import MegatronState
+
+    return ctx.engine_state(MegatronState)
+
+
 def train_one(runtime, step: int) -> dict:
     """One RL step on this rank's data-parallel share: old log-probs, then the update."""
     ctx = runtime.ctx
-    batch = step_batch(step, ctx.state["vocab_size"])
+    batch = step_batch(step, engine_state(ctx).vocab_size)
     share = batch.split(ctx.dp_size)[ctx.dp_rank]
     share.meta["dp_size"] = ctx.dp_size
     old = runtime.compute_logprobs(share)
@@ -178,7 +185,7 @@ def adam_steps(runtime) -> list[float]:
     return sorted(
         {
             float(state["step"])
-            for inner in inner_optimizers(runtime.ctx.state["optimizer"])
+            for inner in inner_optimizers(engine_state(runtime.ctx).optimizer)
             for state in inner.state.values()
             if "step" in state
         }
@@ -214,9 +221,9 @@ def scenario_train(
     start = 0
     if load:
         rt.load_checkpoint(os.path.join(out_dir, load))
-        start = rt.ctx.state["step"]
+        start = engine_state(rt.ctx).step
         save(
-            {"step": start, "updates": rt.ctx.state["updates"], "adam": adam_steps(rt)},
+            {"step": start, "updates": engine_state(rt.ctx).updates, "adam": adam_steps(rt)},
             f"resumed_{tag}.pt",
         )
     metrics = []
@@ -242,7 +249,7 @@ def scenario_logits(rank, world_size, out_dir, model, tag, layout=None):
         logits = rt.ctx.model[0](
             input_ids=ids.to(DEVICE), position_ids=positions.to(DEVICE), attention_mask=None
         )
-    full = gather_from_tensor_model_parallel_region(logits)[..., : rt.ctx.state["vocab_size"]]
+    full = gather_from_tensor_model_parallel_region(logits)[..., : engine_state(rt.ctx).vocab_size]
     full = full.cpu()
     exported = hf_params(rt)
     if rank == 0 and ps.is_pipeline_last_stage():
@@ -272,7 +279,7 @@ def scenario_chunked_head(rank, world_size, out_dir, model, layout, chunk):
         rows.clear()
         rt = make_runtime(rank, world_size, model, logprob_chunk_tokens=tokens, **layout)
         ctx = rt.ctx
-        batch = step_batch(0, ctx.state["vocab_size"])
+        batch = step_batch(0, engine_state(ctx).vocab_size)
         share = batch.split(ctx.dp_size)[ctx.dp_rank]
         out[tokens] = {
             "logprobs": rt.compute_logprobs(share),
@@ -310,7 +317,7 @@ def held_bytes(runtime) -> dict[str, int]:
     for param in params:
         add("grads", getattr(param, "main_grad", None))
         add("grads", param.grad)
-    for inner in inner_optimizers(runtime.ctx.state["optimizer"]):
+    for inner in inner_optimizers(engine_state(runtime.ctx).optimizer):
         for group in inner.param_groups:
             for master in group["params"]:
                 add("optimizer", master)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from posttrain.backend import is_cuda, restore_rng_state, rng_state
 from posttrain_megatron import mcore_compat
+from posttrain_megatron.state import MegatronState
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
 if TYPE_CHECKING:
@@ -57,9 +58,10 @@ def _write_extras(worker: WorkerContext, path: str, optimizer, digests) -> dict:
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     layout = {**current_layout(), "has_optimizer": optimizer is not None}
+    state = worker.engine_state(MegatronState)
     extra = {
-        "step": worker.state.get("step", 0),
-        "updates": worker.state.get("updates", 0),
+        "step": state.step,
+        "updates": state.updates,
         "layout": layout,
         **rng_state(worker),
         "rng_tracker": get_cuda_rng_tracker().get_states(),
@@ -74,7 +76,8 @@ def _write_extras(worker: WorkerContext, path: str, optimizer, digests) -> dict:
 
 def _saved_optimizer(worker: WorkerContext):
     # A never-stepped optimizer has no state to shard (megatron asserts on it): model only.
-    return worker.state.get("optimizer") if worker.state.get("updates") else None
+    state = worker.engine_state(MegatronState)
+    return state.optimizer if state.updates else None
 
 
 def _make_target(path: str) -> str:
@@ -114,16 +117,17 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     buckets, results_queue = [], None
     if request.async_fn is not None:  # None: nothing of the state is this rank's to write
         _, buckets, results_queue = request.async_fn_args
-    buffers = worker.state.get("checkpoint_buffers")
+    state = worker.engine_state(MegatronState)
+    buffers = state.checkpoint_buffers
     if buffers is None:
         buffers = HostBuffers(f"{worker.role} rank {_rank()}", pin=is_cuda(worker))
-        worker.state["checkpoint_buffers"] = buffers
+        state.checkpoint_buffers = buffers
     staged = _staged_buckets(buckets, buffers)
     save = BackgroundSave(path, _rank(), finalize_on_main=True)
     layout = _write_extras(worker, path, optimizer, save.digests)
     threads = write_threads(buffers.nbytes)
     save.start(lambda: _write_buckets(staged, save.digests, results_queue, threads))
-    worker.state["background_save"] = (save, request)
+    state.background_save = (save, request)
     return layout
 
 
@@ -175,7 +179,8 @@ def advance_background_save(worker: WorkerContext, block: bool = False) -> None:
     step, then this rank's completion marker. Called by every rank at the same point (the start
     of a train step, or ``finish_checkpoint`` with ``block``); without ``block`` the ranks first
     agree, with one small all-reduce, that all of them are done writing."""
-    pending = worker.state.get("background_save")
+    state = worker.engine_state(MegatronState)
+    pending = state.background_save
     if pending is None:
         return
     save, request = pending
@@ -188,7 +193,7 @@ def advance_background_save(worker: WorkerContext, block: bool = False) -> None:
         dist.all_reduce(done, op=dist.ReduceOp.MIN)
         if not int(done.item()):
             return
-    del worker.state["background_save"]
+    state.background_save = None
     for finalize in request.finalize_fns:
         finalize()
     save.complete()
@@ -206,7 +211,8 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
 
     own = _extra_path(path, _rank())
     extra = torch.load(own if os.path.exists(own) else _extra_path(path, 0), weights_only=False)
-    optimizer = worker.state.get("optimizer")
+    state = worker.engine_state(MegatronState)
+    optimizer = state.optimizer
     if not extra["layout"].get("has_optimizer"):
         optimizer = None
     loaded = dist_checkpointing.load(
@@ -217,8 +223,8 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
         set_adam_steps(optimizer, extra["updates"])
-    worker.state["step"] = extra["step"]
-    worker.state["updates"] = extra["updates"]
+    state.step = extra["step"]
+    state.updates = extra["updates"]
     saved_layout = {k: v for k, v in extra["layout"].items() if k != "has_optimizer"}
     if saved_layout == current_layout() and os.path.exists(own):  # same layout: same RNG
         restore_rng_state(worker, extra)

@@ -77,6 +77,7 @@ def _convert_rank(rank: int, world: int, port: int, args: dict) -> None:
     from posttrain import ModelArgs, WorkerContext
     from posttrain_megatron import checkpointing, model_builder, weights
     from posttrain_megatron.config import MegatronInferConfig
+    from posttrain_megatron.state import MegatronState
 
     cuda = torch.cuda.is_available() and torch.cuda.device_count() >= world
     os.environ.update(
@@ -108,7 +109,7 @@ def _convert_rank(rank: int, world: int, port: int, args: dict) -> None:
         device=f"cuda:{rank}" if cuda else "cpu",
     )
     model_builder.setup_parallel(worker)
-    worker.model, worker.state["bridge"] = model_builder.build_models(worker)
+    worker.model, worker.engine_state(MegatronState).bridge = model_builder.build_models(worker)
     if to_hf:
         weights.export_hf(worker, args["output"])
     else:

@@ -1,7 +1,8 @@
 """Engine side of ``megatron_train`` / ``megatron_infer``: the functions the worker hooks call.
 
-``worker.model`` is the list of model chunks (one per virtual pipeline stage); ``worker.state``
-holds the mbridge bridge, the optimizer and the step counters.
+``worker.model`` is the list of model chunks (one per virtual pipeline stage);
+``worker.engine_state(MegatronState)`` holds the mbridge bridge, the optimizer and the step
+counters.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from posttrain_megatron.model_builder import (
     build_optimizer,
     setup_parallel,
 )
+from posttrain_megatron.state import MegatronState
 from posttrain_megatron.training import compute_logprobs, compute_values, train_step
 from posttrain_megatron.weights import export_hf, export_weights
 from posttrain_megatron.wrappers import inner_optimizers
@@ -61,13 +63,14 @@ log = logging.getLogger(__name__)
 
 def load_model(worker: WorkerContext):
     models, bridge = build_models(worker)
-    worker.state["bridge"] = bridge
-    worker.state["vocab_size"] = bridge.vocab_size
-    worker.state["step"] = 0
-    worker.state["updates"] = 0
+    state = worker.engine_state(MegatronState)
+    state.bridge = bridge
+    state.vocab_size = bridge.vocab_size
+    state.step = 0
+    state.updates = 0
     if worker.strategy_name == TRAIN:
-        worker.state["optimizer"] = build_optimizer(worker, models)
-        worker.state["lr_multiplier"] = lr_lambda(worker.training_args)
+        state.optimizer = build_optimizer(worker, models)
+        state.lr_multiplier = lr_lambda(worker.training_args)
     return models
 
 
@@ -95,7 +98,7 @@ def _buffers(model):
 
 
 def _move_optimizer_state(worker: WorkerContext, target) -> None:
-    optimizer = worker.state.get("optimizer")
+    optimizer = worker.engine_state(MegatronState).optimizer
     if optimizer is not None:
         # The step counters stay where the optimizer reads them.
         move_optimizer_state(inner_optimizers(optimizer), target, skip=("step",))
@@ -145,7 +148,7 @@ def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
 def shutdown_worker(worker: WorkerContext) -> bool:
     from megatron.core import parallel_state as ps
 
-    worker.state.clear()
+    worker.state.clear()  # this role's MegatronState, and the engine objects it holds, go
     worker.model = None
     end_process_group(teardown=ps.destroy_model_parallel)
     return True

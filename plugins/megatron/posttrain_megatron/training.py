@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from posttrain import SequenceBatch
+from posttrain import PosttrainError, SequenceBatch
 from posttrain.backend import (
     agree_max,
     fixed_micro_batches,
@@ -29,6 +29,7 @@ from posttrain.backend import (
 from posttrain_megatron import context_parallel, packing, token_scores
 from posttrain_megatron.checkpointing import advance_background_save
 from posttrain_megatron.model_builder import TRAIN
+from posttrain_megatron.state import MegatronState
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
@@ -237,7 +238,12 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     # files are all written (megatron's last step of a save is collective).
     advance_background_save(worker)
     models = worker.model
-    optimizer = worker.state["optimizer"]
+    state = worker.engine_state(MegatronState)
+    optimizer, lr_multiplier = state.optimizer, state.lr_multiplier
+    if optimizer is None or lr_multiplier is None:
+        raise PosttrainError(
+            f"megatron: role {worker.role} ({worker.strategy_name}) does not train"
+        )
     cp = worker.config.context_parallel_size
     entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
     groups, count = plan(worker, batch, for_logprobs=False)
@@ -261,8 +267,8 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
         model.train()
         model.zero_grad_buffer()
     optimizer.zero_grad()
-    step = worker.state["step"]
-    lr = worker.require_training_args().learning_rate * worker.state["lr_multiplier"](step)
+    step = state.step
+    lr = worker.require_training_args().learning_rate * lr_multiplier(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
     reduced = _run_schedule(worker, items, loss_for, forward_only=False)
@@ -273,10 +279,10 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     optimizer.zero_grad()
     grad_norm = float(grad_norm) if grad_norm is not None else float("nan")
     if updated:
-        worker.state["updates"] += 1
+        state.updates += 1
     else:
         log.warning("megatron: step %d skipped (grad norm %s)", step, grad_norm)
-    worker.state["step"] = step + 1
+    state.step = step + 1
 
     metrics: dict[str, float] = {}
     for entry in reduced or ():

@@ -17,6 +17,7 @@ import torch
 
 from posttrain import WeightBucket, bucketize
 from posttrain.backend import export_streamed, is_rank0, save_tokenizer_beside, torch_dtype
+from posttrain_megatron.state import MegatronState
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
@@ -32,7 +33,7 @@ def hf_tensors(
     ``keep`` is False."""
     dtype = torch_dtype(worker.model_args.dtype)
     seen: set[str] = set()
-    for name, tensor in worker.state["bridge"].export_weights(worker.model):
+    for name, tensor in worker.engine_state(MegatronState).bridge.export_weights(worker.model):
         if name in seen:  # a tied output layer on the last PP stage maps to the embedding
             continue
         seen.add(name)
@@ -69,7 +70,7 @@ def export_hf(worker: WorkerContext, path: str) -> bool:
 
 def write_hf_config(worker: WorkerContext, path: str) -> None:
     """The config (and tokenizer) beside exported weights."""
-    hf_config = worker.state["bridge"].hf_config
+    hf_config = worker.engine_state(MegatronState).bridge.hf_config
     if worker.head == "value":  # a critic's directory loads as the value model it is
         from posttrain_megatron.value_head import export_config
 
