@@ -17,8 +17,12 @@ reference forward). Elsewhere they run eagerly, in place, to keep memory low.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import torch
+
+_F = TypeVar("_F", bound=Callable[..., Any])
 
 
 def chunked_token_logprobs(
@@ -51,7 +55,9 @@ def _float_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def chunk_stats(z, targets, temperature: float, with_entropy: bool):
+def chunk_stats(
+    z: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Log-sum-exp, the target's log-prob and the entropy (zeros without ``with_entropy``) of
     one chunk's logits ``z`` as the head gives them, each float32 ``[n]``. Run eagerly (the head's
     logits no longer referenced once copied, the copy reused in place) or compiled, where the
@@ -67,7 +73,15 @@ def chunk_stats(z, targets, temperature: float, with_entropy: bool):
     return lse, logp, -(lp.exp() * lp).sum(-1)
 
 
-def chunk_logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature: float):
+def chunk_logit_grad(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    targets: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+) -> torch.Tensor:
     """The gradient of one chunk's logits ``z`` (in their dtype) from the outputs' gradients
     (either may be None); :func:`_logit_grad` computes the same eagerly, in place."""
     scaled = z.to(_float_dtype(z.dtype))
@@ -88,7 +102,7 @@ def chunk_logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperat
 
 
 @functools.cache
-def compiled_once(function):
+def compiled_once(function: _F) -> _F:
     """``function`` through ``torch.compile``, shape-generic (chunk and vocabulary sizes). It
     compiles again per dtype, per variant (entropy or not, which gradients come, a temperature)
     and for a last chunk of one row; past torch's recompile limit a call runs the function
@@ -106,7 +120,17 @@ class _ChunkedLogprobs(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, targets, temperature, chunk, with_entropy, fused):
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        bias: torch.Tensor | None,
+        targets: torch.Tensor,
+        temperature: float,
+        chunk: int,
+        with_entropy: bool,
+        fused: bool,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         n = hidden.shape[0]
         logp = torch.empty(n, dtype=_float_dtype(hidden.dtype), device=hidden.device)
         lse = torch.empty_like(logp)
@@ -132,7 +156,9 @@ class _ChunkedLogprobs(torch.autograd.Function):
         return logp, entropy
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(
+        ctx: Any, grad_logp: torch.Tensor | None, grad_entropy: torch.Tensor | None
+    ) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, bias, targets, lse, entropy = ctx.saved_tensors
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         if not ctx.with_entropy:
@@ -184,13 +210,24 @@ class _ChunkedLogprobs(torch.autograd.Function):
         )
 
 
-def _stats(z, targets, temperature: float, with_entropy: bool, fused: bool):
+def _stats(
+    z: torch.Tensor, targets: torch.Tensor, temperature: float, with_entropy: bool, fused: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`chunk_stats`, compiled or eager."""
     stats = compiled_once(chunk_stats) if fused else chunk_stats
     return stats(z, targets, temperature, with_entropy)
 
 
-def _logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature, fused):
+def _logit_grad(
+    z: torch.Tensor,
+    lse: torch.Tensor,
+    entropy: torch.Tensor,
+    targets: torch.Tensor,
+    grad_logp: torch.Tensor | None,
+    grad_entropy: torch.Tensor | None,
+    temperature: float,
+    fused: bool,
+) -> torch.Tensor:
     """:func:`chunk_logit_grad`, compiled, or computed eagerly in place (the float32 logits'
     buffer reused: no more than two chunk-sized float32 tensors at once)."""
     if fused:
@@ -210,6 +247,8 @@ def _logit_grad(z, lse, entropy, targets, grad_logp, grad_entropy, temperature, 
         if grad_logp is not None:
             grad_z.sub_(p.mul_(grad_logp[:, None]))
     else:
+        # backward returns before any chunk when neither output has a gradient.
+        assert grad_logp is not None
         grad_z = p.mul_(-grad_logp[:, None])
     if grad_logp is not None:
         grad_z.scatter_add_(-1, targets[:, None], grad_logp[:, None])

@@ -53,7 +53,15 @@ def chunkable(model: Any) -> bool:
     return all(getattr(config, name, None) in (None, 1, 1.0) for name in _SCALES)
 
 
-def _head_logprobs(hidden, head, input_ids, attention_mask, chunk_tokens, with_entropy, grad):
+def _head_logprobs(
+    hidden: torch.Tensor,
+    head: torch.nn.Linear,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool,
+    grad: bool,
+) -> torch.Tensor:
     """``[B, T, 2]`` (log-prob, entropy) from ``[B, T, H]`` hidden states: row ``t`` of
     ``hidden`` scores ``input_ids[:, t + 1]``, computed only where that token is attended."""
     batch, length = input_ids.shape

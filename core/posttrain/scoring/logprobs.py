@@ -29,7 +29,9 @@ def per_token(group: WorkerGroup, method: str, batch: SequenceBatch) -> torch.Te
     return concat_tensor_rows(group.call_dp(method, batch.split(group.dp_size)))
 
 
-def rollout_mismatch(rollout, trainer, mask) -> dict[str, float]:
+def rollout_mismatch(
+    rollout: torch.Tensor, trainer: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """How far the rollout engine's log-probs of the sampled tokens are from the trainer's."""
     diff = (rollout - trainer).abs() * mask
     return {

@@ -3,7 +3,7 @@ HF-based backend."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Literal
 
 if TYPE_CHECKING:
     import torch
@@ -65,23 +65,25 @@ class ScoreHeadOutput:
     wrappers' hooks (FSDP's unsharding) in place.
     """
 
-    def __init__(self, model):
+    def __init__(self, model: torch.nn.Module) -> None:
         self.model = model
-        self.value = None
+        self.value: torch.Tensor | None = None
 
-    def __enter__(self):
-        def keep(_module, _inputs, output):
+    def __enter__(self) -> ScoreHeadOutput:
+        def keep(_module: torch.nn.Module, _inputs: tuple[Any, ...], output: torch.Tensor) -> None:
             self.value = output
 
         self._handle = self.model.score.register_forward_hook(keep)
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, *exc: object) -> Literal[False]:
         self._handle.remove()
         return False
 
 
-def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+def sequence_scores(
+    model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor
+) -> torch.Tensor:
     """A sequence classifier's score of every row (right-padded), float32 ``[B]``."""
     with ScoreHeadOutput(model) as captured:
         model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
