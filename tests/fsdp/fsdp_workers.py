@@ -106,9 +106,11 @@ def full_params(runtime) -> dict:
 def full_optim(runtime) -> dict:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
 
+    from posttrain_fsdp.engine import FSDPState
+
     return get_optimizer_state_dict(
         runtime.ctx.model,
-        runtime.ctx.state["optimizer"],
+        runtime.ctx.engine_state(FSDPState).optimizer,
         options=StateDictOptions(full_state_dict=True, cpu_offload=True),
     )
 
@@ -216,6 +218,8 @@ def scenario_resume(rank: int, world_size: int, out_dir: str):
     """Fresh ranks load the checkpoint written after step 2, dump state, run step 3."""
     import torch
 
+    from posttrain_fsdp.engine import FSDPState
+
     def save(obj, name):
         if rank == 0:
             torch.save(obj, os.path.join(out_dir, name))
@@ -224,7 +228,7 @@ def scenario_resume(rank: int, world_size: int, out_dir: str):
     rt.load_checkpoint(os.path.join(out_dir, "ckpt"))
     save(full_params(rt), "params_loaded.pt")
     save(full_optim(rt), "optim_loaded.pt")
-    save(rt.ctx.state["scheduler"].get_last_lr(), "lr_loaded.pt")
+    save(rt.ctx.engine_state(FSDPState).scheduler.get_last_lr(), "lr_loaded.pt")
     for step in range(SAVE_AFTER, STEPS):
         train_one(rt, step, rank, world_size)
     save(full_params(rt), "params_resumed.pt")
@@ -258,12 +262,13 @@ def scenario_memory(rank: int, world_size: int, out_dir: str, param_dtypes=(None
     optimizer steps (their peak) and after the step. Writes ``memory_{param_dtype}.pt``."""
     import torch
 
+    from posttrain_fsdp.engine import FSDPState
     from posttrain_fsdp.plugin import FSDP2TrainConfig
 
     for param_dtype in param_dtypes:
         config = FSDP2TrainConfig(micro_batch_size=3, param_dtype=param_dtype)
         rt = make_runtime(rank, world_size, config=config)
-        model, optimizer = rt.ctx.model, rt.ctx.state["optimizer"]
+        model, optimizer = rt.ctx.model, rt.ctx.engine_state(FSDPState).optimizer
         params = list(model.parameters())
         measured = {}
 

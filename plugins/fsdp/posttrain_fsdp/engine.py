@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import io
 import json
 import logging
 import math
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any
 
@@ -28,7 +29,7 @@ from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 from torch.distributed.tensor import DTensor
 
-from posttrain import SequenceBatch, WeightBucket, bucketize
+from posttrain import PosttrainError, SequenceBatch, WeightBucket, bucketize
 from posttrain.backend import (
     LORA_RECORD,
     HashingStream,
@@ -74,13 +75,34 @@ from posttrain.backend import (
 from posttrain_fsdp import lora
 
 if TYPE_CHECKING:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+    from torch.distributed.device_mesh import DeviceMesh
+
     from posttrain import WorkerContext
+    from posttrain.backend import BackgroundSave, FileDigests, HostBuffers
 
 log = logging.getLogger(__name__)
 
 TRAIN = "fsdp2_train"
 # Wrapper segments other tools insert into parameter names; HF names have none of them.
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_fsdp_wrapped_module.", "_orig_mod.")
+
+
+@attrs.define(kw_only=True)
+class FSDPState:
+    """This role's engine objects between calls (``worker.engine_state(FSDPState)``)."""
+
+    mesh: DeviceMesh | None = None
+    # A LoRA reference's lending actor, whose model (adapters disabled) it scores with.
+    lender: WorkerContext | None = None
+    step: int = 0
+    optimizer: torch.optim.Optimizer | None = None
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    # Background checkpoint saves: the reused host copies, the gloo group their writes run
+    # over, and the save in flight.
+    checkpoint_buffers: HostBuffers | None = None
+    checkpoint_group: dist.ProcessGroup | None = None
+    background_save: BackgroundSave | None = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -93,13 +115,13 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
 
     init_default_process_group(worker.device)
     world, rank = dist.get_world_size(), dist.get_rank()
-    worker.state["mesh"] = init_device_mesh(
+    worker.engine_state(FSDPState).mesh = init_device_mesh(
         "cuda" if is_cuda(worker) else "cpu", (world,), mesh_dim_names=("dp",)
     )
     return {"dp_rank": rank, "dp_size": world}
 
 
-def _decoder_layers(model) -> list[torch.nn.Module]:
+def _decoder_layers(model: torch.nn.Module) -> list[torch.nn.Module]:
     """The modules HF says must not be split across devices (decoder layers)."""
     names = set(getattr(model, "_no_split_modules", None) or ())
     layers = [m for m in model.modules() if type(m).__name__ in names]
@@ -112,7 +134,7 @@ def _decoder_layers(model) -> list[torch.nn.Module]:
 
 def _shard(
     worker: WorkerContext,
-    model,
+    model: torch.nn.Module,
     param_dtype: str | None,
     reduce_dtype: str | None,
     reshard_after_forward: bool,
@@ -131,13 +153,18 @@ def _shard(
     )
     # cpu_offload on a CPU device has nothing to move (load_model passes False there).
     offload: OffloadPolicy = CPUOffloadPolicy() if cpu_offload else OffloadPolicy()
-    kwargs = {"mesh": worker.state["mesh"], "mp_policy": mp, "offload_policy": offload}
+    kwargs = {
+        "mesh": worker.engine_state(FSDPState).mesh,
+        "mp_policy": mp,
+        "offload_policy": offload,
+    }
     for layer in _decoder_layers(model):
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
 
 
-def load_model(worker: WorkerContext):
+def load_model(worker: WorkerContext) -> torch.nn.Module:
+    state = worker.engine_state(FSDPState)
     actor = lora.lender(worker)
     if actor is not None:
         # The reference of a LoRA actor is its base: the actor's model with adapters disabled
@@ -145,8 +172,8 @@ def load_model(worker: WorkerContext):
         log.info(
             "fsdp: %s uses %s's model with its LoRA adapters disabled", worker.role, actor.role
         )
-        worker.state["lender"] = actor
-        worker.state["step"] = 0
+        state.lender = actor
+        state.step = 0
         return actor.model
     cfg = worker.config
     train = worker.strategy_name == TRAIN
@@ -178,15 +205,15 @@ def load_model(worker: WorkerContext):
         model.eval()
         for p in model.parameters():
             p.requires_grad_(False)
-    worker.state["step"] = 0
+    state.step = 0
     return model
 
 
-def _build_optimizer(worker: WorkerContext, model) -> None:
+def _build_optimizer(worker: WorkerContext, model: torch.nn.Module) -> None:
     args = worker.require_training_args()
-    optimizer = adamw((p for p in model.parameters() if p.requires_grad), args)
-    worker.state["optimizer"] = optimizer
-    worker.state["scheduler"] = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(args))
+    state = worker.engine_state(FSDPState)
+    state.optimizer = adamw((p for p in model.parameters() if p.requires_grad), args)
+    state.scheduler = torch.optim.lr_scheduler.LambdaLR(state.optimizer, lr_lambda(args))
 
 
 # --------------------------------------------------------------------------------------------
@@ -194,10 +221,14 @@ def _build_optimizer(worker: WorkerContext, model) -> None:
 # --------------------------------------------------------------------------------------------
 
 
-def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+def train_step(
+    worker: WorkerContext, batch: SequenceBatch, loss_fn: Callable[..., Any]
+) -> dict[str, float]:
     model = worker.model
-    optimizer = worker.state["optimizer"]
-    scheduler = worker.state["scheduler"]
+    state = worker.engine_state(FSDPState)
+    optimizer, scheduler = state.optimizer, state.scheduler
+    if optimizer is None or scheduler is None:
+        raise PosttrainError(f"fsdp: role {worker.role} ({worker.strategy_name}) does not train")
     model.train()
     metrics = accumulate_gradients(
         worker,
@@ -215,17 +246,17 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
         log.warning(
             "fsdp: non-finite grad norm (%s) at step %d: update skipped",
             grad_norm,
-            worker.state["step"],
+            state.step,
         )
     optimizer.zero_grad(set_to_none=True)
     scheduler.step()
-    worker.state["step"] += 1
+    state.step += 1
     metrics[f"{worker.metric_prefix}/grad_norm"] = grad_norm
     metrics[f"{worker.metric_prefix}/lr"] = lr
     return metrics
 
 
-def _clip_grad_norm(model, max_norm: float | None) -> float:
+def _clip_grad_norm(model: torch.nn.Module, max_norm: float | None) -> float:
     params = [p for p in model.parameters() if p.grad is not None]
     if not params:
         return 0.0
@@ -236,13 +267,18 @@ def _clip_grad_norm(model, max_norm: float | None) -> float:
     return float(norm)
 
 
-def _score(worker: WorkerContext, batch: SequenceBatch, score, forward) -> torch.Tensor:
+def _score(
+    worker: WorkerContext,
+    batch: SequenceBatch,
+    score: Callable[..., torch.Tensor],
+    forward: Callable[[SequenceBatch], Any],
+) -> torch.Tensor:
     train = worker.strategy_name == TRAIN
     return score_rows(worker, batch, worker.model, score, forward, train)
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    actor = worker.state.get("lender")
+    actor = worker.engine_state(FSDPState).lender
     forward = logprob_forward(worker, worker.model, train=False)
     if actor is None:
         return _score(worker, batch, score_logprobs, forward)
@@ -410,7 +446,7 @@ def _write_hf_config(worker: WorkerContext, path: str) -> None:
     save_tokenizer_beside(worker, path, log)
 
 
-def _tied_head_names(model) -> list[str]:
+def _tied_head_names(model: torch.nn.Module) -> list[str]:
     out = model.get_output_embeddings()
     inp = model.get_input_embeddings()
     if out is None or inp is None or out.weight is not inp.weight:
@@ -429,7 +465,7 @@ def _extra_path(path: str, rank: int) -> str:
     return os.path.join(path, f"extra_state_rank{rank}.pt")
 
 
-def _state_options(worker: WorkerContext, loading: bool = False):
+def _state_options(worker: WorkerContext, loading: bool = False) -> StateDictOptions:
     """With LoRA, the frozen base stays out of checkpoints: it comes from model_name_or_path
     (recorded beside the adapters and checked on load). Loading such a state is not strict (the
     base's keys are absent by design); ``dcp.load`` still fails on a missing adapter key."""
@@ -445,7 +481,7 @@ def _dcp_state(worker: WorkerContext) -> dict[str, Any]:
     from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
 
     options = _state_options(worker)
-    optimizer = worker.state.get("optimizer")
+    optimizer = worker.engine_state(FSDPState).optimizer
     if optimizer is None:
         return {"model": get_model_state_dict(worker.model, options=options)}
     model_sd, optim_sd = get_state_dict(worker.model, optimizer, options=options)
@@ -458,19 +494,20 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _write_extras(worker: WorkerContext, path: str, digests) -> dict:
+def _write_extras(worker: WorkerContext, path: str, digests: FileDigests) -> dict[str, Any]:
     """Per-rank step / scheduler / RNG state and rank 0's layout file, hashed while written."""
     rank, world = _rank_world()
-    scheduler = worker.state.get("scheduler")
+    state = worker.engine_state(FSDPState)
+    scheduler = state.scheduler
     extra = {
-        "step": worker.state.get("step", 0),
+        "step": state.step,
         "scheduler": scheduler.state_dict() if scheduler is not None else None,
         **rng_state(worker),
         "world_size": world,
     }
     with digests.open(_extra_path(path, rank)) as f:
         torch.save(extra, f)
-    layout = {"format": "torch_dcp", "dp_size": world}
+    layout: dict[str, Any] = {"format": "torch_dcp", "dp_size": world}
     if rank == 0:
         with digests.open(os.path.join(path, "fsdp_layout.json")) as f:
             f.write(json.dumps({**layout, "strategy": worker.strategy_name}).encode())
@@ -482,7 +519,7 @@ def _write_extras(worker: WorkerContext, path: str, digests) -> dict:
     return layout
 
 
-def save_checkpoint(worker: WorkerContext, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
     import torch.distributed.checkpoint as dcp
 
     from posttrain.backend import FileDigests
@@ -495,7 +532,7 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     return layout
 
 
-def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
+def begin_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
     """DCP's asynchronous save in its two halves: the state is copied into reused host buffers
     (the only part the loop waits for), then ``dcp.save`` writes the copy on a thread, over a
     gloo group of its own so that its collectives never interleave with training's, hashing
@@ -509,12 +546,13 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     os.makedirs(path, exist_ok=True)
     rank, _ = _rank_world()
-    buffers = worker.state.get("checkpoint_buffers")
+    engine_state = worker.engine_state(FSDPState)
+    buffers = engine_state.checkpoint_buffers
     if buffers is None:
         buffers = HostBuffers(f"{worker.role} rank {rank}", pin=is_cuda(worker))
-        worker.state["checkpoint_buffers"] = buffers
-    if dist.is_initialized() and "checkpoint_group" not in worker.state:
-        worker.state["checkpoint_group"] = dist.new_group(
+        engine_state.checkpoint_buffers = buffers
+    if dist.is_initialized() and engine_state.checkpoint_group is None:
+        engine_state.checkpoint_group = dist.new_group(
             backend="gloo", timeout=timedelta(seconds=collective_timeout_s())
         )
     state = _dcp_state(worker)
@@ -524,14 +562,15 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     save = BackgroundSave(path, rank)
     layout = _write_extras(worker, path, save.digests)
     writer = _hashing_writer(os.path.join(path, "dcp"), save.digests, write_threads(buffers.nbytes))
-    group = worker.state.get("checkpoint_group")
+    group = engine_state.checkpoint_group
     save.start(lambda: dcp.save(staged, storage_writer=writer, process_group=group))
-    worker.state["background_save"] = save
+    engine_state.background_save = save
     return layout
 
 
 def finish_checkpoint(worker: WorkerContext, path: str) -> bool:
-    save = worker.state.pop("background_save", None)
+    state = worker.engine_state(FSDPState)
+    save, state.background_save = state.background_save, None
     if save is not None:
         save.join()
     return True
@@ -552,7 +591,7 @@ def _tensor_leaves(value: Any, key: str) -> Iterator[tuple[str, torch.Tensor]]:
             yield from _tensor_leaves(v, f"{key}/{i}")
 
 
-def _staged(value: Any, key: str, buffers) -> Any:
+def _staged(value: Any, key: str, buffers: HostBuffers) -> Any:
     """``value`` with every tensor replaced by its host copy (a DTensor keeps its sharding
     spec around the host copy of its local shard: DCP plans from the spec)."""
     if isinstance(value, DTensor):
@@ -570,12 +609,14 @@ class _HashingFileSystem(FileSystem):
     """DCP's file system, every file it writes hashed while written (renames followed: the
     coordinator writes ``.metadata.tmp`` and renames it)."""
 
-    def __init__(self, digests):
+    def __init__(self, digests: FileDigests) -> None:
         super().__init__()
         self.digests = digests
 
     @contextlib.contextmanager
-    def create_stream(self, path, mode):
+    def create_stream(
+        self, path: str | os.PathLike[str], mode: str
+    ) -> Iterator[io.IOBase | HashingStream]:
         if "w" not in mode:
             with super().create_stream(path, mode) as stream:
                 yield stream
@@ -585,12 +626,12 @@ class _HashingFileSystem(FileSystem):
             yield stream
         self.digests.record(path, stream.hexdigest())
 
-    def rename(self, path, new_path) -> None:
+    def rename(self, path: str | os.PathLike[str], new_path: str | os.PathLike[str]) -> None:
         super().rename(path, new_path)
         self.digests.renamed(path, new_path)
 
 
-def _hashing_writer(path: str, digests, threads: int = 1) -> FileSystemWriter:
+def _hashing_writer(path: str, digests: FileDigests, threads: int = 1) -> FileSystemWriter:
     """DCP's writer with ``threads`` files per rank written at once, each hashed as written."""
     writer = FileSystemWriter(path, thread_count=threads)
     writer.fs = _HashingFileSystem(digests)
@@ -605,7 +646,8 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     state = _dcp_state(worker)
     dcp.load(state, checkpoint_id=os.path.join(path, "dcp"))
     options = _state_options(worker, loading=True)
-    optimizer = worker.state.get("optimizer")
+    engine_state = worker.engine_state(FSDPState)
+    optimizer = engine_state.optimizer
     if optimizer is None:
         set_model_state_dict(worker.model, state["model"], options=options)
     else:
@@ -622,8 +664,8 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     extra_file = own if os.path.exists(own) else _extra_path(path, 0)
     if os.path.exists(extra_file):
         extra = torch.load(extra_file, weights_only=False)
-        worker.state["step"] = extra.get("step", 0)
-        scheduler = worker.state.get("scheduler")
+        engine_state.step = extra.get("step", 0)
+        scheduler = engine_state.scheduler
         if scheduler is not None and extra.get("scheduler") is not None:
             scheduler.load_state_dict(extra["scheduler"])
         if extra.get("world_size") == world and extra_file == own:  # same layout: same RNG
@@ -638,8 +680,8 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _optimizers(worker: WorkerContext) -> list:
-    optimizer = worker.state.get("optimizer")
+def _optimizers(worker: WorkerContext) -> list[torch.optim.Optimizer]:
+    optimizer = worker.engine_state(FSDPState).optimizer
     return [] if optimizer is None else [optimizer]
 
 
@@ -655,7 +697,7 @@ def _offloaded(worker: WorkerContext, tags: list[str]) -> set[str]:
 
 
 def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
-    if "lender" in worker.state:
+    if worker.engine_state(FSDPState).lender is not None:
         return True  # a borrowed model: its owner (the actor) moves it
     if not is_cuda(worker):
         log_once(log, "fsdp: release_memory on a CPU device: nothing to free")
@@ -673,7 +715,7 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
 
 
 def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
-    if "lender" in worker.state:
+    if worker.engine_state(FSDPState).lender is not None:
         return True
     if not is_cuda(worker):
         return True
@@ -692,7 +734,7 @@ def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
 
 def shutdown_worker(worker: WorkerContext) -> bool:
     lora.forget(worker)
-    worker.state.clear()
+    worker.state.clear()  # this role's FSDPState, and the engine objects it holds, go
     worker.model = None
     end_process_group()
     return True

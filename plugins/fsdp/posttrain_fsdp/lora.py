@@ -16,6 +16,8 @@ from typing import TYPE_CHECKING, Any
 from posttrain.backend import wrap_lora
 
 if TYPE_CHECKING:
+    import torch
+
     from posttrain import WorkerContext
 
 # The LoRA actor of this process, by model path: a reference on the same ranks borrows it. One
@@ -23,7 +25,7 @@ if TYPE_CHECKING:
 _ACTORS: dict[str, WorkerContext] = {}
 
 
-def wrap(worker: WorkerContext, model) -> Any:
+def wrap(worker: WorkerContext, model: torch.nn.Module) -> Any:
     """``model`` with LoRA adapters (:func:`posttrain.backend.wrap_lora`), lent to a reference
     beside."""
     peft_model = wrap_lora(worker, model)

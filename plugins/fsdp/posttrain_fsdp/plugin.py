@@ -88,7 +88,7 @@ class FSDPPlugin(EngineHooks):
     )
 
     @hookimpl
-    def posttrain_add_strategies(self):
+    def posttrain_add_strategies(self) -> list[StrategySpec]:
         return [
             StrategySpec(
                 name=TRAIN,
