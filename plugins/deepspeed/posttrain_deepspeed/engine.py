@@ -20,8 +20,9 @@ import logging
 import math
 import os
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
+import attrs
 import torch
 import torch.distributed as dist
 
@@ -66,7 +67,16 @@ from posttrain.backend import (
 )
 
 if TYPE_CHECKING:
-    from posttrain import WorkerContext
+    from types import ModuleType
+
+    from deepspeed import DeepSpeedEngine
+    from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
+    from peft.tuners.lora import Linear as LoraLinear
+
+    from posttrain import ModelArgs, TrainingArgs, WorkerContext
+
+    # A LoRA-adapted weight's adapters and their layer: (A, B, peft's LoRA linear).
+    Adapter = tuple[torch.Tensor, torch.Tensor, LoraLinear]
 
 log = logging.getLogger(__name__)
 
@@ -75,12 +85,29 @@ TAG = "deepspeed"  # DeepSpeed's checkpoint tag (a sub-directory of the role's d
 LAYOUT_FILE = "deepspeed_layout.json"
 
 
+@attrs.define(kw_only=True)
+class DeepSpeedState:
+    """This role's engine objects between calls (``worker.engine_state(DeepSpeedState)``);
+    the DeepSpeed engine itself is ``worker.model``."""
+
+    # The LR scheduler DeepSpeed wraps (None for deepspeed_infer).
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None = None
+    step: int = 0
+    # The config DeepSpeed was initialised with (typed fields and ds_config merged).
+    ds_config: dict[str, Any] = attrs.field(factory=dict)
+    # ids of the parameters that appear under several names (tied weights), found once.
+    tied_ids: set[int] | None = None
+    # What the last release_memory moved to the host: the ZeRO optimizer's buffers
+    # ("states") or the module itself ("module"); None: nothing.
+    released: Literal["states", "module"] | None = None
+
+
 # --------------------------------------------------------------------------------------------
 # Set-up
 # --------------------------------------------------------------------------------------------
 
 
-def _deepspeed(worker: WorkerContext):
+def _deepspeed(worker: WorkerContext) -> ModuleType:
     """Import DeepSpeed with the accelerator matching the worker's device (it is chosen once, at
     DeepSpeed's first import, from ``DS_ACCELERATOR``)."""
     wanted = "cuda" if is_cuda(worker) else "cpu"
@@ -195,7 +222,7 @@ def build_ds_config(worker: WorkerContext) -> dict[str, Any]:
     return _merge(config, dict(cfg.ds_config))
 
 
-def _merge(base: dict, over: dict) -> dict:
+def _merge(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in over.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
@@ -205,7 +232,7 @@ def _merge(base: dict, over: dict) -> dict:
     return out
 
 
-def _adamw_params(args) -> dict[str, Any]:
+def _adamw_params(args: TrainingArgs) -> dict[str, Any]:
     return {
         "lr": args.learning_rate,
         "betas": [args.adam_beta1, args.adam_beta2],
@@ -214,7 +241,7 @@ def _adamw_params(args) -> dict[str, Any]:
     }
 
 
-def load_model(worker: WorkerContext):
+def load_model(worker: WorkerContext) -> DeepSpeedEngine:
     deepspeed = _deepspeed(worker)
     _refuse_on_cpu(worker)
     cfg = worker.config
@@ -240,7 +267,7 @@ def load_model(worker: WorkerContext):
             optimizer = adamw((p for p in module.parameters() if p.requires_grad), args)
         multiplier = lr_lambda(args)
 
-        def scheduler(opt):
+        def scheduler(opt: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
             return torch.optim.lr_scheduler.LambdaLR(opt, multiplier)
 
     else:
@@ -263,9 +290,10 @@ def load_model(worker: WorkerContext):
             f"(ds_config passthrough included): {type(exc).__name__}: {exc}\n"
             f"config: {json.dumps(ds_config, default=str)}"
         ) from exc
-    worker.state["scheduler"] = lr_scheduler
-    worker.state["step"] = 0
-    worker.state["ds_config"] = ds_config
+    state = worker.engine_state(DeepSpeedState)
+    state.scheduler = lr_scheduler
+    state.step = 0
+    state.ds_config = ds_config
     if train:
         engine.train()
     else:
@@ -273,13 +301,13 @@ def load_model(worker: WorkerContext):
     return engine
 
 
-def _fp32(model_args):
-    import attrs
-
+def _fp32(model_args: ModelArgs) -> ModelArgs:
     return attrs.evolve(model_args, dtype="fp32")
 
 
-def _load_partitioned(worker: WorkerContext, deepspeed, ds_config: dict) -> torch.nn.Module:
+def _load_partitioned(
+    worker: WorkerContext, deepspeed: ModuleType, ds_config: dict[str, Any]
+) -> torch.nn.Module:
     """ZeRO-3: build the model partitioned (``zero.Init``), then load the checkpoint one tensor at
     a time (rank 0 reads it from the safetensors files, each gathered parameter is broadcast
     back into its partitions): no rank holds the whole model."""
@@ -353,7 +381,7 @@ def _load_partitioned(worker: WorkerContext, deepspeed, ds_config: dict) -> torc
     return module
 
 
-def _no_init():
+def _no_init() -> contextlib.AbstractContextManager[Any]:
     try:
         from transformers.initialization import no_init_weights
     except ImportError:  # transformers 4.x
@@ -375,7 +403,7 @@ def _safetensors_files(path: str) -> list[str] | None:
     return None
 
 
-def _tied_names(module) -> list[tuple[str, str]]:
+def _tied_names(module: torch.nn.Module) -> list[tuple[str, str]]:
     """``(name, owner name)`` of every parameter that is another parameter under a second name."""
     first: dict[int, str] = {}
     out = []
@@ -391,9 +419,12 @@ def _tied_names(module) -> list[tuple[str, str]]:
 # --------------------------------------------------------------------------------------------
 
 
-def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+def train_step(
+    worker: WorkerContext, batch: SequenceBatch, loss_fn: Callable[..., Any]
+) -> dict[str, float]:
     engine = worker.model
-    scheduler = worker.state["scheduler"]
+    state = worker.engine_state(DeepSpeedState)
+    scheduler = state.scheduler
     engine.train()
     metrics = accumulate_gradients(
         worker,
@@ -409,11 +440,9 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     norm = engine.get_global_grad_norm()
     grad_norm = float(norm) if norm is not None else float("nan")
     if not math.isfinite(grad_norm):
-        log.warning(
-            "deepspeed: non-finite grad norm (%s) at step %d", grad_norm, worker.state["step"]
-        )
+        log.warning("deepspeed: non-finite grad norm (%s) at step %d", grad_norm, state.step)
     engine.zero_grad()
-    worker.state["step"] += 1
+    state.step += 1
     metrics["actor/grad_norm"] = grad_norm
     metrics["actor/lr"] = lr
     return metrics
@@ -443,11 +472,11 @@ def _logprob_forward(worker: WorkerContext, train: bool) -> Callable[[SequenceBa
 # --------------------------------------------------------------------------------------------
 
 
-def _is_partitioned(tensor) -> bool:
+def _is_partitioned(tensor: torch.Tensor) -> bool:
     return hasattr(tensor, "ds_id")
 
 
-def _full_shape(tensor) -> torch.Size:
+def _full_shape(tensor: torch.Tensor) -> torch.Size:
     return tensor.ds_shape if _is_partitioned(tensor) else tensor.shape
 
 
@@ -465,7 +494,9 @@ def export_weights(
     return _export_buckets(worker, bucket_bytes, on_device)
 
 
-def _plan(worker: WorkerContext, bucket_bytes: int) -> list[list[tuple[str, Any, Any]]]:
+def _plan(
+    worker: WorkerContext, bucket_bytes: int
+) -> list[list[tuple[str, torch.Tensor, Adapter | None]]]:
     """Buckets of ``(hf_name, parameter or buffer, adapter)`` in state-dict order, sized by full
     shapes (the same plan on every rank, whatever each rank holds). With LoRA, an adapted
     weight's ``adapter`` is ``(A, B, peft layer)``, to be merged into it under its plain HF name;
@@ -475,11 +506,11 @@ def _plan(worker: WorkerContext, bucket_bytes: int) -> list[list[tuple[str, Any,
     entries = list(module.state_dict(keep_vars=True).items())
     adapted = lora_layers(module) if lora_args(worker, TRAIN) is not None else {}
     state = dict(entries)
-    sources: dict[str, tuple[Any, Any]] = {}
+    sources: dict[str, tuple[torch.Tensor, Adapter | None]] = {}
     for name, value in entries:
         if adapted and is_lora_adapter_entry(name):
             continue
-        adapter = None
+        adapter: Adapter | None = None
         prefix = name.removesuffix(".base_layer.weight")
         if prefix != name and prefix in adapted:
             a_key, b_key = lora_adapter_keys(prefix)
@@ -526,19 +557,24 @@ def _export_buckets(
 
 
 def _tied_later(worker: WorkerContext, key: int) -> bool:
-    tied = worker.state.get("_tied_ids")
+    state = worker.engine_state(DeepSpeedState)
+    tied = state.tied_ids
     if tied is None:
         module = worker.model.module
         ids: dict[int, int] = {}
         for _, param in module.named_parameters(remove_duplicate=False):
             ids[id(param)] = ids.get(id(param), 0) + 1
         tied = {k for k, n in ids.items() if n > 1}
-        worker.state["_tied_ids"] = tied
+        state.tied_ids = tied
     return key in tied
 
 
 def _export_tensor(
-    value, dtype: torch.dtype, on_device: bool, keep: bool, adapter=None
+    value: torch.Tensor,
+    dtype: torch.dtype,
+    on_device: bool,
+    keep: bool,
+    adapter: Adapter | None = None,
 ) -> torch.Tensor:
     data = value.detach()
     if not keep:
@@ -628,7 +664,7 @@ def _world() -> tuple[int, int]:
     return 0, 1
 
 
-def save_checkpoint(worker: WorkerContext, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
     engine = worker.model
     os.makedirs(path, exist_ok=True)
     rank, world = _world()
@@ -646,7 +682,7 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict:
         path, tag=TAG, save_latest=False, exclude_frozen_parameters=adapters_only
     )
     extra = {
-        "step": worker.state.get("step", 0),
+        "step": worker.engine_state(DeepSpeedState).step,
         **rng_state(worker),
         "world_size": world,
     }
@@ -694,7 +730,7 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     extra_file = _extra_path(path, rank)
     if os.path.exists(extra_file):
         extra = torch.load(extra_file, weights_only=False)
-        worker.state["step"] = extra.get("step", 0)
+        worker.engine_state(DeepSpeedState).step = extra.get("step", 0)
         restore_rng_state(worker, extra)
     if dist.is_initialized():
         dist.barrier()
@@ -713,14 +749,14 @@ _OFFLOAD_TAGS = {
 }
 
 
-def _offload_kinds(tags) -> list:
+def _offload_kinds(tags: list[str] | None) -> list[OffloadStateTypeEnum]:
     from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum
 
     names = {n for tag in (tags or ("weights",)) for n in _OFFLOAD_TAGS.get(tag, ())}
     return [OffloadStateTypeEnum(n) for n in sorted(names)]
 
 
-def _move_module(module, device) -> None:
+def _move_module(module: torch.nn.Module, device: str | torch.device) -> None:
     """Move a model with no ZeRO optimizer (deepspeed_infer): at ZeRO-3 each parameter's own
     partition (``ds_tensor``) moves, the (empty) gathered placeholder with it."""
     for param in module.parameters():
@@ -742,16 +778,17 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
         # A ZeRO optimizer (any stage) owns the flat buffers the parameters are views of:
         # moving the module itself would break those views, so DeepSpeed moves its buffers.
         engine.offload_states(include=_offload_kinds(tags), non_blocking=True)
-        worker.state["released"] = "states"
+        worker.engine_state(DeepSpeedState).released = "states"
     else:
         _move_module(engine.module, "cpu")
-        worker.state["released"] = "module"
+        worker.engine_state(DeepSpeedState).released = "module"
     settle_cuda(empty_cache=True)
     return True
 
 
 def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
-    released = worker.state.pop("released", None)
+    state = worker.engine_state(DeepSpeedState)
+    released, state.released = state.released, None
     if not is_cuda(worker) or released is None:
         return True
     engine = worker.model
@@ -768,7 +805,7 @@ def shutdown_worker(worker: WorkerContext) -> bool:
     destroy = getattr(engine, "destroy", None)
     if destroy is not None:
         destroy()
-    worker.state.clear()
+    worker.state.clear()  # this role's DeepSpeedState, and the engine objects it holds, go
     worker.model = None
     end_process_group()
     return True

@@ -14,7 +14,8 @@ from posttrain import Capabilities, EngineHooks, EnvCheck, ErrorReport, Strategy
 from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
 
 if TYPE_CHECKING:
-    from posttrain import TrainEngine
+    from posttrain import TrainEngine, Workflow
+    from posttrain.backend import MemoryQuery, RoleMemory
     from posttrain_deepspeed import engine
 
     _ENGINE: TrainEngine = engine  # mypy: the engine defines every function it must, typed
@@ -32,7 +33,7 @@ class DeepSpeedPlugin(EngineHooks):
     preload = ("deepspeed", "posttrain_deepspeed.engine")  # deepspeed: about 4 s of a CI core
 
     @hookimpl
-    def posttrain_add_strategies(self):
+    def posttrain_add_strategies(self) -> list[StrategySpec]:
         return [
             StrategySpec(
                 name=TRAIN,
@@ -58,7 +59,9 @@ class DeepSpeedPlugin(EngineHooks):
         ]
 
     @hookimpl
-    def posttrain_validate_workflow(self, workflow, strategies, report: ErrorReport):
+    def posttrain_validate_workflow(
+        self, workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+    ) -> None:
         from posttrain_deepspeed.checks import check_role
 
         for name, role in workflow.roles().items():
@@ -68,11 +71,11 @@ class DeepSpeedPlugin(EngineHooks):
             check_role(name, config, report)
 
     @hookimpl
-    def posttrain_environment_checks(self):
+    def posttrain_environment_checks(self) -> list[EnvCheck]:
         return [EnvCheck(plugin="posttrain-deepspeed", package="deepspeed", tested=TESTED)]
 
     @hookimpl
-    def posttrain_estimate_memory(self, query):
+    def posttrain_estimate_memory(self, query: MemoryQuery) -> RoleMemory | None:
         from posttrain_deepspeed import memory
 
         name = query.role.strategy_args.strategy_name
