@@ -6,6 +6,7 @@ User errors print a message and no traceback; internal errors print the tracebac
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import signal
@@ -14,14 +15,31 @@ import textwrap
 import threading
 import traceback
 import warnings
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import PluginWarning, UserError, WorkerError
 from posttrain.paths import display_path
 
+if TYPE_CHECKING:
+    from collections.abc import Callable, Iterable
+    from types import FrameType
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from posttrain.commands.config_keys import ConfigKey
+    from posttrain.config.report import ConfigIssue, ErrorReport
+    from posttrain.config.sections import Workflow
+    from posttrain.host.plugin_host import PluginHost
+    from posttrain.host.strategy import StrategySpec
+
+    # A command: the parsed arguments and the plugin host in, the exit code out.
+    Handler = Callable[[argparse.Namespace, PluginHost], int]
+
 EXIT_OK, EXIT_INTERNAL, EXIT_USER = 0, 1, 2
 
 
-def _console(stderr: bool = False):
+def _console(stderr: bool = False) -> Console:
     from rich.console import Console
 
     return Console(stderr=stderr, highlight=False, soft_wrap=True)
@@ -32,7 +50,7 @@ def _console(stderr: bool = False):
 _UNBOUNDED_WIDTH = 1000
 
 
-def _table_console():
+def _table_console() -> Console:
     """stdout's console for tables: the terminal's width in a terminal, else unbounded (a
     table sizes itself to its cells, so ``posttrain doctor | grep`` sees whole names)."""
     console = _console()
@@ -41,14 +59,14 @@ def _table_console():
     return console
 
 
-def _parse_overrides(items: list[str]) -> dict:
+def _parse_overrides(items: list[str]) -> dict[str, Any]:
     """``--set KEY=VALUE`` items; each value is parsed as YAML, and a relative path given for
     a path setting is made absolute against the current directory (:func:`_from_cwd`)."""
     import yaml
 
     from posttrain.config.yaml_loader import load_yaml_value
 
-    out = {}
+    out: dict[str, Any] = {}
     for item in items or []:
         key, sep, text = item.partition("=")
         key = key.strip()
@@ -71,7 +89,7 @@ _PATH_KEYS = ("trainer.output_dir", "data.path")
 _MODEL_PATH_KEYS = ("model_name_or_path", "tokenizer_name_or_path")
 
 
-def _from_cwd(key: str, value):
+def _from_cwd(key: str, value: Any) -> Any:
     if not isinstance(value, str) or not value or os.path.isabs(value):
         return value
     if key in _PATH_KEYS or (key == "trainer.resume" and value not in ("auto", "never")):
@@ -90,9 +108,9 @@ SET_HELP = (
 )
 
 
-def _load(args, host):
-    """The workflow and its report; its warnings are shown here, for every command that
-    loads one (a run goes on after them)."""
+def _load(args: argparse.Namespace, host: PluginHost) -> tuple[Workflow | None, ErrorReport]:
+    """The workflow (None when it could not be built) and its report; its warnings are shown
+    here, for every command that loads one (a run goes on after them)."""
     from posttrain.loading.workflow import load_workflow
 
     workflow, report = load_workflow(args.workflow, host, _parse_overrides(args.set))
@@ -100,14 +118,23 @@ def _load(args, host):
     return workflow, report
 
 
-def _print_warnings(warnings) -> None:
+def _load_checked(args: argparse.Namespace, host: PluginHost) -> Workflow:
+    """The workflow; a :class:`~posttrain.config.report.ConfigError` listing every error when
+    it has any."""
+    workflow, report = _load(args, host)
+    report.raise_if_errors(display_path(args.workflow))
+    assert workflow is not None  # only a report with errors comes without a workflow
+    return workflow
+
+
+def _print_warnings(warnings: Iterable[ConfigIssue]) -> None:
     from rich.markup import escape
 
     for warning in warnings:
         _console(stderr=True).print(f"[yellow]warning[/yellow]: {escape(warning.render())}")
 
 
-def cmd_validate(args, host) -> int:
+def cmd_validate(args: argparse.Namespace, host: PluginHost) -> int:
     from rich.markup import escape
 
     from posttrain.config.report import ErrorReport
@@ -123,6 +150,7 @@ def cmd_validate(args, host) -> int:
     for note in report.notes:
         console.print(f"[dim]note: {escape(note.render())}[/dim]")
     report.raise_if_errors(display_path(args.workflow))
+    assert workflow is not None  # only a report with errors comes without a workflow
     roles = ", ".join(
         f"{n}={r.strategy_args.strategy_name}[{r.num_ranks}]" for n, r in workflow.roles().items()
     )
@@ -130,13 +158,96 @@ def cmd_validate(args, host) -> int:
     return EXIT_OK
 
 
-def cmd_plugins(args, host) -> int:
+def cmd_plugins(args: argparse.Namespace, host: PluginHost) -> int:
+    if args.config is not None:
+        return _print_strategy_config(args.config, host, args.json)
     listing = _plugin_listing(host)
     if args.json:
         sys.stdout.write(json.dumps({"plugins": listing}, indent=2) + "\n")
     else:
         _print_plugin_blocks(_console(), listing)
     return EXIT_OK if not host.failures else EXIT_USER
+
+
+def _print_strategy_config(name: str, host: PluginHost, as_json: bool) -> int:
+    """``posttrain plugins --config NAME``: the keys of strategy NAME's ``strategy_config``,
+    read from its config class (the plugin's module, already loaded; no engine is imported)."""
+    import attrs
+
+    from posttrain.commands.config_keys import config_keys
+
+    strategies = host.strategies()
+    spec = strategies.get(name)
+    if spec is None:
+        from posttrain.config.report import unknown_name_hint
+        from posttrain.host.strategy import KNOWN_PROVIDERS
+
+        hint = unknown_name_hint(name, strategies, "strategies", KNOWN_PROVIDERS)
+        raise UserError(f"--config {name}: no installed plugin declares this strategy; {hint}")
+    keys = config_keys(spec.config_class)
+    if as_json:
+        described = {
+            "strategy": spec.name,
+            "plugin": spec.plugin,
+            "config_class": f"{spec.config_class.__module__}.{spec.config_class.__qualname__}",
+            "doc": _class_doc(spec),
+            "keys": [attrs.asdict(key) for key in keys],
+        }
+        sys.stdout.write(json.dumps(described, indent=2) + "\n")
+        return EXIT_OK
+    console = _console()
+    config = spec.config_class
+    console.print(
+        f"{spec.name}: strategy_config keys ({config.__module__}.{config.__qualname__}, "
+        f"plugin {spec.plugin})",
+        style="bold",
+        markup=False,
+    )
+    doc = _class_doc(spec)
+    if doc:
+        console.print(_fill(doc, console.width, "  "), markup=False)
+    if not keys:
+        console.print("  (no keys)", markup=False)
+    for line in _key_lines(keys, console.width, "  "):
+        console.print(line, markup=False)
+    return EXIT_OK
+
+
+def _class_doc(spec: StrategySpec) -> str:
+    """The config class's docstring (its own, not inherited), else the strategy's description."""
+    doc = spec.config_class.__doc__
+    text = inspect.cleandoc(doc) if doc else spec.description
+    return text.replace("``", "`")
+
+
+def _key_lines(keys: Iterable[ConfigKey], width: int, indent: str) -> list[str]:
+    """Each key as ``key: type; default D`` with its description wrapped below it, the keys of
+    a nested class indented under their key."""
+    from posttrain.commands.config_keys import NO_VALUE
+
+    lines = []
+    for key in keys:
+        default = key.default if key.default in NO_VALUE else f"default {key.default}"
+        lines.append(f"\n{indent}{key.key}: {key.type}; {default}")
+        if key.doc:
+            lines.append(_fill(key.doc, width, indent + "    "))
+        lines += _key_lines(key.keys, width, indent + "    ")
+    return lines
+
+
+def _fill(text: str, width: int, indent: str) -> str:
+    """``text`` wrapped to ``width`` at ``indent``, its paragraphs kept apart."""
+    return "\n\n".join(
+        textwrap.fill(
+            " ".join(paragraph.split()),
+            width=width,
+            initial_indent=indent,
+            subsequent_indent=indent,
+            break_long_words=False,
+            break_on_hyphens=False,
+        )
+        for paragraph in text.split("\n\n")
+    )
 
 
 # What a plugin adds, by kind: the collecting hook that declares it (a mapping of names).
@@ -151,27 +262,37 @@ CONTRIBUTION_HOOKS = {
 }
 
 
-def _plugin_listing(host) -> list[dict]:
+def _plugin_listing(host: PluginHost) -> list[dict[str, Any]]:
     """Every plugin with its distribution, version, what it adds by kind (strategies,
-    algorithms, rewards, environments, transports, commands) and its hooks (full names)."""
+    algorithms, rewards, environments, transports, commands) and its hooks (full names).
+
+    An :class:`~posttrain.EngineHooks` plugin implements every worker hook, each calling the
+    engine function of its name; ``hooks`` lists those whose function its engine module defines
+    (read from its source), ``engine_lacks`` the others (they answer nothing; None when the
+    engine's source cannot tell, and ``hooks`` then lists them all)."""
     strategies = host.strategies()
     contributions = _contributions(host)
-    return [
-        {
-            "name": info.name,
-            "source": info.source,
-            "distribution": info.distribution or None,
-            "version": info.version or None,
-            "strategies": sorted(s.name for s in strategies.values() if s.plugin == info.name),
-            **{kind: sorted(found.get(info.name, ())) for kind, found in contributions.items()},
-            "hooks": [] if info.error else host.hooks_of(info.name),
-            "error": info.error or None,
-        }
-        for info in host.plugins
-    ]
+    listing = []
+    for info in host.plugins:
+        hooks = [] if info.error else host.hooks_of(info.name)
+        lacks = [] if info.error else host.engine_lacks(info.name)
+        listing.append(
+            {
+                "name": info.name,
+                "source": info.source,
+                "distribution": info.distribution or None,
+                "version": info.version or None,
+                "strategies": sorted(s.name for s in strategies.values() if s.plugin == info.name),
+                **{kind: sorted(found.get(info.name, ())) for kind, found in contributions.items()},
+                "hooks": [h for h in hooks if h not in (lacks or ())],
+                "engine_lacks": lacks,
+                "error": info.error or None,
+            }
+        )
+    return listing
 
 
-def _contributions(host) -> dict[str, dict[str, list[str]]]:
+def _contributions(host: PluginHost) -> dict[str, dict[str, list[str]]]:
     """``{kind: {plugin name: [names it declares]}}``; declarations are cheap (no engine is
     imported), so they are asked of every plugin."""
     found: dict[str, dict[str, list[str]]] = {}
@@ -190,7 +311,7 @@ def _contributions(host) -> dict[str, dict[str, list[str]]]:
     return found
 
 
-def _print_plugin_blocks(console, listing: list[dict]) -> None:
+def _print_plugin_blocks(console: Console, listing: list[dict[str, Any]]) -> None:
     """One block per plugin, its lists wrapped between names: a table would cut hook names in
     an 80-column terminal or a pipe."""
 
@@ -219,9 +340,14 @@ def _print_plugin_blocks(console, listing: list[dict]) -> None:
                 console.print(wrapped(kind.replace("_", " "), plugin[kind]), markup=False)
         hooks = [h.removeprefix("posttrain_") for h in plugin["hooks"]]
         console.print(wrapped("hooks", hooks), markup=False)
+        if plugin["engine_lacks"] is None:
+            console.print("  engine lacks: unknown (its source cannot be read)", markup=False)
+        elif plugin["engine_lacks"]:
+            lacks = [h.removeprefix("posttrain_") for h in plugin["engine_lacks"]]
+            console.print(wrapped("engine lacks", lacks), markup=False)
 
 
-def cmd_doctor(args, host) -> int:
+def cmd_doctor(args: argparse.Namespace, host: PluginHost) -> int:
     from rich.table import Table
 
     from posttrain.host.doctor import run_check
@@ -252,7 +378,7 @@ def cmd_doctor(args, host) -> int:
     return worst
 
 
-def _sandbox_table():
+def _sandbox_table() -> Table:
     """Which guarantees the local sandbox (posttrain sandbox run, python_sandbox) has here."""
     from rich.table import Table
 
@@ -267,20 +393,18 @@ def _sandbox_table():
     return table
 
 
-def cmd_run(args, host) -> int:
+def cmd_run(args: argparse.Namespace, host: PluginHost) -> int:
     from posttrain.commands.run import run_workflow
 
-    workflow, report = _load(args, host)
-    report.raise_if_errors(display_path(args.workflow))
+    workflow = _load_checked(args, host)
     run_workflow(workflow, host, source=args.workflow, console=_console())
     return EXIT_OK
 
 
-def cmd_plan(args, host) -> int:
+def cmd_plan(args: argparse.Namespace, host: PluginHost) -> int:
     from posttrain.memory.command import print_plan
 
-    workflow, report = _load(args, host)
-    report.raise_if_errors(display_path(args.workflow))
+    workflow = _load_checked(args, host)
     if args.gpus is not None and args.from_run is None:
         raise UserError("--gpus N goes with --from-run RUN_DIR (the GPUs to split)")
     if args.from_run is not None:  # the trainer/rollout split from a run's phase times
@@ -294,16 +418,15 @@ def cmd_plan(args, host) -> int:
     return EXIT_OK if fits else EXIT_USER
 
 
-def cmd_eval(args, host) -> int:
+def cmd_eval(args: argparse.Namespace, host: PluginHost) -> int:
     from posttrain.commands.evaluate import evaluate_checkpoint
 
-    workflow, report = _load(args, host)
-    report.raise_if_errors(display_path(args.workflow))
+    workflow = _load_checked(args, host)
     evaluate_checkpoint(workflow, host, args.checkpoint, args.out, _console(), source=args.workflow)
     return EXIT_OK
 
 
-def cmd_export_hf(args, host) -> int:
+def cmd_export_hf(args: argparse.Namespace, host: PluginHost) -> int:
     from posttrain.commands.export_hf import export_checkpoint_to_hf
 
     export_checkpoint_to_hf(
@@ -312,14 +435,14 @@ def cmd_export_hf(args, host) -> int:
     return EXIT_OK
 
 
-def cmd_stacks(args, host) -> int:
+def cmd_stacks(args: argparse.Namespace, host: PluginHost) -> int:
     from posttrain.launch.stacks import live_run_stacks
 
     print(live_run_stacks(args.run_dir, all_threads=args.all_threads))
     return EXIT_OK
 
 
-def build_parser(host) -> argparse.ArgumentParser:
+def build_parser(host: PluginHost) -> argparse.ArgumentParser:
     from posttrain.sandbox.command import add_sandbox_parser
     from posttrain.version import __version__
 
@@ -331,7 +454,7 @@ def build_parser(host) -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     sub.required = True
 
-    def workflow_command(name: str, handler, help_: str):
+    def workflow_command(name: str, handler: Handler, help_: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help_)
         p.add_argument(
             "workflow",
@@ -384,6 +507,12 @@ def build_parser(host) -> argparse.ArgumentParser:
     )
     p = sub.add_parser("plugins", help="installed plugins, their strategies and hooks")
     p.add_argument("--json", action="store_true", help="print JSON, for scripts")
+    p.add_argument(
+        "--config",
+        metavar="STRATEGY",
+        help="the strategy_config keys of STRATEGY (any installed strategy): each key's type, "
+        "default and description, a nested section's keys indented",
+    )
     p.set_defaults(handler=cmd_plugins)
     sub.add_parser("doctor", help="engine versions against tested ranges").set_defaults(
         handler=cmd_doctor
@@ -412,7 +541,7 @@ def build_parser(host) -> argparse.ArgumentParser:
     return parser
 
 
-def _show_warnings(err, caught: list[warnings.WarningMessage]) -> None:
+def _show_warnings(err: Console, caught: list[warnings.WarningMessage]) -> None:
     """Plugin warnings as the CLI's own (like a plugin that failed to load); others as Python
     would have shown them."""
     from rich.markup import escape
@@ -427,7 +556,8 @@ def _show_warnings(err, caught: list[warnings.WarningMessage]) -> None:
 def _without_tracebacks(text: str) -> str:
     """A rank's report without its Python tracebacks (the exception's own line is kept): a
     failed rank is not the user's bug, and the traceback stays in the rank's log."""
-    kept, inside = [], False
+    kept: list[str] = []
+    inside = False
     for line in text.splitlines(keepends=True):
         if line.startswith("Traceback (most recent call last):"):
             inside = True
@@ -439,6 +569,8 @@ def _without_tracebacks(text: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from rich.markup import escape  # messages may hold brackets: pip install './x[cpu]'
+
     err = _console(stderr=True)
     _stop_on_signals()
     try:
@@ -450,16 +582,15 @@ def main(argv: list[str] | None = None) -> int:
         _show_warnings(err, caught)
         for info in host.failures:
             err.print(
-                f"[yellow]warning[/yellow]: plugin '{info.name}' failed to load: {info.error}"
+                f"[yellow]warning[/yellow]: plugin '{info.name}' failed to load: "
+                f"{escape(info.error)}"
             )
         args = build_parser(host).parse_args(argv)
         return args.handler(args, host)
     except UserError as exc:
-        err.print(f"[red]error[/red]: {exc}")
+        err.print(f"[red]error[/red]: {escape(str(exc))}")
         return EXIT_USER
     except WorkerError as exc:
-        from rich.markup import escape
-
         err.print(f"[red]error[/red]: {escape(str(exc))}")
         if exc.user_error:  # the rank's traceback stays in its log
             if exc.hint:
@@ -492,7 +623,7 @@ def _stop_on_signals() -> None:
     signal.signal(signal.SIGTERM, _terminated)
 
 
-def _terminated(signum, frame) -> None:
+def _terminated(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
 
 

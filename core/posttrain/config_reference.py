@@ -2,24 +2,25 @@
 :class:`~posttrain.config.sections.Workflow` class and every attrs class reachable from its fields.
 
 Run ``python -m posttrain.config_reference > docs/config-reference.md``; a test checks that the
-committed file equals this output. A field's description is its ``metadata["help"]`` if set,
-else the comment lines just above it plus the comment at the end of its line.
+committed file equals this output. A field's type, default and description come from
+:mod:`posttrain.commands.config_keys` (shared with ``posttrain plugins --config``).
 """
 
 from __future__ import annotations
 
-import ast
 import inspect
-import io
 import sys
-import tokenize
-import types
 import typing
-from typing import Any
 
 import attrs
 
-from posttrain.config.ranges import range_of
+from posttrain.commands.config_keys import (
+    default_text,
+    field_comments,
+    nested_classes,
+    range_text,
+    type_text,
+)
 from posttrain.config.sections import ROLE_NAMES, Workflow
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.rollout.environments.calculator import CalculatorConfig
@@ -53,122 +54,10 @@ a string YAML would read otherwise (`--set 'key="-"'`). A relative path given wi
 `tokenizer_name_or_path` that exists resolves against the current directory, where it was typed.
 """
 
-# Fields that are not YAML keys.
 # The strategy whose config the reference documents (a plugin; the others document their own).
 REFERENCE_ENGINE = "hf_infer"
+# Fields that are not YAML keys.
 _INTERNAL = {(Workflow, "base_dir")}
-
-
-def _field_comments(cls: type) -> dict[str, str]:
-    """Comments attached to each field of ``cls``, inherited fields included (from the class
-    that declares them last, as attrs takes the field)."""
-    out: dict[str, str] = {}
-    for klass in reversed(cls.__mro__):
-        if attrs.has(klass):
-            out.update(_own_field_comments(klass))
-    return out
-
-
-def _own_field_comments(cls: type) -> dict[str, str]:
-    """Comments attached to each field declared in ``cls``'s body, in its source file."""
-    try:
-        source = inspect.getsource(sys.modules[cls.__module__])
-    except (OSError, TypeError, KeyError):
-        return {}
-    comments: dict[int, str] = {}
-    code_lines: set[int] = set()
-    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type == tokenize.COMMENT:
-            comments[tok.start[0]] = tok.string.lstrip("#").strip()
-        elif tok.type not in (tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT):
-            code_lines.add(tok.start[0])
-    node = next(
-        (
-            n
-            for n in ast.walk(ast.parse(source))
-            if isinstance(n, ast.ClassDef) and n.name == cls.__name__
-        ),
-        None,
-    )
-    if node is None:
-        return {}
-    out = {}
-    for stmt in node.body:
-        if not (isinstance(stmt, ast.AnnAssign) and isinstance(stmt.target, ast.Name)):
-            continue
-        above = []
-        line = stmt.lineno - 1
-        while line in comments and line not in code_lines:
-            above.insert(0, comments[line])
-            line -= 1
-        trailing = [
-            comments[n]
-            for n in range(stmt.lineno, (stmt.end_lineno or stmt.lineno) + 1)
-            if n in comments
-        ]
-        text = " ".join(above + trailing)
-        if text:
-            out[stmt.target.id] = text
-    return out
-
-
-def _type_text(tp: Any) -> str:
-    if tp is type(None):
-        return "null"
-    if tp is Any:
-        return "any"
-    if tp == tuple[int, ...]:
-        return "device list: `[0, 1]` or `list(range(a, b[, step]))`"
-    if attrs.has(tp):
-        return f"[{tp.__name__}](#{tp.__name__.lower()})"
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin is typing.Literal:
-        return "one of: " + ", ".join(
-            f"`{str(a).lower() if isinstance(a, bool) else a}`" for a in args
-        )
-    if origin in (typing.Union, types.UnionType):
-        return " or ".join(_type_text(a) for a in args)
-    if origin is list:
-        return f"list of {_type_text(args[0])}"
-    if origin is dict:
-        return "mapping"
-    if isinstance(tp, type):
-        return {"str": "string", "int": "integer", "float": "number", "bool": "boolean"}.get(
-            tp.__name__, tp.__name__
-        )
-    return str(tp)
-
-
-def _range_text(field: attrs.Attribute) -> str:
-    allowed = range_of(field)
-    return f", {allowed.describe()}" if allowed else ""
-
-
-def _value_text(value: Any) -> str:
-    if value is None:
-        return "`null`"
-    if isinstance(value, bool):
-        return "`true`" if value else "`false`"
-    if isinstance(value, str):
-        return f'`"{value}"`'
-    if isinstance(value, tuple | list):
-        return "`[" + ", ".join(_value_text(v).strip("`") for v in value) + "]`"
-    if isinstance(value, dict):
-        return "`{}`" if not value else f"`{value!r}`"
-    if attrs.has(type(value)):
-        return "defaults of each key"
-    return f"`{value!r}`"
-
-
-def _default_text(field: attrs.Attribute) -> str:
-    default = field.default
-    if default is attrs.NOTHING:
-        return "**required**"
-    if isinstance(default, attrs.Factory):  # type: ignore[arg-type]
-        if default.takes_self:
-            return "computed"
-        return _value_text(default.factory())
-    return _value_text(default)
 
 
 def _cell(text: str) -> str:
@@ -177,7 +66,7 @@ def _cell(text: str) -> str:
 
 def _class_table(cls: type) -> list[str]:
     hints = typing.get_type_hints(cls)
-    comments = _field_comments(cls)
+    comments = field_comments(cls)
     rows = ["| key | type | default | description |", "| --- | --- | --- | --- |"]
     for field in attrs.fields(cls):
         if (cls, field.name) in _INTERNAL:
@@ -185,7 +74,7 @@ def _class_table(cls: type) -> list[str]:
         help_text = (
             field.metadata.get("help")
             or comments.get(field.name, "")
-            or _summary(_nested_classes(hints[field.name]))
+            or _summary(nested_classes(hints[field.name]))
         )
         rows.append(
             "| "
@@ -193,20 +82,14 @@ def _class_table(cls: type) -> list[str]:
                 _cell(c)
                 for c in (
                     f"`{field.name}`",
-                    _type_text(hints[field.name]) + _range_text(field),
-                    _default_text(field),
+                    type_text(hints[field.name]) + range_text(field),
+                    default_text(field),
                     help_text,
                 )
             )
             + " |"
         )
     return rows
-
-
-def _nested_classes(tp: Any) -> list[type]:
-    if attrs.has(tp):
-        return [tp]
-    return [c for a in typing.get_args(tp) for c in _nested_classes(a)]
 
 
 def _summary(classes: list[type]) -> str:
@@ -231,7 +114,7 @@ def _walk() -> dict[type, list[str]]:
                 path = "<role>"
             else:
                 path = f"{prefix}.{field.name}" if prefix else field.name
-            for child in _nested_classes(hints[field.name]):
+            for child in nested_classes(hints[field.name]):
                 paths = found.setdefault(child, [])
                 if path not in paths:
                     paths.append(path)

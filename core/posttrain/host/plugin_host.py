@@ -13,13 +13,19 @@ import importlib.metadata
 import os
 from collections.abc import Iterable
 from types import ModuleType
+from typing import Any, cast
 
 import attrs
 import pluggy
 
 from posttrain import hookspecs
 from posttrain.errors import PluginError, UserError
-from posttrain.host.engine_hooks import EngineHooks, warn_misnamed_engine_functions
+from posttrain.host.engine_hooks import (
+    ENGINE_FUNCTIONS,
+    EngineHooks,
+    warn_misnamed_engine_functions,
+)
+from posttrain.host.engine_source import engine_names
 from posttrain.host.references import WHERE_MODULES_ARE
 from posttrain.host.strategy import KNOWN_PROVIDERS, StrategySpec
 
@@ -58,7 +64,7 @@ class PluginHost:
     _strategies: dict[str, StrategySpec] | None = None
 
     @property
-    def hook(self):
+    def hook(self) -> pluggy.HookRelay:
         return self.pm.hook
 
     @property
@@ -141,7 +147,8 @@ class PluginHost:
             found: dict[str, StrategySpec] = {}
             for impl in self.pm.hook.posttrain_add_strategies.get_hookimpls():
                 try:
-                    declared = impl.function() or []
+                    # What the hook specification says it returns (pluggy types it object).
+                    declared = cast("list[StrategySpec] | None", impl.function()) or []
                 except PluginError as exc:  # a declaration refused as it was made: say whose
                     raise PluginError(f"plugin '{impl.plugin_name}': {exc}") from exc
                 for spec in declared:
@@ -169,7 +176,7 @@ class PluginHost:
                 modules += [m for m in plugin.preload if m not in modules]
         return modules
 
-    def answers_by_plugin(self, hook_name: str, **kwargs) -> list[tuple[str, object]]:
+    def answers_by_plugin(self, hook_name: str, **kwargs: Any) -> list[tuple[str, object]]:
         """Call every implementation of a collecting hook; return ``(plugin name, answer)``
         pairs (None answers left out), so that a bad answer can be blamed on its plugin."""
         answers = []
@@ -180,20 +187,41 @@ class PluginHost:
         return answers
 
     def hooks_of(self, plugin_name: str) -> list[str]:
+        """Every hook the plugin registered an implementation of (as pluggy sees it)."""
         plugin = self.pm.get_plugin(plugin_name)
         if plugin is None:
             return []
         return sorted(c.name for c in self.pm.get_hookcallers(plugin) or [])
 
+    def engine_lacks(self, plugin_name: str) -> list[str] | None:
+        """The worker hooks of an :class:`EngineHooks` plugin whose engine function its engine
+        module does not define, read from the module's source (the engine is not imported):
+        they answer None for every strategy. Empty for any other plugin, and for hooks the
+        plugin implements itself; None when the source cannot tell."""
+        plugin = self.pm.get_plugin(plugin_name)
+        if not isinstance(plugin, EngineHooks):
+            return []
+        defined = engine_names(plugin.engine)
+        if defined is None:
+            return None
+        return [
+            hook
+            for hook in self.hooks_of(plugin_name)
+            if hook.removeprefix("posttrain_") in ENGINE_FUNCTIONS
+            and getattr(type(plugin), hook) is getattr(EngineHooks, hook)  # not overridden
+            and hook.removeprefix("posttrain_") not in defined
+        ]
 
-def declared_by_name(hook_caller, what: str) -> dict:
+
+def declared_by_name(hook_caller: pluggy.HookCaller, what: str) -> dict[str, Any]:
     """Every plugin's ``{name: declaration}`` from a collecting ``posttrain_add_*`` hook (e.g.
     ``hook.posttrain_add_environments``), merged; a name two plugins declare is an error naming
     both (``what`` says what the names are: "environment", "reward function")."""
-    merged: dict = {}
+    merged: dict[str, Any] = {}
     owners: dict[str, str] = {}
     for impl in hook_caller.get_hookimpls():
-        for name, declaration in (impl.function() or {}).items():
+        declared = cast("dict[str, Any] | None", impl.function())  # pluggy types it object
+        for name, declaration in (declared or {}).items():
             if name in owners:
                 raise UserError(
                     f"{what} '{name}' is declared by two plugins: "
