@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -22,10 +23,16 @@ from posttrain.errors import UserError
 from posttrain.loading.hub_models import check_reachable
 from posttrain.paths import display_path
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from posttrain.config.sections import Workflow
+    from posttrain.host.plugin_host import PluginHost
+
 REPORT_VERSION = 1
 
 
-def resolve_checkpoint(workflow, checkpoint: str) -> str:
+def resolve_checkpoint(workflow: Workflow, checkpoint: str) -> str:
     """``latest`` (the newest complete checkpoint of the workflow's run directory) or a
     checkpoint directory."""
     run_dir = os.path.normpath(os.path.join(workflow.base_dir, workflow.trainer.output_dir))
@@ -47,7 +54,12 @@ def resolve_checkpoint(workflow, checkpoint: str) -> str:
 
 
 def evaluate_checkpoint(
-    workflow, host, checkpoint: str, out: str | None, console, source: str = ""
+    workflow: Workflow,
+    host: PluginHost,
+    checkpoint: str,
+    out: str | None,
+    console: Console,
+    source: str = "",
 ) -> str:
     """Score ``checkpoint`` (a path or ``latest``), write the report (``out``, default
     ``RUN_DIR/eval/checkpoint-N.json``) and return its path."""

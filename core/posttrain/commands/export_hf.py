@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from typing import TYPE_CHECKING, Any
 
 from posttrain.checkpoint.manifest import verify
 from posttrain.checkpoint.record import RECORD, checkpoint_record, read_record
@@ -20,12 +21,18 @@ from posttrain.launch.plan import group_spec, make_launcher, resolve_device
 from posttrain.loading.workflow import build_workflow
 from posttrain.paths import display_path
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from posttrain.config.sections import RoleConfig
+    from posttrain.host.plugin_host import PluginHost
+
 
 def export_checkpoint_to_hf(
     checkpoint_dir: str,
     output: str,
-    host,
-    console,
+    host: PluginHost,
+    console: Console,
     role: str = "actor_train",
     merge: bool = False,
 ) -> str:
@@ -45,18 +52,20 @@ def export_checkpoint_to_hf(
     report = ErrorReport()
     workflow, report = build_workflow(raw, host, report, base_dir=record["run"]["base_dir"])
     report.raise_if_errors(display_path(record_path))
-    role_name, role = role, getattr(workflow, role)
+    assert workflow is not None  # only a report with errors comes without a workflow
+    role_name = role
+    role_config: RoleConfig = getattr(workflow, role_name)
     layout = manifest.roles[role_name]
-    if merge and role.model_args.lora is None:
+    if merge and role_config.model_args.lora is None:
         raise UserError(
             f"--merge: {display_path(checkpoint_dir)} holds full weights ({role_name} trained "
             "without model_args.lora), which are exported merged already; drop --merge"
         )
-    if role.num_ranks != layout["world_size"]:
+    if role_config.num_ranks != layout["world_size"]:
         # Only a checkpoint without a record of its own gets here: the run directory's
         # workflow.yaml is a later run's, on another layout.
         raise CheckpointError(
-            f"{display_path(record_path)} maps {role.num_ranks} ranks to {role_name} but "
+            f"{display_path(record_path)} maps {role_config.num_ranks} ranks to {role_name} but "
             f"{display_path(checkpoint_dir)} was saved by {layout['world_size']}: that file is "
             "a later run's. Export with a copy of the run directory whose workflow.yaml maps "
             f"{layout['world_size']} ranks to {role_name} (the workflow that saved it)"
@@ -67,7 +76,7 @@ def export_checkpoint_to_hf(
     launcher = make_launcher(workflow, [(role_name,)])
     try:
         group = launcher.start_group(
-            group_spec(workflow, role_name, role, run_dir, resolve_device(workflow))
+            group_spec(workflow, role_name, role_config, run_dir, resolve_device(workflow))
         )
         group.call("load_checkpoint", os.path.join(checkpoint_dir, role_name))
         group.call("export_hf", staging, merge)
@@ -84,7 +93,7 @@ def export_checkpoint_to_hf(
     return output
 
 
-def _saved_workflow(checkpoint_dir: str, run_dir: str) -> tuple[str, dict]:
+def _saved_workflow(checkpoint_dir: str, run_dir: str) -> tuple[str, dict[str, Any]]:
     """The workflow that saved the checkpoint: its own record, or, for a checkpoint saved
     before checkpoints had one, the run directory's copy."""
     own = checkpoint_record(checkpoint_dir)

@@ -4,14 +4,22 @@ run goes, and what it did or why it had nothing to do."""
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING, Any
 
 from posttrain.config.sections import Workflow
 from posttrain.loading.hub_models import check_reachable
 from posttrain.paths import display_path
 from posttrain.trainer.run import Trainer
 
+if TYPE_CHECKING:
+    from rich.console import Console
 
-def run_workflow(workflow: Workflow, host, source: str = "", console=None) -> list[dict]:
+    from posttrain.host.plugin_host import PluginHost
+
+
+def run_workflow(
+    workflow: Workflow, host: PluginHost, source: str = "", console: Console | None = None
+) -> list[dict[str, Any]]:
     from rich.console import Console
 
     console = console or Console()
