@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from posttrain.config.report import did_you_mean
 from posttrain.errors import UserError
@@ -17,6 +18,11 @@ from posttrain.host.references import (
     missing_module,
     split_reference,
 )
+
+if TYPE_CHECKING:
+    import pluggy
+
+    from posttrain.config.report import ErrorReport
 
 RewardFn = Callable[..., float]
 
@@ -40,12 +46,12 @@ def numeric_match(
     return 1.0 if abs(float(found[-1]) - float(expected[-1])) <= tolerance else 0.0
 
 
-def reward_function_names(hook) -> dict[str, str]:
+def reward_function_names(hook: pluggy.HookRelay) -> dict[str, str]:
     """Every registered reward name; one name declared by two plugins is an error naming both."""
     return declared_by_name(hook.posttrain_add_reward_functions, "reward function")
 
 
-def resolve_reward_function(spec: str, hook) -> RewardFn:
+def resolve_reward_function(spec: str, hook: pluggy.HookRelay) -> RewardFn:
     """A registered name (``exact_match``) or ``module:function``; a clear UserError otherwise."""
     names = reward_function_names(hook)
     target = names.get(spec, spec)
@@ -61,7 +67,10 @@ def resolve_reward_function(spec: str, hook) -> RewardFn:
 
 
 def check_reward_function(
-    function: str | None, hook, report, where: str = "reward.function"
+    function: str | None,
+    hook: pluggy.HookRelay,
+    report: ErrorReport,
+    where: str = "reward.function",
 ) -> None:
     """Report a ``reward.function`` (or the function at YAML path ``where``) that names no
     registered reward, or a module that cannot be found (before anything starts, without

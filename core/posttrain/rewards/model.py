@@ -2,11 +2,18 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from posttrain.protocol import RolloutSamples, SequenceBatch, build_sequence_batch
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 def reward_model_batch(
-    samples: RolloutSamples, policy_tokenizer, reward_tokenizer
+    samples: RolloutSamples,
+    policy_tokenizer: PreTrainedTokenizerBase,
+    reward_tokenizer: PreTrainedTokenizerBase | None,
 ) -> SequenceBatch:
     """Prompt and response ids as sampled, or, when the reward model has a tokenizer of its own
     (``reward_tokenizer`` not None), their text encoded again with it."""

@@ -16,9 +16,13 @@ import math
 import multiprocessing
 import signal
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 import attrs
+
+if TYPE_CHECKING:
+    import multiprocessing.pool
+    from types import FrameType
 
 log = logging.getLogger(__name__)
 
@@ -55,17 +59,19 @@ def _init_worker(target: str) -> None:
     _worker_fn = getattr(importlib.import_module(module), name)
 
 
-def _on_alarm(_signum, _frame):
+def _on_alarm(_signum: int, _frame: FrameType | None) -> NoReturn:
     raise RewardTimeout()
 
 
-def _call_in_worker(item: RewardInput, kwargs: dict, timeout_s: float) -> tuple[str, Any]:
+def _call_in_worker(item: RewardInput, kwargs: dict[str, Any], timeout_s: float) -> tuple[str, Any]:
     """("ok", score), ("error", message) or ("timeout", None), never an exception: a pickled
     exception from user code may not unpickle in the driver."""
+    fn = _worker_fn
+    assert fn is not None  # set by _init_worker, the pool's initializer
     signal.signal(signal.SIGALRM, _on_alarm)
     signal.setitimer(signal.ITIMER_REAL, timeout_s)
     try:
-        return "ok", _as_score(_worker_fn(*item, **kwargs))
+        return "ok", _as_score(fn(*item, **kwargs))
     except RewardTimeout:
         return "timeout", None
     except Exception as exc:  # user code: any failure scores 0 and is reported by the driver
@@ -90,7 +96,7 @@ class RuleRewards:
     ):
         self.fn, self.target, self.kwargs = fn, target, dict(kwargs)
         self.num_workers, self.timeout_s = num_workers, timeout_s
-        self._pool = None
+        self._pool: multiprocessing.pool.Pool | None = None
 
     def __call__(self, items: Sequence[RewardInput]) -> RewardResults:
         if self.num_workers:
@@ -112,7 +118,7 @@ class RuleRewards:
             results.errors += 1
             log.warning("reward: sample %d failed (%s): scored 0", index, message)
 
-    def _start_pool(self):
+    def _start_pool(self) -> multiprocessing.pool.Pool:
         if self._pool is None:
             ctx = multiprocessing.get_context("spawn")
             self._pool = ctx.Pool(self.num_workers, _init_worker, (self.target,))

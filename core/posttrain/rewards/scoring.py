@@ -14,12 +14,15 @@ from posttrain.rewards.model import reward_model_batch
 from posttrain.rewards.pool import RuleRewards
 
 if TYPE_CHECKING:
-    from posttrain.config.sections import GeneratingArgs, RewardConfig, Workflow
+    import pluggy
+    from transformers import PreTrainedTokenizerBase
+
+    from posttrain.config.sections import GeneratingArgs, ModelArgs, RewardConfig, Workflow
     from posttrain.launch.base import WorkerGroup
     from posttrain.launch.placement import TimeSharing
 
 
-def make_rule_rewards(reward: RewardConfig, hook) -> RuleRewards | None:
+def make_rule_rewards(reward: RewardConfig, hook: pluggy.HookRelay) -> RuleRewards | None:
     """The rule-based reward function of ``reward``, or None when the workflow has none."""
     if not reward.function:
         return None
@@ -28,25 +31,28 @@ def make_rule_rewards(reward: RewardConfig, hook) -> RuleRewards | None:
     return RuleRewards(fn, target, reward.kwargs, reward.num_workers, reward.timeout_s)
 
 
-def reward_tokenizer(workflow: Workflow):
+def reward_tokenizer(workflow: Workflow) -> PreTrainedTokenizerBase | None:
     """The reward model's tokenizer when it is not the policy's (then responses are decoded and
     encoded again for it), else None."""
     reward = workflow.reward
     if reward.role() is None:
         return None
 
-    def tokenizer_path(args) -> str:
+    def tokenizer_path(args: ModelArgs) -> str:
         return resolve_model_path(
             args.tokenizer_name_or_path or args.model_name_or_path, workflow.base_dir
         )
 
-    if tokenizer_path(reward.model_args) == tokenizer_path(workflow.actor_infer.model_args):
+    policy = workflow.roles()["actor_infer"]
+    if tokenizer_path(reward.model_args) == tokenizer_path(policy.model_args):
         return None
     return load_tokenizer(reward.model_args, workflow.base_dir)
 
 
 def response_texts(
-    samples: RolloutSamples, tokenizer, generating_args: GeneratingArgs | None
+    samples: RolloutSamples,
+    tokenizer: PreTrainedTokenizerBase,
+    generating_args: GeneratingArgs | None,
 ) -> list[str]:
     """Each response as the reward function sees it: decoded, cut at its stop token or stop
     string."""
@@ -72,12 +78,12 @@ class RewardScorer:
         reward: RewardConfig,
         group_size: int,
         generating_args: GeneratingArgs | None,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         rule_rewards: RuleRewards | None,
         reward_group: WorkerGroup | None,
         sharing: TimeSharing,
-        model_tokenizer=None,
-    ):
+        model_tokenizer: PreTrainedTokenizerBase | None = None,
+    ) -> None:
         self.reward = reward
         self.group_size = group_size
         self.generating_args = generating_args
@@ -114,13 +120,12 @@ class RewardScorer:
                 metrics["reward/function_mean"] = float(scores.mean())
         if self.reward_group is not None:
             self.sharing.activate("reward")
-            scores = self._model_scores(samples)
+            scores = self._model_scores(self.reward_group, samples)
             total += self.reward.model_weight * scores
             metrics["reward/model_mean"] = float(scores.mean())
         return total, metrics
 
-    def _model_scores(self, samples: RolloutSamples) -> torch.Tensor:
-        group = self.reward_group
+    def _model_scores(self, group: WorkerGroup, samples: RolloutSamples) -> torch.Tensor:
         batch = reward_model_batch(samples, self.tokenizer, self.model_tokenizer)
         shares = group.call_dp("compute_scores", batch.split(group.dp_size))
         return torch.cat([s.float().reshape(-1) for s in shares])
