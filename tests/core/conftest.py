@@ -9,18 +9,19 @@ import textwrap
 import attrs
 import pytest
 
-from posttrain import hookimpl
+from posttrain import ScoringOptions, hookimpl
 from posttrain.host.strategy import Capabilities, StrategySpec
 
 CONTRACT_FAKE_TRAIN = "contract_fake_train"
 
 
 @attrs.frozen(kw_only=True)
-class ContractFakeTrainConfig:
-    """``strategy_config`` of the fake train strategy: one parallel dim, like Megatron's TP."""
+class ContractFakeTrainConfig(ScoringOptions):
+    """``strategy_config`` of the fake train strategy: one parallel dim, like Megatron's TP, and
+    the shared scoring options (one row per forward pass)."""
 
     tensor_model_parallel_size: int = 1
-    micro_batch_size: int = 1
+    micro_batch_size: int | None = 1
 
 
 class ContractFakeTrainPlugin:

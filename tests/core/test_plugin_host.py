@@ -10,7 +10,7 @@ import textwrap
 import attrs
 import pytest
 
-from posttrain import hookimpl
+from posttrain import ScoringOptions, hookimpl
 from posttrain.config.report import ErrorReport
 from posttrain.errors import PluginError
 from posttrain.host.plugin_host import BUILTIN_PLUGINS, ENTRY_POINT_GROUP, create_plugin_host
@@ -312,6 +312,43 @@ def test_a_misspelt_kind_is_refused_where_it_is_written():
         Capabilities(kind="inference")
     with pytest.raises(PluginError, match=r"'train', 'infer' or 'rollout', not 'generator'$"):
         Capabilities(kind="generator")
+
+
+def test_a_config_declaring_a_shared_option_on_its_own_is_refused_at_declaration():
+    """Core reads micro-batch rows and log-prob chunking only through posttrain.ScoringOptions:
+    a config that declares one itself would have it ignored inside the workers."""
+
+    @attrs.frozen(kw_only=True)
+    class ContractOwnOptionsConfig:
+        micro_batch_size: int = 2
+        logprob_micro_batch_size: int = 2
+
+    with pytest.raises(PluginError) as caught:
+        StrategySpec(
+            name="contract_own_options",
+            config_class=ContractOwnOptionsConfig,
+            capabilities=Capabilities(kind="train"),
+        )
+    assert str(caught.value) == (
+        "ContractOwnOptionsConfig declares micro_batch_size, logprob_micro_batch_size, which core "
+        "reads only from posttrain.ScoringOptions: make it `class ContractOwnOptionsConfig("
+        "posttrain.ScoringOptions)` (and drop its own declaration unless it changes the default)"
+    )
+
+    @attrs.frozen(kw_only=True)
+    class ContractInheritedConfig(ScoringOptions):
+        micro_batch_size: int | None = 2  # a new default of an inherited option is fine
+
+    spec = StrategySpec(
+        name="contract_inherited",
+        config_class=ContractInheritedConfig,
+        capabilities=Capabilities(kind="train"),
+    )
+    assert spec.config_class is ContractInheritedConfig
+    with pytest.raises(PluginError, match="must be an attrs class"):
+        StrategySpec(
+            name="contract_dict", config_class=dict, capabilities=Capabilities(kind="train")
+        )
 
 
 class ContractFakeBadKind:

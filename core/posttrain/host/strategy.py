@@ -6,6 +6,7 @@ import difflib
 
 import attrs
 
+from posttrain.config.scoring_options import ScoringOptions
 from posttrain.errors import PluginError
 
 KINDS = ("train", "infer", "rollout")
@@ -32,8 +33,9 @@ class Capabilities:
     fill (``posttrain validate`` refuses the others):
 
     ``"train"``
-        A trainer: ``actor_train``, ``critic`` (with ``"value"`` in ``heads``) and
-        ``reference``. The core calls ``setup_parallel``, ``load_model``, ``train_step``,
+        A trainer: ``actor_train`` and ``critic`` (with ``"value"`` in ``heads``); never a
+        scoring role (``reference``, ``reward``), which runs frozen. The core calls
+        ``setup_parallel``, ``load_model``, ``train_step``,
         ``compute_logprobs`` (old-policy and reference log-probs), ``export_weights`` (the
         source of every weight sync), the checkpoint hooks (``save_checkpoint`` or
         ``begin_checkpoint``/``finish_checkpoint``, ``load_checkpoint``: checkpoints hold the
@@ -89,16 +91,46 @@ class Capabilities:
     lora: bool = False
 
 
+# The options core's helpers read from a strategy_config, by the base that declares them.
+SHARED_OPTIONS = {field.name: ScoringOptions for field in attrs.fields(ScoringOptions)}
+
+
+def _check_config_class(_instance, _attribute, value) -> None:
+    # Core's helpers (score_rows, plan_micro_batches, logprob_forward) read these options only
+    # through their declaring base; a config that declares one on its own would have it ignored
+    # in silence: refuse it where it is declared, not inside a worker.
+    if not attrs.has(value):
+        raise PluginError(
+            f"config_class must be an attrs class (@attrs.frozen(kw_only=True)), not {value!r}"
+        )
+    own = [
+        (field.name, base)
+        for field in attrs.fields(value)
+        if (base := SHARED_OPTIONS.get(field.name)) is not None and not issubclass(value, base)
+    ]
+    if own:
+        names = ", ".join(name for name, _ in own)
+        base = own[0][1].__name__
+        raise PluginError(
+            f"{value.__name__} declares {names}, which core reads only from "
+            f"posttrain.{base}: make it `class {value.__name__}(posttrain.{base})` (and drop "
+            "its own declaration unless it changes the default)"
+        )
+
+
 @attrs.frozen(kw_only=True)
 class StrategySpec:
     """A strategy as registered through ``posttrain_add_strategies``.
 
     ``config_class`` is an attrs class (``frozen=True, kw_only=True``) structured from the role's
-    ``strategy_config`` only once this strategy is chosen.
+    ``strategy_config`` only once this strategy is chosen. The options core's helpers read
+    (rows per forward pass, log-prob chunking) come from :class:`posttrain.ScoringOptions`: a
+    config that declares one of them without inheriting that base is a
+    :class:`~posttrain.errors.PluginError` when the spec is made (core would never read it).
     """
 
     name: str
-    config_class: type
+    config_class: type = attrs.field(validator=_check_config_class)
     capabilities: Capabilities
     description: str = ""
     # Filled in by the plugin host: the plugin (distribution or module) that declared it.
