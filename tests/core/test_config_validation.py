@@ -336,6 +336,25 @@ def test_kl_needs_reference(fake_train_host, model_dir, tmp_path):
     assert report.errors == []
 
 
+def test_a_training_strategy_is_refused_as_reference_with_the_fix(
+    fake_train_host, model_dir, tmp_path
+):
+    """A scoring role runs frozen: a trainer there (which would need training_args and an
+    optimizer it never steps) is refused before any process starts, naming what fits."""
+    raw = _valid_raw(str(model_dir))
+    raw["algorithm"]["kl_coef"] = 0.01
+    raw["reference"] = {
+        "strategy_args": {"strategy_name": CONTRACT_FAKE_TRAIN},
+        "device_mapping": [0],
+    }
+    _, report = _build(raw, fake_train_host, tmp_path)
+    errors = _errors(report)
+    assert list(errors) == ["reference.strategy_args.strategy_name"]
+    text = errors["reference.strategy_args.strategy_name"][0]
+    assert "is a train strategy; reference needs one of kind infer or rollout" in text
+    assert "hf_infer" in text
+
+
 @pytest.mark.parametrize(
     ("devices", "tp", "rollout_batch_size", "group_size", "bad_paths"),
     [

@@ -60,7 +60,9 @@ def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorRep
 ROLE_KINDS = {
     "actor_train": ("train",),
     "actor_infer": ("rollout",),
-    "reference": ("infer", "train", "rollout"),
+    # A scoring role runs frozen: a trainer there would build an optimizer it never steps (and
+    # asks for training_args), so it takes a forward-only or rollout strategy.
+    "reference": ("infer", "rollout"),
     "critic": ("train",),
     "reward": ("infer", "rollout"),
 }
@@ -73,12 +75,11 @@ def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None
             continue  # unknown strategy: already reported
         kinds = ROLE_KINDS[name]
         if spec.capabilities.kind not in kinds:
-            fitting = sorted(s for s, sp in strategies.items() if sp.capabilities.kind in kinds)
             report.error(
                 join_path(name, "strategy_args", "strategy_name"),
                 f"'{spec.name}' is a {spec.capabilities.kind} strategy; {name} needs "
                 f"one of kind {' or '.join(kinds)}",
-                f"installed: {', '.join(fitting) or 'none'}",
+                _fitting_strategies(spec, kinds, strategies),
             )
         elif name == "reference" and not spec.capabilities.computes_logprobs:
             report.error(
@@ -105,6 +106,25 @@ def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None
                 f"'{spec.name}' cannot load a {head} head, which {name} needs",
                 f"strategies that can: {', '.join(able) or 'none installed'}",
             )
+
+
+def _fitting_strategies(spec, kinds: tuple[str, ...], strategies) -> str:
+    """The installed strategies of ``kinds``, those of ``spec``'s own plugin first (a trainer's
+    forward-only sibling shards the model the same way)."""
+    fitting = sorted(
+        (sp.plugin != spec.plugin, s)
+        for s, sp in strategies.items()
+        if sp.capabilities.kind in kinds
+    )
+    names = [s for _, s in fitting]
+    if not names:
+        return "installed: none"
+    if spec.capabilities.kind == "train" and not fitting[0][0]:
+        return (
+            f"a scoring role runs frozen, with no optimizer: use {names[0]}; "
+            f"installed: {', '.join(names)}"
+        )
+    return f"installed: {', '.join(names)}"
 
 
 def _check_roles(wf: Workflow, report: ErrorReport) -> None:
