@@ -8,12 +8,18 @@ from typing import TYPE_CHECKING
 from posttrain.errors import UserError
 
 if TYPE_CHECKING:
+    import pluggy
+
     from posttrain.launch.base import WorkerGroup
     from posttrain.weight_sync.transport import WeightTransport
 
 
 def make_transport(
-    hook, train: WorkerGroup, infer: WorkerGroup, bucket_bytes: int, verify: str = "first"
+    hook: pluggy.HookRelay,
+    train: WorkerGroup,
+    infer: WorkerGroup,
+    bucket_bytes: int,
+    verify: str = "first",
 ) -> WeightTransport:
     """The transport ``posttrain_select_weight_transport`` names, among those declared, checking
     the buckets ``verify`` names (trainer.weight_sync_verify)."""
@@ -34,7 +40,7 @@ def make_transport(
 
 
 def sync_weights(
-    hook, train: WorkerGroup, infer: WorkerGroup, transport: WeightTransport
+    hook: pluggy.HookRelay, train: WorkerGroup, infer: WorkerGroup, transport: WeightTransport
 ) -> dict[str, float]:
     """Move the trainer's weights to the rollout role; the sync's figures (``bytes``, ...)."""
     return hook.posttrain_sync_weights(source=train, target=infer, transport=transport) or {}

@@ -20,7 +20,9 @@ them as they come, with no copy through host memory.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from datetime import timedelta
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -28,10 +30,17 @@ from posttrain.backends.distributed import collective_timeout_s
 from posttrain.protocol import WeightBucket
 from posttrain.weight_sync.verify import SyncLink, begin_sync
 
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+    from posttrain.launch.worker import WorkerRuntime
+
 META_PREFIX = "posttrain_meta/"
+# A bucket's metadata: (name, shape, dtype without "torch.", nbytes) of each of its tensors.
+BucketMeta = list[tuple[str, tuple[int, ...], str, int]]
 
 
-def free_port(runtime) -> int:
+def free_port(runtime: WorkerRuntime) -> int:
     """A TCP port free on this rank's host (the sync group's store listens there)."""
     import socket
 
@@ -40,7 +49,7 @@ def free_port(runtime) -> int:
         return s.getsockname()[1]
 
 
-def _named_group_store(store, group_name: str, device: str):
+def _named_group_store(store: dist.Store, group_name: str, device: str) -> dist.PrefixStore:
     """The keys of a process group named ``group_name`` in ``store``, laid out as torch's own
     named groups lay them out when made over a ``tcp://`` rendezvous (``PrefixStore(name)``, then
     ``"name/"``, then the device type): the layout of SGLang's ``init_weights_update_group``
@@ -53,7 +62,7 @@ def _named_group_store(store, group_name: str, device: str):
 
 
 def join_sync_group(
-    runtime,
+    runtime: WorkerRuntime,
     addr: str,
     port: int,
     group_rank: int,
@@ -95,28 +104,28 @@ def join_sync_group(
     return True
 
 
-def leave_sync_group(runtime) -> bool:
+def leave_sync_group(runtime: WorkerRuntime) -> bool:
     link, runtime.ctx.sync.link = runtime.ctx.sync.link, None
     if link is not None and link.receiver is not None:
         link.receiver[0].leave(link.receiver[1])
     return True
 
 
-def _link(runtime) -> SyncLink:
+def _link(runtime: WorkerRuntime) -> SyncLink:
     link = runtime.ctx.sync.link
     if link is None:
         raise RuntimeError(f"{runtime.ctx.role} rank {runtime.ctx.rank} is in no sync group")
     return link
 
 
-def bucket_meta(bucket: WeightBucket) -> list[tuple[str, tuple[int, ...], str, int]]:
+def bucket_meta(bucket: WeightBucket) -> BucketMeta:
     return [
         (name, tuple(t.shape), str(t.dtype).removeprefix("torch."), t.numel() * t.element_size())
         for name, t in bucket.tensors
     ]
 
 
-def export_next_meta(runtime):
+def export_next_meta(runtime: WorkerRuntime) -> BucketMeta | None:
     """Advance the export; keep the bucket here and return its (name, shape, dtype, nbytes)."""
     bucket = runtime.export_next()
     if bucket is None:
@@ -125,7 +134,7 @@ def export_next_meta(runtime):
     return bucket_meta(bucket)
 
 
-def _broadcast(runtime, flat: torch.Tensor):
+def _broadcast(runtime: WorkerRuntime, flat: torch.Tensor) -> dist.Work:
     """Start broadcasting ``flat`` from group rank 0; return the work to wait on."""
     import torch.distributed as dist
 
@@ -144,7 +153,7 @@ def _flatten(bucket: WeightBucket, device: str) -> torch.Tensor:
     )
 
 
-def broadcast_pending(runtime) -> bool:
+def broadcast_pending(runtime: WorkerRuntime) -> bool:
     link = _link(runtime)
     bucket, link.pending = link.pending, None
     if link.group is None or bucket is None:
@@ -153,7 +162,9 @@ def broadcast_pending(runtime) -> bool:
     return True
 
 
-def _receive_bucket(runtime, meta, digests=None) -> WeightBucket:
+def _receive_bucket(
+    runtime: WorkerRuntime, meta: BucketMeta, digests: list[int] | None = None
+) -> WeightBucket:
     total = sum(n for *_, n in meta)
     flat = torch.empty(total, dtype=torch.uint8, device=runtime.ctx.device)
     _broadcast(runtime, flat).wait()
@@ -165,20 +176,20 @@ def _receive_bucket(runtime, meta, digests=None) -> WeightBucket:
     return WeightBucket(tensors, digests)
 
 
-def receive_and_import(runtime, meta) -> bool:
+def receive_and_import(runtime: WorkerRuntime, meta: BucketMeta) -> bool:
     receiver = _link(runtime).receiver
     if receiver is not None:
         return receiver[0].receive(meta, receiver[1])
     return runtime.import_weights([_receive_bucket(runtime, meta)])
 
 
-def _next_round(runtime) -> int:
+def _next_round(runtime: WorkerRuntime) -> int:
     link = _link(runtime)
     link.rounds += 1
     return link.rounds
 
 
-def stream_send(runtime, bucket_bytes: int, verify: str = "first") -> dict[str, int]:
+def stream_send(runtime: WorkerRuntime, bucket_bytes: int, verify: str = "first") -> dict[str, int]:
     """Trainer ranks: run the export (collective); the sending rank publishes each bucket's
     metadata and broadcasts its bytes, exporting bucket k+1 while bucket k is on the wire.
 
@@ -218,7 +229,7 @@ def stream_send(runtime, bucket_bytes: int, verify: str = "first") -> dict[str, 
     return {"bytes": total, "buckets": count}
 
 
-def stream_receive(runtime) -> dict[str, int]:
+def stream_receive(runtime: WorkerRuntime) -> dict[str, int]:
     """Rollout ranks: read each bucket's metadata from the store and receive it (or let the
     engine's receiver take part in the broadcast), until the round's end marker."""
     import pickle
@@ -228,7 +239,7 @@ def stream_receive(runtime) -> dict[str, int]:
     receiver = _link(runtime).receiver
     counts = {"bytes": 0, "buckets": 0}
 
-    def metas():
+    def metas() -> Iterator[BucketMeta]:
         while True:
             meta = pickle.loads(store.get(f"{sync_round}/{counts['buckets']}"))
             if meta is None:
@@ -250,7 +261,7 @@ def stream_receive(runtime) -> dict[str, int]:
 
 
 def hand_over(
-    runtime, target_role: str, bucket_bytes: int, verify: str = "first"
+    runtime: WorkerRuntime, target_role: str, bucket_bytes: int, verify: str = "first"
 ) -> dict[str, int]:
     """Hybrid engine: export on this rank's trainer role (every rank gathers the full tensors
     on its device) and load each bucket into ``target_role`` of the same process as it comes."""
@@ -259,7 +270,7 @@ def hand_over(
     counts = {"bytes": 0, "buckets": 0}
     buckets = runtime.export_weights(bucket_bytes, on_device=True)
 
-    def counted():
+    def counted() -> Iterator[WeightBucket]:
         for bucket in buckets:
             counts["bytes"] += bucket.nbytes
             counts["buckets"] += 1

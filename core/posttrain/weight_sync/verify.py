@@ -133,16 +133,18 @@ def check_names(bucket: WeightBucket, where: str, expected: dict[str, tuple[int,
 
 
 def check(bucket: WeightBucket, where: str) -> None:
+    sent_sums = bucket.digests
+    assert sent_sums is not None  # checked() checks only the buckets that carry sums
     names = [name for name, _ in bucket.tensors]
-    if len(bucket.digests) != len(names):
+    if len(sent_sums) != len(names):
         raise WeightSyncMismatch(
             f"weight sync into {where}: a bucket of {len(names)} tensors came with the sums of "
-            f"{len(bucket.digests)}: its tensors were added or dropped on the way ({names[:5]})"
+            f"{len(sent_sums)}: its tensors were added or dropped on the way ({names[:5]})"
         )
     got = byte_sums(t for _, t in bucket.tensors)
     differ = [
         f"{name} (sent {sent}, received {recv})"
-        for name, sent, recv in zip(names, bucket.digests, got)
+        for name, sent, recv in zip(names, sent_sums, got)
         if sent != recv
     ]
     if differ:
