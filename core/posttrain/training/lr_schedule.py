@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 if TYPE_CHECKING:
-    from posttrain.config.sections import RoleConfig, Workflow
+    from posttrain.config.sections import RoleConfig, TrainingArgs, Workflow
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def with_schedule(role: RoleConfig, workflow: Workflow) -> RoleConfig:
     return attrs.evolve(role, training_args=resolved)
 
 
-def lr_lambda(args) -> Callable[[int], float]:
+def lr_lambda(args: TrainingArgs) -> Callable[[int], float]:
     """HF-style schedule multiplier: linear warmup from 0, then constant / linear / cosine decay
     to 0 at ``max_steps`` (constant when ``max_steps`` is unknown)."""
     total = args.max_steps if args.max_steps and args.max_steps > 0 else 0

@@ -8,8 +8,8 @@ HF model share these.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -27,6 +27,10 @@ from posttrain.training.micro_batching import (
 
 if TYPE_CHECKING:
     from posttrain.launch.worker import WorkerContext
+
+# A micro-batch's forward pass: logits, a value or score head's output, or the chunked
+# head's TokenLogprobs.
+Forward = Callable[[SequenceBatch], Any]
 
 
 def micro_batch_size(worker: WorkerContext, train: bool, for_logprobs: bool) -> int:
@@ -89,14 +93,14 @@ def filler_micro_batch(batch: SequenceBatch) -> SequenceBatch:
     return SequenceBatch(tensors, dict(batch.meta))
 
 
-def to_device(batch: SequenceBatch, device) -> SequenceBatch:
+def to_device(batch: SequenceBatch, device: torch.device | str) -> SequenceBatch:
     return SequenceBatch(
         {k: v.to(device, non_blocking=True) for k, v in batch.tensors.items()}, dict(batch.meta)
     )
 
 
 def micro_batches(
-    batch: SequenceBatch, groups: list[list[int]], count: int, device
+    batch: SequenceBatch, groups: list[list[int]], count: int, device: torch.device | str
 ) -> Iterator[tuple[list[int] | None, SequenceBatch]]:
     """``count`` micro-batches on ``device``: ``(row indices, rows)`` for this rank's real ones,
     then ``(None, filler)`` until every rank has run as many."""
@@ -111,7 +115,7 @@ def _loss_inputs(
     logits: torch.Tensor | TokenLogprobs,
     mb: SequenceBatch,
     entropy_grad: bool,
-):
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """What the loss takes from the model's output: values for a value head, else log-probs
     and entropy (computed from logits, or already computed by a chunked head)."""
     if worker.head == "value":
@@ -127,7 +131,13 @@ def _loss_inputs(
 
 
 def accumulate_gradients(
-    worker: WorkerContext, batch: SequenceBatch, forward, backward, loss_fn
+    worker: WorkerContext,
+    batch: SequenceBatch,
+    forward: Forward,
+    backward: Callable[[torch.Tensor], object],
+    loss_fn: Callable[
+        [torch.Tensor, torch.Tensor | None, SequenceBatch], tuple[torch.Tensor, dict[str, float]]
+    ],
 ) -> dict[str, float]:
     """Forward ``forward(mb) -> logits`` (a value head's ``[B, T, 1]`` for a critic; or the
     :class:`~posttrain.scoring.logprob_head.TokenLogprobs` of ``logprob_forward``), the core's
@@ -151,7 +161,14 @@ def accumulate_gradients(
 
 
 @torch.no_grad()
-def score_tokens(batch: SequenceBatch, groups, count, device, forward, per_token) -> torch.Tensor:
+def score_tokens(
+    batch: SequenceBatch,
+    groups: list[list[int]],
+    count: int,
+    device: torch.device | str,
+    forward: Forward,
+    per_token: Callable[[Any, SequenceBatch], torch.Tensor],
+) -> torch.Tensor:
     """``per_token(forward(mb), mb)`` of this rank's rows, masked by attention (float32, on the
     host, laid out as ``batch``)."""
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
@@ -171,19 +188,37 @@ def _token_logprobs(out: torch.Tensor | TokenLogprobs, mb: SequenceBatch) -> tor
     return shifted_token_logprobs(out, mb.input_ids)
 
 
-def score_logprobs(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+def score_logprobs(
+    batch: SequenceBatch,
+    groups: list[list[int]],
+    count: int,
+    device: torch.device | str,
+    forward: Forward,
+) -> torch.Tensor:
     """Per-token log-probs of this rank's rows; ``forward(mb)`` returns logits (or
     :class:`~posttrain.scoring.logprob_head.TokenLogprobs`, see ``logprob_forward``)."""
     return score_tokens(batch, groups, count, device, forward, _token_logprobs)
 
 
-def score_values(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+def score_values(
+    batch: SequenceBatch,
+    groups: list[list[int]],
+    count: int,
+    device: torch.device | str,
+    forward: Forward,
+) -> torch.Tensor:
     """A critic's values of this rank's rows; ``forward(mb)`` returns the ``[B, T, 1]`` head."""
     return score_tokens(batch, groups, count, device, forward, lambda out, mb: shifted_values(out))
 
 
 @torch.no_grad()
-def score_sequences(batch: SequenceBatch, groups, count, device, forward) -> torch.Tensor:
+def score_sequences(
+    batch: SequenceBatch,
+    groups: list[list[int]],
+    count: int,
+    device: torch.device | str,
+    forward: Forward,
+) -> torch.Tensor:
     """One score per row of this rank's share (float32, host); ``forward(mb)`` returns them."""
     out = torch.zeros(len(batch), dtype=torch.float32)
     for rows, mb in micro_batches(batch, groups, count, device):
@@ -196,7 +231,14 @@ def score_sequences(batch: SequenceBatch, groups, count, device, forward) -> tor
 
 @torch.no_grad()
 def score_rows(
-    worker: WorkerContext, batch: SequenceBatch, model, score, forward, train: bool
+    worker: WorkerContext,
+    batch: SequenceBatch,
+    model: torch.nn.Module,
+    score: Callable[
+        [SequenceBatch, list[list[int]], int, torch.device | str, Forward], torch.Tensor
+    ],
+    forward: Forward,
+    train: bool,
 ) -> torch.Tensor:
     """``score`` (:func:`score_logprobs`, :func:`score_values`, :func:`score_sequences`) of this
     rank's rows through ``forward(micro_batch)``, planned as a scoring pass of a trainer
