@@ -133,12 +133,14 @@ def inline_spans(doc: Path) -> list[str]:
 
 @pytest.fixture(scope="module")
 def host():
-    """The CLI's plugin host, plus the example plugin that the guide's examples name."""
+    """The CLI's plugin host, plus the example plugin's two entry points (the guide's examples
+    name them: its reward, environment and logger, and the trainer ddp_train)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.syspath_prepend(str(EXAMPLE_PLUGIN_SRC))
+        from posttrain_example_plugin import ddp_plugin
         from posttrain_example_plugin import plugin as example
 
-        yield create_plugin_host(extra_plugins=[example])
+        yield create_plugin_host(extra_plugins=[example, ddp_plugin.plugin])
     for name in [m for m in sys.modules if m.startswith("posttrain_example_plugin")]:
         del sys.modules[name]
 

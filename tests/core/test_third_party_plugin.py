@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import zipfile
+from pathlib import Path
 
 import pytest
 from plugin_venv import REPO, build_plugin_venv, run_in_venv
@@ -318,6 +319,29 @@ def test_the_guides_pyproject_builds_beside_workflows_and_runs(tmp_path):
     with zipfile.ZipFile(wheel) as archive:
         tops = {name.split("/")[0] for name in archive.namelist()}
     assert tops == {"posttrain_mybackend", "posttrain_mybackend-0.1.0.dist-info"}, tops
+
+
+def test_the_guides_trainer_blocks_are_the_examples_files():
+    """Section 5b shows ddp_train's files whole, in blocks each marked with its file: joined in
+    order they equal the file (blank lines between blocks aside), so guide and example cannot
+    drift apart. The docs' test (test_docs_examples.py) runs the same blocks."""
+    text = GUIDE.read_text(encoding="utf-8")
+    shown: dict[str, list[str]] = {}
+    for path, body in re.findall(
+        r"^<!-- file: (\S+) -->\n```python\n(.*?)^```$", text, re.M | re.S
+    ):
+        shown.setdefault(path, []).append(body)
+    assert {Path(p).name for p in shown} == {
+        "ddp_plugin.py",
+        "ddp_engine.py",
+        "test_ddp_contract.py",
+    }
+
+    def squeezed(source: str) -> str:
+        return re.sub(r"\n\s*\n", "\n\n", source).strip()
+
+    for path, bodies in shown.items():
+        assert squeezed("\n".join(bodies)) == squeezed((REPO / path).read_text()), path
 
 
 # ddp_train (the example's trainer) ---------------------------------------------------------
