@@ -36,11 +36,14 @@ import contextlib
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from posttrain.rollout.groups import ScoredGroups
+
+if TYPE_CHECKING:
+    from posttrain.trainer.phase_timer import PhaseTimer
 
 
 @attrs.define
@@ -63,7 +66,7 @@ class ProducedBatch:
 Produce = Callable[..., tuple[ScoredGroups, dict[str, float], dict[str, int]]]
 # A weight sync: returns what it moved ({"bytes": ...}). None: the step changed no weights (a
 # critic's warm-up), the schedule moves on all the same.
-Sync = Callable[[], dict] | None
+Sync = Callable[[], dict[str, Any]] | None
 
 
 class _Stopped(Exception):
@@ -79,13 +82,13 @@ class SynchronousBatches:
         self.version = version
         self._ahead = collections.deque(ahead)
 
-    def next(self, index: int, timer) -> ProducedBatch:
+    def next(self, index: int, timer: PhaseTimer) -> ProducedBatch:
         if self._ahead:
             return _expected(self._ahead.popleft(), index)
         scored, sampling, sampler_state = self.produce(index, timer)
         return ProducedBatch(index, scored, sampling, sampler_state, self.version)
 
-    def sync_weights(self, sync: Sync, version: int) -> dict:
+    def sync_weights(self, sync: Sync, version: int) -> dict[str, Any]:
         if sync is None:
             return {}
         result = sync()
@@ -218,7 +221,7 @@ class AsyncBatches:
                 version = self.version
             yield version
 
-    def next(self, index: int, timer) -> ProducedBatch:
+    def next(self, index: int, timer: PhaseTimer) -> ProducedBatch:
         """The batch of step ``index``; waiting for it is the trainer's idle time, timed as the
         ``wait_rollout`` phase."""
         with timer.phase("wait_rollout"), self._changed:
@@ -247,7 +250,7 @@ class AsyncBatches:
         the staleness bound or the engine (a weight sync) since the previous step."""
         return {"idle/trainer_s": metrics["time/wait_rollout"], "idle/rollout_s": self._idle_last}
 
-    def sync_weights(self, sync: Sync, version: int) -> dict:
+    def sync_weights(self, sync: Sync, version: int) -> dict[str, Any]:
         """The weight sync after step ``version``: once the batches the previous policy samples
         are made (not with partial rollouts: those take the sync between two segments), run
         ``sync`` between two generations, then let the producer go on with ``version``."""

@@ -26,6 +26,9 @@ from posttrain.rollout.partial import (
 )
 
 if TYPE_CHECKING:
+    import pluggy
+    from transformers import PreTrainedTokenizerBase
+
     from posttrain.config.sections import GeneratingArgs, Workflow
     from posttrain.launch.base import WorkerGroup
     from posttrain.launch.placement import TimeSharing
@@ -88,14 +91,14 @@ class Rollout:
         prompts: list[Prompt],
         sampler: PromptSampler,
         score: RewardScorer,
-        tokenizer,
-        hook,
+        tokenizer: PreTrainedTokenizerBase,
+        hook: pluggy.HookRelay,
         log_dir: str | None = None,
-    ):
+    ) -> None:
         self.log_dir = log_dir
         self.algorithm = workflow.algorithm
         self.environment = workflow.environment
-        self.generating_args = workflow.actor_infer.generating_args
+        self.generating_args = workflow.roles()["actor_infer"].generating_args
         self.seed = workflow.trainer.seed
         self.function_weight = workflow.reward.function_weight
         self.infer = infer
@@ -141,7 +144,9 @@ class Rollout:
             prompts=picked, samples=samples, rewards=rewards, reward_metrics=metrics
         )
 
-    def _episodes(self, picked, seed: int, label: str, timer: PhaseTimer) -> ScoredGroups:
+    def _episodes(
+        self, picked: list[Prompt], seed: int, label: str, timer: PhaseTimer
+    ) -> ScoredGroups:
         """Multi-turn episodes in the workflow's environment (``environment.name``): their
         rewards take the place of the rule function's score."""
         with timer.phase("rollout"):
@@ -169,7 +174,9 @@ class Rollout:
         )
 
     def _turn_sampler(self, seed: int) -> Callable[..., RolloutSamples]:
-        def sample(contexts, sampling, turn: int) -> RolloutSamples:
+        def sample(
+            contexts: list[list[int]], sampling: SamplingParams, turn: int
+        ) -> RolloutSamples:
             return generate(self.infer, contexts, sampling, seed + turn * 7919)
 
         return sample
@@ -178,7 +185,9 @@ class Rollout:
     def _episode_runner(self) -> EpisodeRunner:
         """The environment's episode runner, made for the first step (reward.function scores
         the answers environments hand over)."""
-        spec = environment_specs(self.hook)[self.environment.name]
+        name = self.environment.name
+        assert name is not None  # made only for a workflow that names its environment
+        spec = environment_specs(self.hook)[name]
         return EpisodeRunner(
             spec, self.environment, self.tokenizer, self.score.rule_rewards, self.log_dir
         )

@@ -48,13 +48,18 @@ class ScoredGroups:
         import torch
 
         # Every round of a step runs the same environment: all have turn rewards, or none.
-        per_turn = parts[0].turn_rewards is not None
+        turn_rewards: list[list[float]] | None = None
+        if parts[0].turn_rewards is not None:
+            turn_rewards = []
+            for part in parts:
+                assert part.turn_rewards is not None
+                turn_rewards += part.turn_rewards
         return cls(
             prompts=[p for part in parts for p in part.prompts],
             samples=RolloutSamples.concat(part.samples for part in parts),
             rewards=torch.cat([part.rewards for part in parts]),
             reward_metrics=_mean_metrics([part.reward_metrics for part in parts]),
-            turn_rewards=[r for part in parts for r in part.turn_rewards] if per_turn else None,
+            turn_rewards=turn_rewards,
         )
 
 

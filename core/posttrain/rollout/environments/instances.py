@@ -5,11 +5,17 @@ runner alike: one :class:`~posttrain.rollout.environments.calls.Outcome` per cal
 
 from __future__ import annotations
 
-from typing import Any, Protocol
+import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import attrs
 
 from posttrain.rollout.environments.calls import Outcome, call_all
+
+if TYPE_CHECKING:
+    from posttrain.config.sections import EnvironmentConfig
+    from posttrain.rollout.environments.protocol import Environment
 
 
 class Instances(Protocol):
@@ -29,7 +35,7 @@ class Instances(Protocol):
 class ThreadInstances:
     """Environments in the driver; each round's calls run side by side in daemon threads."""
 
-    def __init__(self, factory, config):
+    def __init__(self, factory: Callable[[Any], Environment], config: Any) -> None:
         self.factory = factory
         self.config = config
         self.environments: dict[str, Any] = {}
@@ -43,7 +49,7 @@ class ThreadInstances:
 
     def call(self, method: str, calls: list[tuple[str, Any]], timeout_s: float) -> list[Outcome]:
         bound = [getattr(self.environments[i], method) for i, _ in calls]
-        return call_all([lambda f=f, a=a: f(a) for f, (_, a) in zip(bound, calls)], timeout_s)
+        return call_all([functools.partial(f, a) for f, (_, a) in zip(bound, calls)], timeout_s)
 
     def forget_all(self) -> None:
         # An abandoned call may still hold its environment; no call reaches it again.
@@ -58,14 +64,17 @@ def _without_value(outcome: Outcome) -> Outcome:
     return attrs.evolve(outcome, value=None)
 
 
-def make_instances(spec_factory, factory, environment) -> Instances:
-    """The instances ``environment.isolation`` asks for, of ``environment.kwargs``
-    (``spec_factory``: the factory as the spec declares it, a callable or ``"module:attr"``;
-    ``factory``: it loaded)."""
+def make_instances(
+    name: str,
+    spec_factory: Callable[[Any], Environment] | str,
+    factory: Callable[[Any], Environment],
+    environment: EnvironmentConfig,
+) -> Instances:
+    """The instances ``environment.isolation`` asks for, of ``environment.kwargs`` (``name``:
+    ``environment.name``; ``spec_factory``: the factory as the spec declares it, a callable or
+    ``"module:attr"``; ``factory``: it loaded)."""
     if environment.isolation == "process":
         from posttrain.rollout.environments.process_pool import ProcessInstances
 
-        return ProcessInstances(
-            environment.name, spec_factory, environment.kwargs, environment.processes
-        )
+        return ProcessInstances(name, spec_factory, environment.kwargs, environment.processes)
     return ThreadInstances(factory, environment.kwargs)

@@ -10,13 +10,19 @@ tool messages out of a rendered conversation), so any template that can render t
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from posttrain.errors import UserError
 from posttrain.rollout.environments.protocol import ObservationRole
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 
 _MARKER = "POSTTRAIN-MODEL-TURN"
 
 
-def message_delta(tokenizer, content: str, role: str) -> str:
+def message_delta(tokenizer: PreTrainedTokenizerBase, content: str, role: str) -> str:
     """What the chat template writes after a model turn when a ``role`` message with
     ``content`` follows and the model is prompted again."""
     messages = [
@@ -38,7 +44,7 @@ def message_delta(tokenizer, content: str, role: str) -> str:
 class ObservationEncoder:
     """``encode(observation, role, turn_ids)``: the token ids appended after a model turn."""
 
-    def __init__(self, tokenizer):
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.tokenizer = tokenizer
         self.templated = bool(getattr(tokenizer, "chat_template", None))
         self.special = set(tokenizer.all_special_ids)

@@ -56,7 +56,7 @@ class PythonSandboxConfig:
     # Append the call syntax and the tool's documentation to the prompt.
     announce: bool = False
 
-    def __attrs_post_init__(self):
+    def __attrs_post_init__(self) -> None:
         if self.backend == "remote" and not self.url:
             raise ValueError("backend 'remote' needs url: the SandboxFusion service's address")
         if self.backend == "local" and self.url:

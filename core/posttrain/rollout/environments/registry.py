@@ -3,15 +3,20 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import UserError
 from posttrain.host.plugin_host import declared_by_name
 from posttrain.host.references import load_reference
 from posttrain.rollout.environments.protocol import Environment, EnvironmentSpec
 
+if TYPE_CHECKING:
+    import pluggy
 
-def environment_specs(hook) -> dict[str, EnvironmentSpec]:
+    from posttrain.config.sections import EnvironmentConfig
+
+
+def environment_specs(hook: pluggy.HookRelay) -> dict[str, EnvironmentSpec]:
     """Every declared environment; one name declared by two plugins is an error naming both."""
     return declared_by_name(hook.posttrain_add_environments, "environment")
 
@@ -26,7 +31,7 @@ def environment_factory(name: str, spec: EnvironmentSpec) -> Callable[[Any], Env
     return factory
 
 
-def prompt_tools(config, hook) -> list[dict[str, Any]] | None:
+def prompt_tools(config: EnvironmentConfig, hook: pluggy.HookRelay) -> list[dict[str, Any]] | None:
     """The tool schemas prompts are rendered with (``apply_chat_template(tools=...)``) under the
     workflow's ``environment`` section (its kwargs structured); None without an environment or
     without tools."""

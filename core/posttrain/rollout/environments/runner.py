@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -29,6 +29,9 @@ from posttrain.rollout.environments.instances import make_instances
 from posttrain.rollout.environments.observations import ObservationEncoder
 from posttrain.rollout.environments.protocol import EnvironmentSpec, EpisodePrompt, ModelTurn
 from posttrain.rollout.environments.registry import environment_factory
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # generate(contexts, sampling, turn) -> one sample per context, in order.
 Generate = Callable[[list[list[int]], SamplingParams, int], RolloutSamples]
@@ -94,18 +97,20 @@ class EpisodeRunner:
         self,
         spec: EnvironmentSpec,
         config: EnvironmentConfig,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         score: ScoreAnswers | None = None,
         log_dir: str | None = None,
-    ):
-        self.name = config.name
-        factory = environment_factory(config.name, spec)
-        self.instances = make_instances(spec.factory, factory, config)
+    ) -> None:
+        name = config.name
+        assert name is not None  # episodes run only in a workflow that names its environment
+        self.name = name
+        factory = environment_factory(name, spec)
+        self.instances = make_instances(name, spec.factory, factory, config)
         # Names the factory in a constructor's failure.
         self.constructor = (
             spec.factory if isinstance(spec.factory, str) else getattr(factory, "__qualname__", "")
         )
-        self.failure_log = FailureLog(config.name, log_dir, config.max_failed_steps)
+        self.failure_log = FailureLog(name, log_dir, config.max_failed_steps)
         self.config = config
         self.stops = spec.stops(config.kwargs)
         self.tokenizer = tokenizer

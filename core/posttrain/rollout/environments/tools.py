@@ -30,7 +30,7 @@ import functools
 import inspect
 import json
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -40,6 +40,9 @@ from posttrain.rollout.environments.protocol import (
     ModelTurn,
     ObservationRole,
 )
+
+if TYPE_CHECKING:
+    from posttrain.rollout.environments.protocol import EpisodePrompt
 
 
 class ToolError(Exception):
@@ -206,7 +209,7 @@ class ToolEnvironment:
         template's (compact calls would contradict what the template tells the model)."""
         return [tool.schema() for tool in self.tools.values()] if self.syntax.templated else []
 
-    def reset(self, prompt) -> str | None:
+    def reset(self, prompt: EpisodePrompt) -> str | None:
         return self.instructions() if self.announce else None
 
     def step(self, turn: ModelTurn) -> EnvStep:

@@ -4,7 +4,7 @@ starts), and what they settle: the environment's typed config and its stop strin
 from __future__ import annotations
 
 import pickle
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -15,8 +15,20 @@ from posttrain.errors import UserError
 from posttrain.host.references import WHERE_MODULES_ARE, missing_module, split_reference
 from posttrain.rollout.environments.registry import environment_specs
 
+if TYPE_CHECKING:
+    import pluggy
 
-def check_environment(wf: Workflow, raw: Any, hook, strategies, report: ErrorReport) -> Workflow:
+    from posttrain.host.strategy import StrategySpec
+    from posttrain.rollout.environments.protocol import EnvironmentSpec
+
+
+def check_environment(
+    wf: Workflow,
+    raw: Any,
+    hook: pluggy.HookRelay,
+    strategies: dict[str, StrategySpec],
+    report: ErrorReport,
+) -> Workflow:
     """Report what is wrong with ``environment``; return the workflow with
     ``environment.kwargs`` structured into the environment's config class and its stop strings
     added to ``actor_infer.generating_args.stop_strings`` (engines that set stop strings up when
@@ -67,7 +79,7 @@ def check_environment(wf: Workflow, raw: Any, hook, strategies, report: ErrorRep
     return _with_stop_strings(wf, spec.stops(config), strategies, report)
 
 
-def _check_factory(name: str, spec, report: ErrorReport) -> None:
+def _check_factory(name: str, spec: EnvironmentSpec, report: ErrorReport) -> None:
     """A factory given as ``"module:attr"`` must name a module that can be found (it is
     imported when the first episode starts)."""
     if callable(spec.factory):
@@ -89,7 +101,7 @@ def _check_factory(name: str, spec, report: ErrorReport) -> None:
         )
 
 
-def _check_sendable(name: str, spec, config, report: ErrorReport) -> None:
+def _check_sendable(name: str, spec: EnvironmentSpec, config: Any, report: ErrorReport) -> None:
     """``isolation: process`` pickles the factory and the kwargs to each worker process."""
     try:
         pickle.dumps((spec.factory, config))
@@ -102,7 +114,12 @@ def _check_sendable(name: str, spec, config, report: ErrorReport) -> None:
         )
 
 
-def _with_stop_strings(wf: Workflow, stops, strategies, report: ErrorReport) -> Workflow:
+def _with_stop_strings(
+    wf: Workflow,
+    stops: tuple[str, ...],
+    strategies: dict[str, StrategySpec],
+    report: ErrorReport,
+) -> Workflow:
     infer = wf.actor_infer
     if not stops or infer is None:
         return wf

@@ -12,9 +12,13 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.rollout.environments.calls import Outcome, raised
+
+if TYPE_CHECKING:
+    from collections.abc import Callable
+    from multiprocessing.connection import Connection
 
 # Messages from the driver besides calls (index, episode id, method, argument).
 FORGET = "forget"  # drop every environment: the step's episodes are over
@@ -23,7 +27,7 @@ STOP = None
 PARENT_POLL_S = 0.5
 
 
-def serve(conn, factory: Any, config: Any, parent_pid: int) -> None:
+def serve(conn: Connection, factory: Any, config: Any, parent_pid: int) -> None:
     """The worker's life: ``factory`` (a callable, or ``"module:attr"``) builds one environment
     from ``config`` for each ``create`` call; other calls go to the episode's environment."""
     os.setsid()
@@ -57,7 +61,14 @@ def serve(conn, factory: Any, config: Any, parent_pid: int) -> None:
             conn.send((index, Outcome(error=reason)))
 
 
-def _answer(environments, factory, config, episode_id: str, method: str, argument) -> Outcome:
+def _answer(
+    environments: dict[str, Any],
+    factory: Callable[[Any], Any],
+    config: Any,
+    episode_id: str,
+    method: str,
+    argument: Any,
+) -> Outcome:
     try:
         if method == "create":
             environments[episode_id] = factory(config)
