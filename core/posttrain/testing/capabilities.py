@@ -56,6 +56,11 @@ _TRAINERS = "a kind='train' strategy"
 USES = (
     HookUse("setup_parallel", _always, "every strategy"),
     HookUse("load_model", _always, "every strategy"),
+    # Devices shared with another role's phase, and the run's end: without them a colocated
+    # run keeps this role's memory through the other's phase, and its process group open.
+    HookUse("release_memory", _always, "every strategy"),
+    HookUse("resume_memory", _always, "every strategy"),
+    HookUse("shutdown_worker", _always, "every strategy"),
     HookUse("generate", _kind("rollout"), _ROLLOUTS, ("kind",), fix_unused=_ROLLOUT),
     HookUse("import_weights", _kind("rollout"), _ROLLOUTS, ("kind",), fix_unused=_ROLLOUT),
     HookUse(

@@ -19,6 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from posttrain.backends.models import HEAD_WEIGHT
+from posttrain.backends.plumbing import MEMORY_TAGS
 from posttrain.config.sections import (
     ROLE_HEADS,
     AlgorithmConfig,
@@ -29,7 +30,6 @@ from posttrain.config.sections import (
     StrategyArgs,
     TrainingArgs,
 )
-from posttrain.host.plugin_host import create_plugin_host
 from posttrain.launch.base import GroupSpec
 from posttrain.launch.local import LocalLauncher
 from posttrain.protocol import (
@@ -44,12 +44,15 @@ from posttrain.testing.capabilities import check_capabilities
 from posttrain.testing.expected import (
     export_state,
     group_values,
+    kit_host,
     masked_value_loss,
     max_sample_logprob_diff,
     perturbed_state,
     reference_logprobs,
     reference_values,
+    rng_fingerprint,
     samples_batch,
+    state_difference,
     structure_config,
     synthetic_train_batch,
     value_probe,
@@ -57,9 +60,22 @@ from posttrain.testing.expected import (
 )
 from posttrain.weight_sync.transport import InProcessTransport, SharedMemoryTransport
 
+# The resume contract's training: warmup then linear decay (the rate moves every step, so a
+# schedule that restarts after a load shows), and clipping far below the gradients' norm (it
+# acts on every step, as it does early in real runs).
+RESUME_TRAINING = TrainingArgs(
+    learning_rate=1e-2,
+    max_grad_norm=1e-3,
+    lr_scheduler_type="linear",
+    warmup_steps=2,
+    max_steps=8,
+)
+
 
 class StrategyContract:
-    """Subclass with ``strategy = "name"``; optionally ``strategy_config``, ``world_size``."""
+    """Subclass with ``strategy = "name"``; optionally ``strategy_config``, ``world_size``, and
+    ``plugins``: modules to load as a workflow's ``plugins:`` list would (a strategy whose
+    package is not installed; its folder must be on ``PYTHONPATH`` for the rank processes)."""
 
     strategy: ClassVar[str] = ""
     strategy_config: ClassVar[dict[str, Any]] = {}
@@ -74,19 +90,21 @@ class StrategyContract:
     # A trainer with the ``lora`` capability runs the contract again with adapters: export and
     # sync send merged weights, checkpoints hold the adapters.
     lora: ClassVar[LoraArgs | None] = None
+    plugins: ClassVar[tuple[str, ...]] = ()
 
     # -- helpers ---------------------------------------------------------------------------
 
     @pytest.fixture(scope="class")
     @classmethod
     def spec_and_config(cls):
-        return structure_config(cls.strategy, dict(cls.strategy_config))
+        return structure_config(cls.strategy, dict(cls.strategy_config), cls.plugins)
 
     @pytest.fixture
     def start(self, spec_and_config, tiny_model_path, tmp_path):
         """``start(strategy=None, config=None, world_size=None)`` -> a started worker group;
         ``start(..., beside=("hf_infer", "actor_infer"))`` -> the group and a group of that
-        strategy and role hosted by the same rank processes (the hybrid engine)."""
+        strategy and role hosted by the same rank processes (the hybrid engine);
+        ``training_args`` replaces the kit's default (a constant rate, clipping at 1.0)."""
 
         launcher = LocalLauncher(
             call_timeout_s=self.group_timeout_s, start_timeout_s=self.group_timeout_s
@@ -99,21 +117,24 @@ class StrategyContract:
             world_size: int | None = None,
             role: str = "actor_train",
             beside: tuple[str, str] | None = None,
+            training_args: TrainingArgs | None = None,
         ):
             if beside is not None:
-                spec = spec_for(strategy, config, world_size, role)
-                other = spec_for(beside[0], None, spec.config.num_ranks, beside[1])
+                spec = spec_for(strategy, config, world_size, role, training_args)
+                other = spec_for(beside[0], None, spec.config.num_ranks, beside[1], None)
                 groups = launcher.start_processes([spec, other])
                 return groups[role], groups[beside[1]]
-            return launcher.start_group(spec_for(strategy, config, world_size, role))
+            return launcher.start_group(spec_for(strategy, config, world_size, role, training_args))
 
-        def spec_for(strategy, config, world_size, role):
+        def spec_for(strategy, config, world_size, role, training_args):
             if strategy is None:
                 strategy, config = self.strategy, spec_and_config[1]
             elif config is None:
-                config = structure_config(strategy, {})[1]
+                config = structure_config(strategy, {}, self.plugins)[1]
             ranks = world_size or self.world_size
-            return self.group_spec(strategy, config, ranks, role, model, tmp)
+            return self.group_spec(
+                strategy, config, ranks, role, model, tmp, training_args=training_args
+            )
 
         yield start
         launcher.shutdown()
@@ -128,14 +149,17 @@ class StrategyContract:
         model_path: str,
         tmp: str,
         learning_rate: float = 1e-2,
+        training_args: TrainingArgs | None = None,
     ):
-        """The GroupSpec of ``role`` (its model head as the core gives it) on ``ranks`` ranks."""
+        """The GroupSpec of ``role`` (its model head as the core gives it) on ``ranks`` ranks;
+        ``training_args`` default to a constant ``learning_rate``, clipping at 1.0."""
 
         role_config = RoleConfig(
             strategy_args=StrategyArgs(strategy_name=strategy, strategy_config=config),
             device_mapping=tuple(range(ranks)),
             model_args=ModelArgs(model_name_or_path=model_path, lora=cls.lora),
-            training_args=TrainingArgs(learning_rate=learning_rate, max_grad_norm=1.0),
+            training_args=training_args
+            or TrainingArgs(learning_rate=learning_rate, max_grad_norm=1.0),
             generating_args=GeneratingArgs(),
         )
         return GroupSpec(
@@ -148,6 +172,7 @@ class StrategyContract:
             device=cls.device,
             threads=1,
             head=ROLE_HEADS.get(role, "lm"),
+            plugins=cls.plugins,
         )
 
     @pytest.fixture(scope="class")
@@ -160,7 +185,9 @@ class StrategyContract:
         if "value" not in spec.capabilities.heads:
             pytest.skip(f"{cls.strategy} loads no value head (Capabilities.heads)")
         if cls.critic_strategy_config is not None:
-            config = structure_config(cls.strategy, dict(cls.critic_strategy_config))[1]
+            config = structure_config(cls.strategy, dict(cls.critic_strategy_config), cls.plugins)[
+                1
+            ]
 
         launcher = LocalLauncher(
             call_timeout_s=cls.group_timeout_s, start_timeout_s=cls.group_timeout_s
@@ -198,7 +225,9 @@ class StrategyContract:
         declared ``kind="infer"``) or fail far from the cause."""
 
         problems = check_capabilities(
-            spec_and_config[0], create_plugin_host(), lambda: request.getfixturevalue("start")()
+            spec_and_config[0],
+            kit_host(self.plugins),
+            lambda: request.getfixturevalue("start")(),
         )
         if problems:
             pytest.fail("\n".join(problems), pytrace=False)
@@ -284,7 +313,9 @@ class StrategyContract:
         trainer = start()
         batch = synthetic_train_batch(dp_size=trainer.dp_size)
         metrics = trainer.call_dp("train_step", batch.split(trainer.dp_size))
-        assert all(isinstance(v, float) for v in metrics[0].values())
+        not_floats = {k: v for k, v in metrics[0].items() if not isinstance(v, float)}
+        assert not not_floats, f"train_step's metrics must be floats: {not_floats}"
+        self._check_replicas(trainer)
         rollout = start("hf_infer", world_size=1, role="actor_infer")
         stats = SharedMemoryTransport(bucket_bytes=64 << 10).run(trainer, rollout)
         assert stats["buckets"] >= 1
@@ -297,6 +328,23 @@ class StrategyContract:
         ]
         got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
         assert max_sample_logprob_diff(out, got) <= self.logprob_tolerance
+
+    def _check_replicas(self, group) -> None:
+        """After a step every data-parallel rank holds the same model: each rank's log-probs
+        of the same rows agree with rank 0's."""
+        if group.dp_size < 2:
+            return
+        batch = synthetic_train_batch(seed=5)
+        answers = group.call_dp("compute_logprobs", [batch] * group.dp_size)
+        for dp_rank, got in enumerate(answers[1:], start=1):
+            gap = float(((got - answers[0]) * batch.attention_mask).abs().max())
+            if gap > self.logprob_tolerance:
+                pytest.fail(
+                    f"after one train_step, data-parallel rank {dp_rank}'s log-probs of the "
+                    f"same rows differ from rank 0's by {gap:.3g}: the replicas drifted apart "
+                    "(are the gradients all-reduced across data-parallel ranks?)",
+                    pytrace=False,
+                )
 
     def test_train_then_in_process_sync_logprob_parity(self, spec_and_config, start):
         """Hybrid engine: hf_infer in the trainer's own rank processes; after a step, the
@@ -344,23 +392,103 @@ class StrategyContract:
             self._rollout_checkpoint_round_trip(start, tiny_model_path, str(tmp_path / "ckpt"))
             return
 
-        first = start()
-        batch = synthetic_train_batch(dp_size=first.dp_size)
-        first.call_dp("train_step", batch.split(first.dp_size))
-        path = str(tmp_path / "ckpt")
+        problems = self._resume_problems(start, str(tmp_path / "ckpt"))
+        if problems:
+            pytest.fail("\n".join(problems), pytrace=False)
+
+    def _step(self, group, seed: int) -> dict[str, float]:
+        batch = synthetic_train_batch(seed=seed, dp_size=group.dp_size)
+        return group.call_dp("train_step", batch.split(group.dp_size))[0]
+
+    def _resume_problems(self, start, path: str) -> list[str]:
+        """A trainer saved after two steps, loaded by a fresh group: the loaded group's next
+        steps must equal the uninterrupted one's bitwise, with warmup and decay, and clipping
+        that acts (:data:`RESUME_TRAINING`). Each difference is named with the state it
+        points at: weights, learning-rate schedule, optimizer state, random state. On the way,
+        the uninterrupted group releases and resumes its memory (as around another role's
+        phase on shared GPUs), which must change nothing."""
+        first = start(training_args=RESUME_TRAINING)
+        for seed in (0, 1):  # through the warmup: the optimizer has moments, the rate moved
+            metrics = self._step(first, seed)
+        problems = self._reported_metrics(metrics)
         first.call("save_checkpoint", path)
         saved = self._export(first)
-        second = start()
+        saved_rng = first.call("run_function", f"{rng_fingerprint.__module__}:rng_fingerprint")
+        problems += self._release_resume_problems(first, saved)
+
+        second = start(training_args=RESUME_TRAINING)
         second.call("load_checkpoint", path)
-        loaded = self._export(second)
-        assert saved.keys() == loaded.keys()
-        assert all(torch.equal(saved[k], loaded[k]) for k in saved)
-        # The next step from the restored state equals the next step of the original.
-        next_batch = synthetic_train_batch(seed=1, dp_size=first.dp_size)
-        first.call_dp("train_step", next_batch.split(first.dp_size))
-        second.call_dp("train_step", next_batch.split(second.dp_size))
-        a, b = self._export(first), self._export(second)
-        assert all(torch.equal(a[k], b[k]) for k in a)
+        if gap := state_difference(self._export(second), saved):
+            return [*problems, f"weights after load_checkpoint differ from those saved: {gap}"]
+        loaded_rng = second.call("run_function", f"{rng_fingerprint.__module__}:rng_fingerprint")
+        if loaded_rng != saved_rng:
+            differing = [r for r, (a, b) in enumerate(zip(saved_rng, loaded_rng)) if a != b]
+            problems.append(
+                f"random state after load_checkpoint differs from the one saved on rank(s) "
+                f"{differing}: save rng_state(worker) with the checkpoint and "
+                "restore_rng_state(worker, ...) on load (posttrain.backend)"
+            )
+        for seed in (2, 3):
+            expected, got = self._step(first, seed), self._step(second, seed)
+            step = f"step {seed + 1} (the {'first' if seed == 2 else 'second'} after the load)"
+            if problem := self._step_difference(step, got, expected, first, second):
+                return [*problems, problem]
+        return problems
+
+    def _reported_metrics(self, metrics: dict[str, float]) -> list[str]:
+        prefix = "actor"  # the role the resume contract trains
+        missing = [f"{prefix}/{k}" for k in ("lr", "grad_norm") if f"{prefix}/{k}" not in metrics]
+        problems = []
+        if missing:
+            problems.append(
+                f"train_step reports no {', '.join(missing)} (f'{{worker.metric_prefix}}/lr', "
+                "'/grad_norm': the rate the step used and the gradients' norm before clipping)"
+            )
+        norm = metrics.get(f"{prefix}/grad_norm")
+        if norm is not None and not norm > RESUME_TRAINING.max_grad_norm:
+            problems.append(
+                f"{prefix}/grad_norm {norm} is not above max_grad_norm "
+                f"{RESUME_TRAINING.max_grad_norm}: report the norm before clipping"
+            )
+        return problems
+
+    def _release_resume_problems(self, group, before: dict) -> list[str]:
+        """release_memory then resume_memory of every tag: both answer True and the weights
+        (and, checked by the steps after, the optimizer state) come back unchanged."""
+        tags = list(MEMORY_TAGS)
+        problems = []
+        for call in ("release_memory", "resume_memory"):
+            answers = group.call(call, tags)
+            if not all(answer is True for answer in answers):
+                problems.append(
+                    f"{call}({tags}) answered {answers}, not True on every rank: a trainer "
+                    f"implements {call} (None: no hook answered), since colocated roles share "
+                    "GPUs and each phase needs the others' memory"
+                )
+        if gap := state_difference(self._export(group), before):
+            problems.append(f"weights after release_memory + resume_memory differ: {gap}")
+        return problems
+
+    def _step_difference(self, step: str, got, expected, first, second) -> str:
+        """What differs after ``step`` between the loaded group (``got``: its metrics) and the
+        uninterrupted one (``expected``), by the first state that explains it."""
+        for name in sorted(expected):
+            if not name.endswith(("/lr", "/grad_norm")) or got.get(name) == expected[name]:
+                continue
+            cause = (
+                "the learning-rate scheduler's state is not saved and restored"
+                if name.endswith("/lr")
+                else "the weights or the random state the step sees differ"
+            )
+            return f"{name} at {step}: {got.get(name)}, expected {expected[name]}: {cause}"
+        if gap := state_difference(self._export(second), self._export(first)):
+            return (
+                f"weights after {step} differ from the uninterrupted engine's ({gap}) though "
+                "its lr and grad_norm agree: the optimizer state (e.g. Adam's moments and "
+                "step counts) is not saved and restored, or is lost in "
+                "release_memory/resume_memory"
+            )
+        return ""
 
     # -- critics (a trainer with a value head) ---------------------------------------------
 

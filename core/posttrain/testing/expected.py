@@ -18,9 +18,19 @@ from posttrain.scoring.modeling import shifted_token_logprobs, shifted_values
 from posttrain.testing.batches import PROMPTS
 
 
-def structure_config(strategy: str, raw: dict[str, Any]):
+def kit_host(plugins: tuple[str, ...] = ()):
+    """The plugin host a run builds, with the module ``plugins`` a workflow would name loaded
+    too (a plugin under test that is not installed)."""
+    host = create_plugin_host()
+    problems = host.load_workflow_plugins(list(plugins))
+    if problems:
+        pytest.fail("; ".join(f"{message} ({hint})" for _, message, hint in problems))
+    return host
 
-    spec = create_plugin_host().strategies().get(strategy)
+
+def structure_config(strategy: str, raw: dict[str, Any], plugins: tuple[str, ...] = ()):
+
+    spec = kit_host(plugins).strategies().get(strategy)
     if spec is None:
         pytest.skip(f"strategy {strategy!r} is not installed")
     return spec, CONVERTER.structure(raw, spec.config_class)
@@ -137,16 +147,58 @@ def masked_value_loss(values, batch: SequenceBatch) -> float:
 
 
 def export_state(group) -> dict:
-    """Every HF-named tensor a trainer exports (weight-sync buckets, rank 0's copy)."""
+    """Every HF-named tensor a trainer exports (weight-sync buckets, rank 0's copy). Every rank
+    must yield one bucket (an empty one where it holds none) for each of rank 0's: a transport
+    steps all ranks together, and a rank that stops early leaves the others' gathers waiting."""
     group.call("export_begin", 64 << 10)
     state: dict = {}
+    sent = 0
     while True:
-        bucket = group.call("export_next")[0]
+        buckets = group.call("export_next")
+        ended = [rank for rank, bucket in enumerate(buckets) if bucket is None]
+        if ended and len(ended) < len(buckets):
+            going = [rank for rank in range(len(buckets)) if rank not in ended]
+            pytest.fail(
+                f"export_weights: rank(s) {ended} ended after {sent} bucket(s) while rank(s) "
+                f"{going} yielded more: every rank must yield one bucket per step of the export "
+                "(an empty one where it holds no gathered weights)",
+                pytrace=False,
+            )
+        bucket = buckets[0]
         if bucket is None:
             return state
         names = [n for n, _ in bucket.tensors]
-        assert len(names) == len(set(names))
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            pytest.fail(f"export_weights: a bucket names {duplicated} twice", pytrace=False)
         state.update(dict(bucket.tensors))
+        sent += 1
+
+
+def state_difference(got: dict, expected: dict) -> str:
+    """How two exports differ ("" when they are equal bitwise): the tensors that differ, the
+    largest difference and where."""
+    if got.keys() != expected.keys():
+        missing, extra = sorted(expected.keys() - got.keys()), sorted(got.keys() - expected.keys())
+        return f"names differ (missing {missing[:3]}, unexpected {extra[:3]})"
+    differing = [k for k in expected if not torch.equal(got[k], expected[k])]
+    if not differing:
+        return ""
+    worst = max(differing, key=lambda k: float((got[k].float() - expected[k].float()).abs().max()))
+    gap = float((got[worst].float() - expected[worst].float()).abs().max())
+    return f"{len(differing)} of {len(expected)} tensors differ, by up to {gap:.3g} in {worst!r}"
+
+
+def rng_fingerprint(runtime) -> str:
+    """Rank side (``group.call("run_function", ...)``): a digest of the random state a step
+    draws from (torch's CPU generator, and its GPU's on a GPU rank: what ``posttrain.backend``'s
+    ``rng_state`` saves), read without drawing."""
+    import hashlib
+
+    digest = hashlib.sha256(torch.get_rng_state().numpy().tobytes())
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        digest.update(torch.cuda.get_rng_state().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def value_probe() -> SequenceBatch:
