@@ -4,6 +4,7 @@ process starts)."""
 from __future__ import annotations
 
 import re
+from typing import TYPE_CHECKING
 
 from posttrain.config.data_sections import check_prompt_source
 from posttrain.config.report import ErrorReport, join_path
@@ -11,11 +12,14 @@ from posttrain.config.sections import Workflow
 from posttrain.markers import hookimpl
 from posttrain.rewards.functions import check_reward_function
 
+if TYPE_CHECKING:
+    import pluggy
+
 # A dataset's name is part of its metrics' names (val/<name>/...): a path segment of its own.
 NAME = re.compile(r"[A-Za-z0-9_.\-]+")
 
 
-def check_evaluation(workflow: Workflow, hook, report: ErrorReport) -> None:
+def check_evaluation(workflow: Workflow, hook: pluggy.HookRelay, report: ErrorReport) -> None:
     cfg = workflow.evaluation
     scheduled = cfg.every_steps or cfg.before_training
     if scheduled and not cfg.datasets:
@@ -65,6 +69,8 @@ def check_evaluation(workflow: Workflow, hook, report: ErrorReport) -> None:
 
 
 @hookimpl(trylast=True)
-def posttrain_validate_workflow(workflow: Workflow, report: ErrorReport, hook) -> None:
+def posttrain_validate_workflow(
+    workflow: Workflow, report: ErrorReport, hook: pluggy.HookRelay
+) -> None:
     if "evaluation" not in report.failed_sections:
         check_evaluation(workflow, hook, report)

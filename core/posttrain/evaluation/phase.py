@@ -22,6 +22,10 @@ from posttrain.rollout.generation import generate, sampling_params
 from posttrain.tasks.data import PromptSampler, load_prompts
 
 if TYPE_CHECKING:
+    import pluggy
+    from rich.console import Console
+    from transformers import PreTrainedTokenizerBase
+
     from posttrain.config.data_sections import EvalDataset
     from posttrain.config.sections import Workflow
     from posttrain.launch.base import WorkerGroup
@@ -42,7 +46,7 @@ def evaluates_after(step: int, every_steps: int, max_steps: int) -> bool:
     return bool(every_steps) and (step % every_steps == 0 or step == max_steps)
 
 
-def load_held_out(workflow: Workflow, tokenizer) -> list[HeldOutSet]:
+def load_held_out(workflow: Workflow, tokenizer: PreTrainedTokenizerBase) -> list[HeldOutSet]:
     """The evaluation datasets' prompts (``max_prompts`` of each), read before any process
     starts so that a bad file fails fast."""
     cfg = workflow.evaluation
@@ -70,11 +74,11 @@ class Evaluation:
         sets: list[HeldOutSet],
         groups: dict[str, WorkerGroup],
         sharing: TimeSharing,
-        tokenizer,
+        tokenizer: PreTrainedTokenizerBase,
         train_rules: RuleRewards | None,
-        hook,
-        console,
-    ):
+        hook: pluggy.HookRelay,
+        console: Console,
+    ) -> None:
         self.cfg = workflow.evaluation
         self.max_steps = workflow.trainer.max_steps
         self.sets = sets
