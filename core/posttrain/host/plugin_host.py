@@ -100,8 +100,12 @@ class PluginHost:
                     (index, f"plugin '{name}' is installed but excluded by {setting}", hint)
                 )
                 continue
+            # "module" registers the module's hook functions; "module:attr" a plugin object
+            # (an EngineHooks instance), as an entry point would.
+            module_name, _, attr = name.partition(":")
             try:
-                module = importlib.import_module(name)
+                module = importlib.import_module(module_name)
+                plugin = getattr(module, attr) if attr else module
             except ImportError as exc:
                 hint = next(
                     (
@@ -128,7 +132,7 @@ class PluginHost:
                     )
                 )
                 continue
-            self._register(module, name, PluginInfo(name=name, source="workflow"))
+            self._register(plugin, name, PluginInfo(name=name, source="workflow"))
             loaded.add(name)
         return problems
 
