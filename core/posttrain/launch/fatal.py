@@ -137,7 +137,8 @@ def driver_fatal_report(run_dir: str, history: str, resume_setting: str) -> Iter
         watcher.wait(timeout=30)
         # Before the log closes: faulthandler writes to its file descriptor, whatever holds it.
         if was_enabled:  # as it was (pytest's own, when a test runs a run in its process)
-            faulthandler.enable(file=sys.__stderr__, all_threads=True)
+            # (sys.__stderr__ is None only without a console; faulthandler then takes sys.stderr)
+            faulthandler.enable(file=sys.__stderr__ or sys.stderr, all_threads=True)
         else:
             faulthandler.disable()
         log.close()

@@ -16,7 +16,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import WorkerError
 from posttrain.launch.base import (
@@ -31,6 +31,11 @@ from posttrain.launch.base import (
 from posttrain.launch.fatal import last_words, signal_name
 from posttrain.launch.rank_main import START_CALL, serve
 from posttrain.launch.stacks import StackTarget, stacks_path_for, target, this_node
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from multiprocessing.context import ForkServerContext, SpawnContext
+    from multiprocessing.process import BaseProcess
 
 STOP_CALL = -2
 
@@ -52,7 +57,7 @@ def preload_in_fork_server(modules: Iterable[str]) -> None:
             _engine_preload.append(module)
 
 
-def rank_context(device: str):
+def rank_context(device: str) -> SpawnContext | ForkServerContext:
     """Where rank processes come from: on CPUs, forks of a server process that has imported the
     heavy modules and nothing else (no thread, no engine), one per driver process and reused by
     every group it starts. GPU ranks are spawned: a library that asks the CUDA driver anything
@@ -106,9 +111,9 @@ class LocalProcesses:
         self._pipes = threading.Lock()
         ctx = rank_context(first.device)
         port = free_port()
-        self.conns = []
-        self.procs = []
-        self.log_paths = []
+        self.conns: list[Connection] = []
+        self.procs: list[BaseProcess] = []
+        self.log_paths: list[str] = []
         # Registered before any rank starts, so a failure while starting them stops the others.
         self._stop = multiprocessing.util.Finalize(
             self, _stop_ranks, args=(self.conns, self.procs), exitpriority=10
@@ -151,7 +156,14 @@ class LocalProcesses:
             self.shutdown()
             raise
 
-    def send(self, role: str, method: str, per_rank_args, args, kwargs) -> int:
+    def send(
+        self,
+        role: str,
+        method: str,
+        per_rank_args: list[tuple] | None,
+        args: tuple,
+        kwargs: dict | None,
+    ) -> int:
         with self._pipes:
             call_id = self._next_id
             self._next_id += 1
@@ -209,10 +221,12 @@ class LocalProcesses:
 
     def stack_targets(self) -> list[StackTarget]:
         node = this_node()
-        return [
-            target(f"{'+'.join(self.roles)} rank {rank}", proc.pid, node, stacks_path_for(log))
-            for rank, (proc, log) in enumerate(zip(self.procs, self.log_paths))
-        ]
+        targets = []
+        for rank, (proc, log) in enumerate(zip(self.procs, self.log_paths)):
+            assert proc.pid is not None  # listed once started
+            label = f"{'+'.join(self.roles)} rank {rank}"
+            targets.append(target(label, proc.pid, node, stacks_path_for(log)))
+        return targets
 
     def _answer(self, rank: int, call_id: int, role: str, method: str) -> tuple | None:
         """Rank ``rank``'s answer to ``call_id`` if it has come (answers to other calls that
@@ -262,10 +276,16 @@ class LocalWorkerGroup(WorkerGroup):
     """One role's view of a :class:`LocalProcesses`."""
 
     @property
-    def procs(self) -> list:
+    def procs(self) -> list[BaseProcess]:
         return self.processes.procs
 
-    def submit(self, method, per_rank_args=None, args=(), kwargs=None) -> PendingCall:
+    def submit(
+        self,
+        method: str,
+        per_rank_args: list[tuple] | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> PendingCall:
         call_id = self.processes.send(self.role, method, per_rank_args, args, kwargs)
         return _LocalPending(self.processes, call_id, self.role, method)
 
@@ -273,7 +293,7 @@ class LocalWorkerGroup(WorkerGroup):
         self.processes.shutdown()
 
 
-def _stop_ranks(conns, procs) -> None:
+def _stop_ranks(conns: list[Connection], procs: list[BaseProcess]) -> None:
     """Ask every live rank to shut its engine down; kill those that do not exit in time."""
     for conn, proc in zip(conns, procs):
         if proc.is_alive():

@@ -20,7 +20,11 @@ from posttrain.markers import hookimpl
 from posttrain.training.lr_schedule import with_schedule
 
 if TYPE_CHECKING:
+    from rich.console import Console
+
     from posttrain.host.plugin_host import PluginHost
+    from posttrain.host.strategy import StrategySpec
+    from posttrain.launch.hang_watch import HangWatch
 
 
 def resolve_device(workflow: Workflow) -> str:
@@ -116,7 +120,12 @@ def rank_env(workflow: Workflow, run_dir: str, device: str) -> dict[str, str]:
 
 
 def start_groups(
-    workflow: Workflow, host: PluginHost, run_dir: str, device: str, console, watch=None
+    workflow: Workflow,
+    host: PluginHost,
+    run_dir: str,
+    device: str,
+    console: Console,
+    watch: HangWatch | None = None,
 ) -> tuple[Launcher, dict[str, WorkerGroup]]:
     """Start every role's ranks as the plan groups them (printing each set as it starts);
     ``watch``: the driver's :class:`~posttrain.launch.hang_watch.HangWatch`, from the roles'
@@ -159,7 +168,9 @@ def start_groups(
 
 
 @hookimpl(trylast=True)
-def posttrain_plan_processes(workflow, strategies):
+def posttrain_plan_processes(
+    workflow: Workflow, strategies: dict[str, StrategySpec]
+) -> list[tuple[str, ...]]:
     """The hybrid engine: roles on the same devices (rank for rank) share processes when every
     strategy involved can; ``cluster.colocation: separate`` keeps one set per role."""
     roles = workflow.roles()
@@ -187,7 +198,9 @@ def posttrain_plan_processes(workflow, strategies):
     return [tuple(members) for members in plan]
 
 
-def _can_join(roles, strategies, members: list[str]) -> bool:
+def _can_join(
+    roles: dict[str, RoleConfig], strategies: dict[str, StrategySpec], members: list[str]
+) -> bool:
     return all(
         (spec := strategies.get(roles[m].strategy_args.strategy_name)) is not None
         and spec.capabilities.shares_process

@@ -13,7 +13,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.errors import UserError
 from posttrain.host.plugin_host import create_plugin_host
@@ -22,6 +22,10 @@ from posttrain.launch.base import GroupSpec
 from posttrain.launch.fatal import report_fatal_signals
 from posttrain.launch.stacks import install_stack_dump, is_public_call, stacks_path_for
 from posttrain.launch.worker import WorkerContext, WorkerRuntime
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+    from types import TracebackType
 
 START_CALL = -1  # the call id of a rank's start-up answer
 # How often a local rank checks that its driver is alive: it exits within about this long of
@@ -100,7 +104,12 @@ class RankServer:
 
 
 def serve(
-    conn, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str], log_path: str
+    conn: Connection,
+    specs: list[GroupSpec],
+    rank: int,
+    world_size: int,
+    env: dict[str, str],
+    log_path: str,
 ) -> None:
     """Entry point of a local worker process. Messages are ``(call_id, role, method, args,
     kwargs)``; answers ``(call_id, status, value, traceback)``, in the order of the calls."""
@@ -160,7 +169,7 @@ def release_fork_server() -> None:
     fd = getattr(server, "_forkserver_alive_fd", None)
     if fd is not None:
         os.close(fd)
-        server._forkserver_alive_fd = None
+        server._forkserver_alive_fd = None  # type: ignore[attr-defined]  # private: not in typeshed
 
 
 def exit_with_driver(driver_pid: int) -> None:
@@ -194,7 +203,7 @@ def describe_error(exc: BaseException) -> str:
     return f"{text} (in torch.distributed {collective})" if collective else text
 
 
-def _collective(tb) -> str | None:
+def _collective(tb: TracebackType | None) -> str | None:
     """The collective a traceback raised in: its outermost torch.distributed frame with a public
     name (all_reduce, barrier, an FSDP all-gather's wait; not a decorator's wrapper), with the
     process group it ran on."""

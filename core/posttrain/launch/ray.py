@@ -227,9 +227,9 @@ class RayLauncher(Launcher):
         units = {members: roles[members[0]] for members in plan}
         components: list[tuple[tuple[int, ...], list[tuple[str, ...]]]] = []
         for unit in sorted(units, key=lambda u: -len(set(units[u].device_mapping))):
-            devices = set(units[unit].device_mapping)
+            mapped = set(units[unit].device_mapping)
             for owner, members in components:
-                if devices & set(owner):
+                if mapped & set(owner):
                     members.append(unit)
                     break
             else:

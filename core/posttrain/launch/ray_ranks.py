@@ -10,7 +10,7 @@ import socket
 import sys
 import time
 import traceback
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import ray
 from ray.exceptions import ActorUnavailableError, GetTimeoutError, RayActorError
@@ -35,6 +35,9 @@ from posttrain.launch.stacks import (
 )
 from posttrain.paths import display_path
 
+if TYPE_CHECKING:
+    from ray.util.placement_group import PlacementGroup
+
 # How long ranks still answering get once one rank failed (they may block in a collective).
 PEER_GRACE_S = 10.0
 STOP_TIMEOUT_S = 10.0
@@ -54,7 +57,7 @@ class RankActor:
         sys.stdout = sys.stderr = log
         install_stack_dump(stacks_path_for(log_path))  # for the hang watchdog, posttrain stacks
         report_fatal_signals(log)  # a crash's stack, for the driver's report (launch/fatal.py)
-        self.server = None
+        self.server: RankServer | None = None
 
     def node_info(self) -> tuple[str, int, int, str, str]:
         """This actor's node IP, a port free on that node (for the group's rendezvous), its pid,
@@ -66,7 +69,9 @@ class RankActor:
             s.bind(("", 0))
             return ip, s.getsockname()[1], os.getpid(), this_node(), node_id
 
-    def start(self, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str]):
+    def start(
+        self, specs: list[GroupSpec], rank: int, world_size: int, env: dict[str, str]
+    ) -> tuple[str, str | None, str]:
         os.environ.update(env)
         try:
             self.server = RankServer(specs, rank, world_size)
@@ -75,11 +80,13 @@ class RankActor:
             return ("error", describe_error(exc), traceback.format_exc())
         return ("ok", None, "")
 
-    def stop(self):
+    def stop(self) -> tuple[str, Any, str]:
         return self.handle("", "__stop__", (), {})
 
-    def handle(self, role: str, method: str, args: tuple, kwargs: dict):
+    def handle(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[str, Any, str]:
         try:
+            # start() made it: the driver calls a rank only once every rank has started.
+            assert self.server is not None
             if method == "__stop__":
                 self.server.shutdown()
                 return ("ok", True, "")
@@ -120,12 +127,12 @@ class Placement:
 
     def __init__(
         self,
-        pg,
+        pg: PlacementGroup,
         bundles: list[int],
         cpus: list[float],
         gpus: list[float],
         node_ids: list[str] | None = None,
-    ):
+    ) -> None:
         self.pg = pg
         self.bundles = bundles
         self.cpus = cpus
@@ -229,7 +236,14 @@ class RayProcesses:
             return "0"
         return str(self.devices[rank % len(self.devices)])
 
-    def submit(self, role: str, method, per_rank_args, args, kwargs) -> PendingCall:
+    def submit(
+        self,
+        role: str,
+        method: str,
+        per_rank_args: list[tuple] | None,
+        args: tuple,
+        kwargs: dict | None,
+    ) -> PendingCall:
         if self._stopped:
             raise WorkerError(
                 role, 0, f"worker group is stopped (when sent {method})", "", self.roles
@@ -377,7 +391,13 @@ class RayWorkerGroup(WorkerGroup):
     def master_address(self) -> str:
         return self.processes.nodes[0]
 
-    def submit(self, method, per_rank_args=None, args=(), kwargs=None) -> PendingCall:
+    def submit(
+        self,
+        method: str,
+        per_rank_args: list[tuple] | None = None,
+        args: tuple = (),
+        kwargs: dict | None = None,
+    ) -> PendingCall:
         return self.processes.submit(self.role, method, per_rank_args, args, kwargs)
 
     def shutdown(self) -> None:

@@ -216,7 +216,7 @@ def collect_stacks(
     and its dump starts with a line that says so."""
     here = this_node()
     out: dict[str, str] = {}
-    asked: dict[str, socket.socket] = {}
+    asked: dict[str, socket.socket | None] = {}
     for t in targets:
         if t.node != here:
             out[t.label] = f"(on node {t.node}: stacks are taken on this node only)\n"
@@ -263,7 +263,7 @@ def _answers(conns: dict[str, socket.socket], wait_s: float) -> dict[str, str]:
             for key, _ in selector.select(max(0.0, deadline - time.monotonic())):
                 label = key.data
                 try:
-                    chunk = key.fileobj.recv(1 << 16)
+                    chunk = conns[label].recv(1 << 16)
                 except OSError:  # reset by a process that ended while it answered
                     chunk = b""
                 if chunk:
