@@ -85,8 +85,8 @@ class RankActor:
 
     def handle(self, role: str, method: str, args: tuple, kwargs: dict) -> tuple[str, Any, str]:
         try:
-            # start() made it: the driver calls a rank only once every rank has started.
-            assert self.server is not None
+            # Made by start(); a rank whose start failed answers this call with the error.
+            assert self.server is not None, "the rank did not start"
             if method == "__stop__":
                 self.server.shutdown()
                 return ("ok", True, "")
