@@ -248,7 +248,7 @@ class StrategyContract:
 
         got = concat_tensor_rows(shares) * batch.attention_mask
         ref = reference_logprobs(tiny_model_path, None, batch)
-        assert float((got - ref).abs().max()) <= self.logprob_tolerance
+        self._close(float((got - ref).abs().max()), "compute_logprobs against transformers")
 
     # -- rollout engines -------------------------------------------------------------------
 
@@ -263,6 +263,13 @@ class StrategyContract:
         ]
         return RolloutSamples.concat(group.call_dp("generate", shares))
 
+    def _close(self, gap: float, what: str) -> None:
+        if not gap <= self.logprob_tolerance:
+            pytest.fail(
+                f"{what}: largest difference {gap:.3g}, tolerance {self.logprob_tolerance:g}",
+                pytrace=False,
+            )
+
     def test_generate_logprobs_match_transformers_forward(
         self, spec_and_config, start, tiny_model_path
     ):
@@ -273,7 +280,7 @@ class StrategyContract:
         assert all(1 <= len(r) <= 6 for r in out.response_ids)
         assert all(len(r) == len(lp) for r, lp in zip(out.response_ids, out.response_logprobs))
         ref = reference_logprobs(tiny_model_path, None, samples_batch(out))
-        assert max_sample_logprob_diff(out, ref) <= self.logprob_tolerance
+        self._close(max_sample_logprob_diff(out, ref), "generate's log-probs against transformers")
 
     def test_import_weights_then_logprobs_match(self, spec_and_config, start, tiny_model_path):
         self.require(spec_and_config, "rollout")
@@ -287,9 +294,14 @@ class StrategyContract:
             group.call("import_weights", [bucket])
         out = self._generate(group)
         ref = reference_logprobs(tiny_model_path, state, samples_batch(out))
-        assert max_sample_logprob_diff(out, ref) <= self.logprob_tolerance
+        self._close(
+            max_sample_logprob_diff(out, ref),
+            "generate's log-probs after import_weights against transformers on those weights",
+        )
         before = reference_logprobs(tiny_model_path, None, samples_batch(out))
-        assert max_sample_logprob_diff(out, before) > 100 * self.logprob_tolerance
+        assert max_sample_logprob_diff(out, before) > 100 * self.logprob_tolerance, (
+            "after import_weights the engine still samples with the weights it loaded"
+        )
 
     # -- trainers --------------------------------------------------------------------------
 
@@ -302,10 +314,13 @@ class StrategyContract:
         group = start()
         exported = self._export(group)
         expected = load_file(os.path.join(tiny_model_path, "model.safetensors"))
-        assert set(expected) <= set(exported)
-        for name, tensor in expected.items():
-            assert exported[name].dtype == tensor.dtype
-            assert bool((exported[name] == tensor).all()), name
+        missing = sorted(set(expected) - set(exported))
+        assert not missing, f"export_weights leaves out {missing[:5]} (HF names expected)"
+        dtypes = {n: (exported[n].dtype, t.dtype) for n, t in expected.items()}
+        wrong = {n: d for n, d in dtypes.items() if d[0] != d[1]}
+        assert not wrong, f"export_weights' dtypes (got, checkpoint's): {wrong}"
+        gap = state_difference({n: exported[n] for n in expected}, expected)
+        assert not gap, f"export_weights right after load differ from the checkpoint: {gap}"
 
     def test_train_then_sync_to_hf_infer_logprob_parity(self, spec_and_config, start):
         self.require(spec_and_config, "train")
@@ -327,7 +342,10 @@ class StrategyContract:
             sample_batch.select(list(range(i * per, (i + 1) * per))) for i in range(trainer.dp_size)
         ]
         got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
-        assert max_sample_logprob_diff(out, got) <= self.logprob_tolerance
+        self._close(
+            max_sample_logprob_diff(out, got),
+            "hf_infer's log-probs after the weight sync against the trainer's own",
+        )
 
     def _check_replicas(self, group) -> None:
         """After a step every data-parallel rank holds the same model: each rank's log-probs
@@ -366,7 +384,10 @@ class StrategyContract:
             sample_batch.select(list(range(i * per, (i + 1) * per))) for i in range(trainer.dp_size)
         ]
         got = concat_tensor_rows(trainer.call_dp("compute_logprobs", shares))
-        assert max_sample_logprob_diff(out, got) <= self.logprob_tolerance
+        self._close(
+            max_sample_logprob_diff(out, got),
+            "hf_infer's log-probs after the weight sync against the trainer's own",
+        )
 
     def _rollout_checkpoint_round_trip(self, start, model_path: str, path: str) -> None:
 
@@ -377,8 +398,8 @@ class StrategyContract:
         second = start()
         second.call("load_checkpoint", path)
         a, b = self._generate(first), self._generate(second)
-        assert a.response_ids == b.response_ids
-        assert a.response_logprobs == b.response_logprobs
+        assert a.response_ids == b.response_ids, "samples after load_checkpoint differ"
+        assert a.response_logprobs == b.response_logprobs, "log-probs after load differ"
 
     def test_checkpoint_round_trip_is_exact(
         self, spec_and_config, start, tmp_path, tiny_model_path
@@ -512,7 +533,7 @@ class StrategyContract:
         got = group_values(group, probe)
         ref = reference_values(path, probe)
         assert float(got.abs().max()) > 1e-3  # not trivially equal
-        assert float((got - ref).abs().max()) <= self.logprob_tolerance
+        self._close(float((got - ref).abs().max()), "compute_logprobs against transformers")
         # Weight sync's buckets carry the same HF names and tensors as the directory.
         exported, written = export_state(group), load_file(os.path.join(path, "model.safetensors"))
         assert exported.keys() == written.keys()
@@ -533,9 +554,12 @@ class StrategyContract:
         moved = group_values(group, probe)
         assert not torch.equal(saved, moved)
         group.call("load_checkpoint", path)
-        assert torch.equal(group_values(group, probe), saved)
+        assert torch.equal(group_values(group, probe), saved), "values after load differ"
         self._value_step(group, seed=1)
-        assert torch.equal(group_values(group, probe), moved)
+        assert torch.equal(group_values(group, probe), moved), (
+            "the value step after load differs from the original's: the optimizer or schedule "
+            "is not restored"
+        )
 
     def test_critic_value_step_reduces_value_loss(self, critic):
         """Steps on one batch (the loop's ValueLoss) lower its value loss step after step."""
