@@ -33,7 +33,9 @@ MIN_GROUP = 16  # tl.dot's smallest M: the query heads of a group are padded up 
 
 
 @triton.jit
-def _last_seen(mask_row, window, masked, BLOCK_N: tl.constexpr):
+def _last_seen(
+    mask_row: tl.tensor, window: tl.tensor, masked: tl.tensor, BLOCK_N: tl.constexpr
+) -> tl.tensor:
     """One past the last slot of ``mask_row`` whose bias is above ``masked`` (0 when none)."""
     end = tl.full([], 0, tl.int32)
     for start in range(0, window, BLOCK_N):
@@ -45,30 +47,30 @@ def _last_seen(mask_row, window, masked, BLOCK_N: tl.constexpr):
 
 @triton.jit
 def _attention_kernel(
-    query,
-    key,
-    value,
-    mask,
-    out,
-    scale,
-    masked,
-    window,
-    groups,
-    stride_qb,
-    stride_qh,
-    stride_kb,
-    stride_kh,
-    stride_kn,
-    stride_vb,
-    stride_vh,
-    stride_vn,
-    stride_mb,
-    stride_ob,
-    stride_oh,
+    query: tl.tensor,
+    key: tl.tensor,
+    value: tl.tensor,
+    mask: tl.tensor,
+    out: tl.tensor,
+    scale: tl.tensor,
+    masked: tl.tensor,
+    window: tl.tensor,
+    groups: tl.tensor,
+    stride_qb: tl.tensor,
+    stride_qh: tl.tensor,
+    stride_kb: tl.tensor,
+    stride_kh: tl.tensor,
+    stride_kn: tl.tensor,
+    stride_vb: tl.tensor,
+    stride_vh: tl.tensor,
+    stride_vn: tl.tensor,
+    stride_mb: tl.tensor,
+    stride_ob: tl.tensor,
+    stride_oh: tl.tensor,
     GROUP: tl.constexpr,
     DIM: tl.constexpr,
     BLOCK_N: tl.constexpr,
-):
+) -> None:
     row, kv_head = tl.program_id(0), tl.program_id(1)
     g = tl.arange(0, GROUP)
     d = tl.arange(0, DIM)
@@ -115,12 +117,16 @@ def decode_attention_op(
 
 
 @decode_attention_op.register_fake
-def _(query, key, value, mask, scale):
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     rows, heads, _, dim = query.shape
     return query.new_empty(rows, 1, heads, dim)
 
 
-def decode_attention(query, key, value, mask, scale: float) -> torch.Tensor:
+def decode_attention(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     """``query`` ``[rows, heads, 1, dim]``; ``key``/``value`` ``[rows, kv_heads, slots, dim]``
     (the cache: only the first ``window`` slots are read, ``window`` = ``mask.shape[-1]``);
     ``mask`` ``[rows, 1, 1, window]``. Returns ``[rows, 1, heads, dim]`` in the query's dtype."""

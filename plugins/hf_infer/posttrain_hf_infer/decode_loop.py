@@ -16,11 +16,18 @@ them.
 from __future__ import annotations
 
 from collections import deque
+from typing import TYPE_CHECKING
 
 import torch
 
 from posttrain import stop_string_start
-from posttrain_hf_infer.static_decode import cache_argument, prompt_positions
+from posttrain_hf_infer.static_decode import StaticDecoder, cache_argument, prompt_positions
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from posttrain import SamplingParams
+    from posttrain_hf_infer.token_sampling import Draw
 
 # On a GPU, steps between the host's looks at which rows ended: in between it queues the next
 # steps' kernels while the GPU runs the last ones.
@@ -32,7 +39,9 @@ SYNC_EVERY = 8
 REFILL_SHARE = 8
 
 
-def left_padded(prompts: list[list[int]], rows: int, pad_id: int, device):
+def left_padded(
+    prompts: list[list[int]], rows: int, pad_id: int, device: torch.device | str
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``[rows, width]`` token ids and attention mask, the prompts right-aligned (rows past
     the prompts are all padding). Built on the host as lists, each tensor copied to the device
     whole: a copy per prompt to a GPU took 70 us each, 9 ms of a 128-row rollout's 220 ms
@@ -50,9 +59,7 @@ class DynamicDecode:
     """transformers' growing cache (as ``generate``): each step's shapes differ, and its rows
     are only refilled all together (a new cache)."""
 
-    refills_rows = False
-
-    def __init__(self, model, pad_id: int, device):
+    def __init__(self, model: PreTrainedModel, pad_id: int, device: torch.device | str) -> None:
         self.model, self.pad_id, self.device = model, pad_id, device
         self.cache_argument = cache_argument(model)
 
@@ -88,9 +95,7 @@ class StaticDecode:
     """Generations on a :class:`~posttrain_hf_infer.static_decode.StaticDecoder` (its rows past
     those in flight decode padding, never read)."""
 
-    refills_rows = True
-
-    def __init__(self, decoder, pad_id: int, device):
+    def __init__(self, decoder: StaticDecoder, pad_id: int, device: torch.device | str) -> None:
         self.decoder, self.pad_id, self.device = decoder, pad_id, device
         self.tokens = torch.full((decoder.rows,), pad_id, dtype=torch.long, device=device)
         self.running = torch.zeros(decoder.rows, dtype=torch.bool, device=device)
@@ -122,7 +127,7 @@ class Rows:
     and whether they still run (device). One spare column: a row that ended goes on drawing
     (its draws land past its end, never read)."""
 
-    def __init__(self, owners: list[int], steps: int, pad_id: int, device):
+    def __init__(self, owners: list[int], steps: int, pad_id: int, device: torch.device) -> None:
         count = len(owners)
         self.owner: list[int | None] = list(owners)
         # On the host: steps recorded, the step each row was filled at, and the latest of those
@@ -149,7 +154,7 @@ class Rows:
         """Every row holding a prompt has drawn ``steps`` tokens: ended, without a look."""
         return self.recorded - self.youngest >= steps
 
-    def collect_ended(self, responses: list, logprobs: list) -> list[int]:
+    def collect_ended(self, responses: list[list[int]], logprobs: list[list[float]]) -> list[int]:
         """Hand the samples of the rows that ended to their prompts' places; the free rows."""
         ended = [
             (row, owner)
@@ -176,13 +181,23 @@ class Rows:
         self.youngest = self.recorded
 
 
-def look_interval(device: torch.device, sampling) -> int:
+def look_interval(device: torch.device, sampling: SamplingParams) -> int:
     """Steps between the host's looks at the rows: every step where the text must be read (stop
     strings) or looking costs nothing (the CPU), else ``SYNC_EVERY``."""
     return 1 if sampling.stop or device.type == "cpu" else SYNC_EVERY
 
 
-def sample_rows(decode, prompts, order, pool: int, sampling, stop_ids, tokenizer, draw, refill):
+def sample_rows(
+    decode: DynamicDecode | StaticDecode,
+    prompts: list[list[int]],
+    order: list[int],
+    pool: int,
+    sampling: SamplingParams,
+    stop_ids: set[int],
+    tokenizer: PreTrainedTokenizerBase,
+    draw: Draw,
+    refill: bool,
+) -> tuple[list[list[int]], list[list[float]]]:
     """Sample up to ``max_new_tokens`` for each of ``prompts``, taken in ``order`` into at most
     ``pool`` rows at a time; ``refill``: rows are refilled as they end (where ``decode`` can).
     The responses and their per-token log-probs, in the prompts' order; a response counts its
@@ -191,7 +206,8 @@ def sample_rows(decode, prompts, order, pool: int, sampling, stop_ids, tokenizer
     device = torch.device(decode.device)
     stops = torch.tensor(sorted(stop_ids), dtype=torch.long, device=device) if stop_ids else None
     every = look_interval(device, sampling)
-    refill = refill and decode.refills_rows
+    # Only the fixed-shape decoders take a new prompt into a row while the others run.
+    refilled = decode if refill and isinstance(decode, StaticDecode) else None
     queue = deque(order)
     responses: list[list[int]] = [[] for _ in prompts]
     logprobs: list[list[float]] = [[] for _ in prompts]
@@ -223,17 +239,23 @@ def sample_rows(decode, prompts, order, pool: int, sampling, stop_ids, tokenizer
             continue
         decode.observe(rows.running)
         logits = decode.step(fed, rows.running)
-        if refill and queue and len(free) >= min(len(queue), max(1, len(rows) // REFILL_SHARE)):
+        if (
+            refilled is not None
+            and queue
+            and len(free) >= min(len(queue), max(1, len(rows) // REFILL_SHARE))
+        ):
             # After the step: the refilled rows' prefill overwrites what the step wrote into
             # them (they stood still in it), and their first logits replace the step's.
             free = free[: len(queue)]
             owners = [queue.popleft() for _ in free]
-            first = decode.refill(free, [prompts[i] for i in owners])
+            first = refilled.refill(free, [prompts[i] for i in owners])
             logits[torch.tensor(free, device=device)] = first
             rows.fill(free, owners)
 
 
-def stop_strings_reached(rows: Rows, stop: tuple[str, ...], tokenizer) -> torch.Tensor:
+def stop_strings_reached(
+    rows: Rows, stop: tuple[str, ...], tokenizer: PreTrainedTokenizerBase
+) -> torch.Tensor:
     """The rows still running whose text now contains a stop string. As vLLM: the text without
     special tokens; the token completing a stop string is the sample's last one. (Whole
     responses are decoded each step: simple, and cheap next to the forward pass at the lengths

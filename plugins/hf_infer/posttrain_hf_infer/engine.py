@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -16,7 +16,14 @@ import attrs
 import torch
 from torch.distributed.tensor import DTensor, Shard
 
-from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, WeightBucket
+from posttrain import (
+    GenerationRequest,
+    RolloutSamples,
+    SamplingParams,
+    SequenceBatch,
+    UserError,
+    WeightBucket,
+)
 from posttrain.backend import (
     TokenLogprobs,
     end_process_group,
@@ -41,9 +48,10 @@ from posttrain_hf_infer.token_sampling import draw, gumbel_draw, is_plain
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from posttrain import WorkerContext
+    from posttrain_hf_infer.token_sampling import Draw
 
 LOG = logging.getLogger(__name__)
 
@@ -106,7 +114,7 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     }
 
 
-def load_model(worker: WorkerContext):
+def load_model(worker: WorkerContext) -> PreTrainedModel:
     mesh = _state(worker).tp_mesh
     if mesh is not None:
         model = load_causal_lm(worker.model_args, worker.base_dir, worker.device, tp_mesh=mesh)
@@ -133,8 +141,9 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     prompts = [list(p) for p in request.prompt_ids for _ in range(sampling.n)]
     if not prompts or sampling.max_new_tokens < 1:
         # A rank's share of a small batch can be empty; nothing to decode either way.
-        empty: list[list] = [[] for _ in prompts]
-        return RolloutSamples(prompt_ids=prompts, response_ids=empty, response_logprobs=empty)
+        empty: list[list[int]] = [[] for _ in prompts]
+        no_logprobs: list[list[float]] = [[] for _ in prompts]
+        return RolloutSamples(prompt_ids=prompts, response_ids=empty, response_logprobs=no_logprobs)
     pool = _batch_size(worker) * sampling.n
     # Prompts taken shortest first (less left padding to run through the model), when they
     # do not all fit at once; the samples go back in the request's order.
@@ -186,7 +195,7 @@ def decode_mode(worker: WorkerContext) -> str:
     return mode
 
 
-def _drawer(mode: str, sampling, generator):
+def _drawer(mode: str, sampling: SamplingParams, generator: torch.Generator) -> Draw:
     """The step's sampling: fused (:func:`gumbel_draw`) in the compiled decode where the
     sampling is plain, else the general :func:`draw`."""
     if mode == "compiled" and is_plain(sampling):
@@ -194,7 +203,14 @@ def _drawer(mode: str, sampling, generator):
     return lambda logits: draw(logits, sampling, generator)
 
 
-def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: int, pad_id: int):
+def _decode(
+    worker: WorkerContext,
+    mode: str,
+    prompts: list[list[int]],
+    pool: int,
+    new_tokens: int,
+    pad_id: int,
+) -> DynamicDecode | StaticDecode:
     if mode == "dynamic":
         return DynamicDecode(worker.model, pad_id, worker.device)
     on_gpu = is_cuda(worker)
@@ -217,7 +233,11 @@ def _decode(worker: WorkerContext, mode: str, prompts, pool: int, new_tokens: in
 
 
 @torch.no_grad()
-def _in_chunks(worker: WorkerContext, batch: SequenceBatch, score) -> torch.Tensor:
+def _in_chunks(
+    worker: WorkerContext,
+    batch: SequenceBatch,
+    score: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+) -> torch.Tensor:
     """``score(ids, mask)`` over ``logprob_micro_batch_size`` or ``micro_batch_size`` rows at a
     time when set, else ``infer_batch_size`` (or ``batch_size``), concatenated on the host."""
     parts = []
@@ -238,7 +258,7 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
         else logprob_forward(worker, worker.model, train=False)
     )
 
-    def logprobs(ids, mask):
+    def logprobs(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         rows = SequenceBatch({"input_ids": ids, "attention_mask": mask})
         out = forward(rows)
         if isinstance(out, TokenLogprobs):
@@ -252,7 +272,7 @@ def compute_scores(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     return _in_chunks(worker, batch, lambda ids, mask: sequence_scores(worker.model, ids, mask))
 
 
-def import_weights(worker: WorkerContext, buckets) -> bool:
+def import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bool:
     params = dict(worker.model.state_dict(keep_vars=True))
     with torch.no_grad():
         for bucket in buckets:
@@ -281,7 +301,7 @@ def weight_shapes(worker: WorkerContext) -> dict[str, tuple[int, ...]]:
     return {name: tuple(t.shape) for name, t in worker.model.state_dict().items()}
 
 
-def save_checkpoint(worker: WorkerContext, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, str]:
     # An inference engine has no optimizer state; its weights are what a sync put there.
     sharded = _sharded(worker)
     if worker.rank == 0 or sharded:  # every rank of a sharded replica gathers
@@ -360,7 +380,7 @@ def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     return True
 
 
-def _model_tensors(model: torch.nn.Module):
+def _model_tensors(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
     """Every parameter (a tied one once) and buffer, by name."""
     yield from model.named_parameters()
     yield from model.named_buffers()

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import types
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -45,7 +46,7 @@ class LinearGroup:
         self.pending: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
 
-def grouped_forward(self, x: torch.Tensor) -> torch.Tensor:
+def grouped_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """A grouped projection's forward (bound to each ``nn.Linear`` of a group)."""
     group, index = self.posttrain_group, self.posttrain_index
     if not group.active:
@@ -72,7 +73,9 @@ def _shared_parameters(model: torch.nn.Module) -> set[int]:
     return shared
 
 
-def _siblings(module: torch.nn.Module, names: tuple[str, ...], shared: set[int]):
+def _siblings(
+    module: torch.nn.Module, names: tuple[str, ...], shared: set[int]
+) -> list[torch.nn.Linear] | None:
     """The ``names`` children of ``module`` when they are plain linears that can be stacked:
     the same input size, dtype and device, all with a bias or none, none grouped yet, no
     parameter ``shared``."""
@@ -146,7 +149,7 @@ def unfuse_sibling_linears(model: torch.nn.Module) -> None:
 
 
 @contextlib.contextmanager
-def stacked_projections(groups: list[LinearGroup]):
+def stacked_projections(groups: list[LinearGroup]) -> Iterator[None]:
     """Inside the block, each group's first projection computes the group's outputs."""
     for group in groups:
         group.active = True

@@ -21,7 +21,17 @@ CHUNK = 4 * BLOCK  # logits of a row one program reads
 
 
 @triton.jit
-def _update(x, uniform, columns, inv_temperature, best, best_index, best_logit, top, total):
+def _update(
+    x: tl.tensor,
+    uniform: tl.tensor,
+    columns: tl.tensor,
+    inv_temperature: tl.tensor,
+    best: tl.tensor,
+    best_index: tl.tensor,
+    best_logit: tl.tensor,
+    top: tl.tensor,
+    total: tl.tensor,
+) -> tuple[tl.tensor, tl.tensor, tl.tensor, tl.tensor, tl.tensor]:
     """One quarter-block's logits into each lane's running best noised logit (and its column
     and logit) and running log-sum-exp (``top``, ``total``)."""
     # float32 whatever type the launcher gave the scalar (the loop-carried values are float32)
@@ -43,20 +53,20 @@ def _update(x, uniform, columns, inv_temperature, best, best_index, best_logit, 
 
 @triton.jit
 def _chunk_kernel(
-    logits,
-    seed,
-    chunk_best,
-    chunk_index,
-    chunk_logit,
-    chunk_top,
-    chunk_total,
-    vocab,
-    stride_row,
-    inv_temperature,
+    logits: tl.tensor,
+    seed: tl.tensor,
+    chunk_best: tl.tensor,
+    chunk_index: tl.tensor,
+    chunk_logit: tl.tensor,
+    chunk_top: tl.tensor,
+    chunk_total: tl.tensor,
+    vocab: tl.tensor,
+    stride_row: tl.tensor,
+    inv_temperature: tl.tensor,
     QUARTER: tl.constexpr,
     BLOCK: tl.constexpr,
     CHUNK: tl.constexpr,
-):
+) -> None:
     row, chunk = tl.program_id(0), tl.program_id(1)
     chunks = tl.num_programs(1)
     base = logits + row * stride_row
@@ -106,16 +116,16 @@ def _chunk_kernel(
 
 @triton.jit
 def _merge_kernel(
-    chunk_best,
-    chunk_index,
-    chunk_logit,
-    chunk_top,
-    chunk_total,
-    tokens,
-    logprobs,
-    chunks,
+    chunk_best: tl.tensor,
+    chunk_index: tl.tensor,
+    chunk_logit: tl.tensor,
+    chunk_top: tl.tensor,
+    chunk_total: tl.tensor,
+    tokens: tl.tensor,
+    logprobs: tl.tensor,
+    chunks: tl.tensor,
     CHUNKS: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0)
     lanes = tl.arange(0, CHUNKS)
     at = row * chunks + lanes
@@ -132,7 +142,9 @@ def _merge_kernel(
     tl.store(logprobs + row, tl.sum(tl.where(lanes == winner, logit, 0.0), 0) - log_total)
 
 
-def gumbel_max(logits: torch.Tensor, temperature: float, generator: torch.Generator):
+def gumbel_max(
+    logits: torch.Tensor, temperature: float, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One token per row of ``logits`` ``[rows, vocab]`` (the softmax of ``logits / T``
     sampled) and its log-probability at temperature 1; the Philox seed is drawn from
     ``generator``, so a request's seed fixes its samples."""

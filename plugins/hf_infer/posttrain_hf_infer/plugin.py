@@ -22,7 +22,7 @@ from posttrain.backend import (
 )
 
 if TYPE_CHECKING:
-    from posttrain import RolloutEngine
+    from posttrain import ErrorReport, RolloutEngine, Workflow
     from posttrain_hf_infer import engine
 
     _ENGINE: RolloutEngine = engine  # mypy: the engine defines every function it must, typed
@@ -84,7 +84,7 @@ class HFInferPlugin(EngineHooks):
     engine = "posttrain_hf_infer.engine"
 
     @hookimpl(trylast=True)
-    def posttrain_add_strategies(self):
+    def posttrain_add_strategies(self) -> list[StrategySpec]:
         return [
             StrategySpec(
                 name=STRATEGY,
@@ -103,7 +103,9 @@ class HFInferPlugin(EngineHooks):
         ]
 
     @hookimpl(trylast=True)
-    def posttrain_validate_workflow(self, workflow, strategies, report):
+    def posttrain_validate_workflow(
+        self, workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+    ) -> None:
         for name, role in workflow.roles().items():
             config = role.strategy_args.strategy_config
             if role.strategy_args.strategy_name != STRATEGY or not isinstance(
@@ -127,7 +129,7 @@ class HFInferPlugin(EngineHooks):
                 )
 
     @hookimpl(trylast=True)
-    def posttrain_estimate_memory(self, query):
+    def posttrain_estimate_memory(self, query: MemoryQuery) -> RoleMemory | None:
         if query.role.strategy_args.strategy_name != STRATEGY:
             return None
         return estimate_memory(query)

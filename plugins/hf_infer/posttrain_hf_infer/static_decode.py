@@ -46,12 +46,18 @@ import importlib.util
 import inspect
 import logging
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 import torch.nn.functional as F
 
-from posttrain_hf_infer.fused_linears import stacked_projections
+from posttrain_hf_infer.fused_linears import LinearGroup, stacked_projections
+
+if TYPE_CHECKING:
+    from transformers import Cache, PreTrainedModel
+    from transformers.cache_utils import StaticLayer
 
 LOG = logging.getLogger(__name__)
 
@@ -71,7 +77,9 @@ TRITON_ATTENTION = "posttrain_triton_decode"
 BY_ROWS_ATTENTION = "posttrain_decode_by_rows"
 
 
-def in_window(key, value, attention_mask):
+def in_window(
+    key: torch.Tensor, value: torch.Tensor, attention_mask: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """The keys and values of the cache's first slots, as many as the mask covers (the step's
     window: the keys past it are not read)."""
     if attention_mask is not None and attention_mask.shape[-1] < key.shape[2]:
@@ -80,7 +88,16 @@ def in_window(key, value, attention_mask):
     return key, value
 
 
-def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+def grouped_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
     """SDPA with the query heads sharing a KV head folded into one group of queries, instead of
     the KV heads repeated per query head (transformers' sdpa does that whenever a mask is given:
     at 256 rows and 640 cache slots those copies took 45% of a graphed 1.5B decode step on an
@@ -101,7 +118,16 @@ def grouped_sdpa(module, query, key, value, attention_mask, scaling=None, dropou
     return out.reshape(batch, heads, length, dim).transpose(1, 2).contiguous(), None
 
 
-def cudnn_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+def cudnn_sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
     """A one-token step's attention in cuDNN's fused kernel, which reads each KV head once for
     the query heads sharing it (``enable_gqa``) and broadcasts the mask over the heads: at 256
     rows on an H200 it read the cache at 2.2 / 3.3 / 3.7 TB/s (15 / 31 / 46 us a layer at
@@ -113,7 +139,13 @@ def cudnn_sdpa(module, query, key, value, attention_mask, scaling=None, dropout=
     return cudnn_one_token(query, key, value, attention_mask, scaling), None
 
 
-def cudnn_one_token(query, key, value, mask, scale: float | None) -> torch.Tensor:
+def cudnn_one_token(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float | None,
+) -> torch.Tensor:
     """:func:`cudnn_sdpa` of one-token queries: ``[rows, 1, heads, dim]``."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -125,7 +157,16 @@ def cudnn_one_token(query, key, value, mask, scale: float | None) -> torch.Tenso
     return out.transpose(1, 2).contiguous()
 
 
-def triton_decode(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+def triton_decode(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
     """A one-token step's attention in the Triton kernel of
     :mod:`~posttrain_hf_infer.decode_attention_kernel` (registered as the operator
     ``posttrain::decode_attention``: the compiler calls it as it is): each KV head read once for its
@@ -139,7 +180,16 @@ def triton_decode(module, query, key, value, attention_mask, scaling=None, dropo
     return decode_attention_op(query, key, value, attention_mask, scale), None
 
 
-def decode_by_rows(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **_):
+def decode_by_rows(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    **_: Any,
+) -> tuple[torch.Tensor, None]:
     """A one-token step's attention in the Triton kernel or cuDNN's, whichever reads faster for
     its rows (:func:`triton_prefers`), chosen when the step runs: the operator
     ``posttrain::decode_attention_by_rows``. Where both serve. Longer inputs (the prefill) take
@@ -166,12 +216,14 @@ def decode_attention_by_rows(
 
 
 @decode_attention_by_rows.register_fake
-def _(query, key, value, mask, scale):
+def _(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor, scale: float
+) -> torch.Tensor:
     rows, heads, _, dim = query.shape
     return query.new_empty(rows, 1, heads, dim)
 
 
-def _model_shape(model):
+def _model_shape(model: PreTrainedModel) -> tuple[int, int, int, torch.dtype]:
     """The decoder's query heads, KV heads, head size and dtype."""
     config = model.config.get_text_config(decoder=True)
     heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -179,7 +231,7 @@ def _model_shape(model):
     return heads, kv_heads, dim, model.get_input_embeddings().weight.dtype
 
 
-def cudnn_serves(model, device) -> bool:
+def cudnn_serves(model: PreTrainedModel, device: torch.device | str) -> bool:
     """Whether cuDNN's attention runs a decoder's one-token steps: this torch's cuDNN on this
     GPU, for the model's heads and dtype, over windows of ``WINDOW_BUCKET`` slots (every window
     is a multiple of it)."""
@@ -196,7 +248,7 @@ def cudnn_serves(model, device) -> bool:
     return can_use_cudnn_attention(SDPAParams(query, key, key, mask, 0.0, False, True))
 
 
-def triton_serves(model, device) -> bool:
+def triton_serves(model: PreTrainedModel, device: torch.device | str) -> bool:
     """Whether the Triton kernel runs a decoder's one-token steps: Triton installed, a GPU of
     compute capability 8.0 or later (bf16 on tensor cores), a bf16 or fp16 model (fp32 would
     round through TF32 in the kernel's products) with a head size that is a power of two from
@@ -227,13 +279,13 @@ def _multiprocessors(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-def triton_prefers(rows: int, kv_heads: int, device) -> bool:
+def triton_prefers(rows: int, kv_heads: int, device: torch.device | str) -> bool:
     """Whether the Triton kernel is the faster of the two for ``rows`` (by its programs per
     streaming multiprocessor, :data:`TRITON_PROGRAMS_PER_SM`)."""
     return rows * kv_heads >= TRITON_PROGRAMS_PER_SM * _multiprocessors(torch.device(device))
 
 
-def step_attention(choice: str, model, device) -> str:
+def step_attention(choice: str, model: PreTrainedModel, device: torch.device | str) -> str:
     """The attention of a decoder's one-token steps for ``strategy_config.decode_attention``
     (``choice``): "triton" or "cudnn" that kernel where it serves; "auto" either by the rows
     (:func:`decode_by_rows`) where both serve, else the one that does; grouped SDPA
@@ -258,7 +310,7 @@ def _register_attention() -> None:
 
 
 @contextlib.contextmanager
-def attention_of(model, name: str):
+def attention_of(model: PreTrainedModel, name: str) -> Iterator[None]:
     """The model's layers call attention ``name`` inside the block (the rest of the engine, the
     scoring forward passes with their 2D masks, keeps the model's own)."""
     config = model.config
@@ -274,13 +326,13 @@ def round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-def cache_argument(model) -> str:
+def cache_argument(model: PreTrainedModel) -> str:
     """The forward argument taking the KV cache: ``cache`` in newer transformers, else
     ``past_key_values`` (the old name is deprecated where the new one exists)."""
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def supports_static(model) -> bool:
+def supports_static(model: PreTrainedModel) -> bool:
     """Whether every attention layer is full attention: the mask built here is one for all
     layers, so sliding-window (or other) layers keep the dynamic path."""
     layer_types = getattr(model.config, "layer_types", None) or ["full_attention"]
@@ -293,7 +345,16 @@ def prompt_positions(attention: torch.Tensor) -> torch.Tensor:
     return (attention.cumsum(-1) - 1).clamp(min=0)
 
 
-def decode_forward(model, cache: dict, visible, slots, ids, positions, queries, window: int):
+def decode_forward(
+    model: PreTrainedModel,
+    cache: dict[str, Cache],
+    visible: torch.Tensor,
+    slots: torch.Tensor,
+    ids: torch.Tensor,
+    positions: torch.Tensor,
+    queries: torch.Tensor,
+    window: int,
+) -> torch.Tensor:
     """The logits ``[rows, vocab]`` after the tokens ``ids`` at cache slots ``queries``
     (``[1, q]``, the same for every row, or ``[rows, q]``): the mask of those queries over the
     cache's first ``window`` slots (a key is visible when ``visible`` and not after the query;
@@ -314,10 +375,12 @@ def decode_forward(model, cache: dict, visible, slots, ids, positions, queries, 
     return out.logits[:, -1]
 
 
-_compiled_forward = None
+# decode_forward, or it compiled.
+StepForward = Callable[..., torch.Tensor]
+_compiled_forward: StepForward | None = None
 
 
-def compiled_forward():
+def compiled_forward() -> StepForward:
     """:func:`decode_forward` through ``torch.compile``, shape-generic: one compiled function
     for every decoder and window."""
     global _compiled_forward
@@ -326,10 +389,10 @@ def compiled_forward():
     return _compiled_forward
 
 
-_row_slot_layer = None
+_row_slot_layer: type[StaticLayer] | None = None
 
 
-def row_slot_layer(max_cache_len: int, write_slots: torch.Tensor):
+def row_slot_layer(max_cache_len: int, write_slots: torch.Tensor) -> StaticLayer:
     """A transformers ``StaticLayer`` whose one-token steps write each row's keys and values at
     that row's slot ``write_slots[row]`` (transformers' layer writes every row at one shared
     slot); a longer input (the prefill) fills the first slots of every row. One class for
@@ -340,7 +403,13 @@ def row_slot_layer(max_cache_len: int, write_slots: torch.Tensor):
         from transformers.cache_utils import StaticLayer
 
         class RowSlotLayer(StaticLayer):
-            def update(self, key_states, value_states, *args, **kwargs):
+            def update(
+                self,
+                key_states: torch.Tensor,
+                value_states: torch.Tensor,
+                *args: Any,
+                **kwargs: Any,
+            ) -> tuple[torch.Tensor, torch.Tensor]:
                 if not self.is_initialized:
                     self.lazy_initialization(key_states, value_states)
                 length = key_states.shape[-2]
@@ -363,7 +432,7 @@ def row_slot_layer(max_cache_len: int, write_slots: torch.Tensor):
     return layer
 
 
-def row_slot_cache(model, length: int, write_slots: torch.Tensor):
+def row_slot_cache(model: PreTrainedModel, length: int, write_slots: torch.Tensor) -> Cache:
     from transformers import Cache
 
     layers = model.config.get_text_config(decoder=True).num_hidden_layers
@@ -385,7 +454,15 @@ class StaticDecoder:
     ``settings.graph``, the one-token step captured in a CUDA graph at its first call.
     ``groups``: the model's stacked projections (fused_linears), used in every forward here."""
 
-    def __init__(self, model, rows: int, length: int, device, settings: DecodeSettings, groups):
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        rows: int,
+        length: int,
+        device: torch.device | str,
+        settings: DecodeSettings,
+        groups: list[LinearGroup],
+    ) -> None:
         _register_attention()
         self.model = model
         self.rows, self.length = rows, length
@@ -401,7 +478,7 @@ class StaticDecoder:
         self.attention = step_attention(settings.attention, model, device)
         self.groups = groups
         self.use_graph = settings.graph
-        self.step_forward = compiled_forward() if settings.compiled else decode_forward
+        self.step_forward: StepForward = compiled_forward() if settings.compiled else decode_forward
         # On the host: the latest query slot among the running rows, or later (exact after
         # :meth:`observe`): it picks the window without waiting for the GPU.
         self.latest_slot = 0
@@ -412,7 +489,14 @@ class StaticDecoder:
         """Slots a query at cache slot ``last_query`` (or before) attends to."""
         return min(round_up(last_query + 1, WINDOW_BUCKET), self.length)
 
-    def _forward(self, ids, positions, queries, window: int, forward) -> torch.Tensor:
+    def _forward(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        queries: torch.Tensor,
+        window: int,
+        forward: StepForward,
+    ) -> torch.Tensor:
         with attention_of(self.model, self.attention), stacked_projections(self.groups):
             return forward(
                 self.model,
@@ -436,7 +520,9 @@ class StaticDecoder:
         queries, window = self.slots[None, :width], self.window(width - 1)
         return self._forward(input_ids, positions, queries, window, decode_forward)
 
-    def refill(self, rows: list[int], input_ids: torch.Tensor, attention: torch.Tensor):
+    def refill(
+        self, rows: list[int], input_ids: torch.Tensor, attention: torch.Tensor
+    ) -> torch.Tensor:
         """Put the left-padded prompts ``[len(rows), width]`` into ``rows`` of the running cache
         (the other rows untouched): they run through the model on their own, with the model's
         own attention and a growing cache, and their keys and values are copied into the rows'
@@ -463,7 +549,9 @@ class StaticDecoder:
         self.latest_slot = max(self.latest_slot, width - 1)
         return out.logits[:, -1]
 
-    def _place(self, index, attention: torch.Tensor, positions: torch.Tensor) -> None:
+    def _place(
+        self, index: slice | torch.Tensor, attention: torch.Tensor, positions: torch.Tensor
+    ) -> None:
         """Rows ``index`` (all of them: ``slice(None)``) start from prompts left-padded to
         ``attention.shape[1]`` slots, ``positions`` their position ids: the slots they see,
         their next position, and their query slot (the prompt's last)."""
@@ -534,12 +622,14 @@ class StaticDecoder:
 class StaticDecoders:
     """The decoders of recent shapes (see the module docstring), oldest dropped first."""
 
-    def __init__(self, settings: DecodeSettings, groups):
+    def __init__(self, settings: DecodeSettings, groups: list[LinearGroup]) -> None:
         # groups: the model's stacked projections (none unless settings.fuse_projections)
         self.settings, self.groups = settings, groups
         self._decoders: OrderedDict[tuple[int, int], StaticDecoder] = OrderedDict()
 
-    def get(self, model, rows: int, length: int, device) -> StaticDecoder:
+    def get(
+        self, model: PreTrainedModel, rows: int, length: int, device: torch.device | str
+    ) -> StaticDecoder:
         key = (round_up(rows, ROWS_BUCKET), round_up(length, LENGTH_BUCKET))
         decoder = self._decoders.pop(key, None)
         if decoder is None:

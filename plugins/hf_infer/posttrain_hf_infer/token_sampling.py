@@ -11,10 +11,23 @@ step at 256 rows on an H200).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 
+if TYPE_CHECKING:
+    from posttrain import SamplingParams
 
-def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: float):
+# A token per row and its log-probability at temperature 1.
+Drawn = tuple[torch.Tensor, torch.Tensor]
+# A step's sampling: the logits ``[rows, vocab]`` in, what it drew out.
+Draw = Callable[[torch.Tensor], Drawn]
+
+
+def filter_logits(
+    logits: torch.Tensor, temperature: float, top_k: int, top_p: float
+) -> torch.Tensor:
     logits = logits / max(temperature, 1e-6)
     if 0 < top_k < logits.shape[-1]:
         kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]
@@ -29,7 +42,9 @@ def filter_logits(logits: torch.Tensor, temperature: float, top_k: int, top_p: f
     return logits
 
 
-def draw(logits: torch.Tensor, sampling, generator) -> tuple[torch.Tensor, torch.Tensor]:
+def draw(
+    logits: torch.Tensor, sampling: SamplingParams, generator: torch.Generator | None
+) -> Drawn:
     """One token per row from ``logits`` (temperature, top-k, top-p; greedy at temperature 0)
     and its log-probability under the unfiltered distribution (what a forward pass scores)."""
     logits = logits.float()
@@ -43,12 +58,12 @@ def draw(logits: torch.Tensor, sampling, generator) -> tuple[torch.Tensor, torch
     return token, raw_logp.gather(-1, token.unsqueeze(-1)).squeeze(-1)
 
 
-def is_plain(sampling) -> bool:
+def is_plain(sampling: SamplingParams) -> bool:
     """Sampling at a temperature with no top-k/top-p filter (what :func:`gumbel_draw` does)."""
     return sampling.temperature > 0 and sampling.top_k <= 0 and sampling.top_p >= 1.0
 
 
-def gumbel_choice(logits: torch.Tensor, uniform: torch.Tensor, temperature: float):
+def gumbel_choice(logits: torch.Tensor, uniform: torch.Tensor, temperature: float) -> Drawn:
     """The token ``argmax(logits / T - log(-log(u)))`` of each row and its log-probability at
     temperature 1. ``uniform`` in [0, 1): a 0 gives the token -inf (never chosen)."""
     logits = logits.float()
@@ -57,10 +72,10 @@ def gumbel_choice(logits: torch.Tensor, uniform: torch.Tensor, temperature: floa
     return token, chosen - torch.logsumexp(logits, dim=-1)
 
 
-_compiled_choice = None
+_compiled_choice: Callable[[torch.Tensor, torch.Tensor, float], Drawn] | None = None
 
 
-def gumbel_draw(logits: torch.Tensor, temperature: float, generator):
+def gumbel_draw(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> Drawn:
     """:func:`gumbel_choice` as one kernel, its noise drawn from ``generator``: on a GPU the
     Triton kernel of :mod:`~posttrain_hf_infer.gumbel_kernel` (uniforms drawn in registers),
     elsewhere the compiled function reading uniforms ``torch.rand`` wrote."""

@@ -13,15 +13,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from posttrain import PosttrainError
 from posttrain_sglang.state import rank_state
 
 if TYPE_CHECKING:
+    import torch
+    from sglang.srt.entrypoints.engine import Engine
+
     from posttrain import WorkerContext
+
+# A broadcast bucket's tensors: name, shape, dtype name and bytes each, in the bucket's order.
+BucketMeta = Sequence[tuple[str, Sequence[int], str, int]]
 
 log = logging.getLogger("posttrain.sglang")
 
@@ -37,8 +43,14 @@ def check_usable(worker: WorkerContext) -> None:
 
 
 def bounded(
-    worker: WorkerContext, engine, method: str, request, timeout_s: float, what: str, peer=False
-):
+    worker: WorkerContext,
+    engine: Engine,
+    method: str,
+    request: Any,
+    timeout_s: float,
+    what: str,
+    peer: bool = False,
+) -> tuple[bool, str]:
     """``await engine.tokenizer_manager.<method>(request)`` for at most ``timeout_s``; ``peer``:
     the call waits for the trainer side of a broadcast."""
     check_usable(worker)
@@ -52,7 +64,7 @@ def bounded(
         raise EngineCallFailed(f"sglang: {reason}") from None
 
 
-def _ok(answer, what: str) -> None:
+def _ok(answer: tuple[bool, str], what: str) -> None:
     """SGLang answers ``(success, message)``; a failure becomes an error with its message."""
     success, message = answer[0], answer[1]
     if not success:
@@ -60,7 +72,7 @@ def _ok(answer, what: str) -> None:
 
 
 @contextmanager
-def weight_update(worker: WorkerContext, engine, timeout_s: float) -> Iterator[None]:
+def weight_update(worker: WorkerContext, engine: Engine, timeout_s: float) -> Iterator[None]:
     """``begin_weight_update`` ... ``end_weight_update``: SGLang 0.5.23 refuses tensor and
     distributed updates outside such a session."""
     from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput
@@ -82,7 +94,7 @@ def weight_update(worker: WorkerContext, engine, timeout_s: float) -> Iterator[N
     _end(worker, engine, timeout_s)
 
 
-def _end(worker: WorkerContext, engine, timeout_s: float) -> None:
+def _end(worker: WorkerContext, engine: Engine, timeout_s: float) -> None:
     from sglang.srt.managers.io_struct import EndWeightUpdateReqInput
 
     what = "end_weight_update"
@@ -95,14 +107,19 @@ def _end(worker: WorkerContext, engine, timeout_s: float) -> None:
 _FLUSH = {"flush_cache": True, "torch_empty_cache": False}
 
 
-def flush_cache(worker: WorkerContext, engine) -> None:
+def flush_cache(worker: WorkerContext, engine: Engine) -> None:
     check_usable(worker)
     result = engine.flush_cache()
     if not getattr(result, "success", True):
         raise EngineCallFailed(f"sglang: flush_cache failed: {result.message}")
 
 
-def update_from_tensors(worker: WorkerContext, engine, tensors, timeout_s: float) -> None:
+def update_from_tensors(
+    worker: WorkerContext,
+    engine: Engine,
+    tensors: list[tuple[str, torch.Tensor]],
+    timeout_s: float,
+) -> None:
     """Load ``(name, tensor)`` pairs: CUDA tensors travel to the scheduler as IPC handles, host
     tensors as shared memory."""
     from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
@@ -115,7 +132,7 @@ def update_from_tensors(worker: WorkerContext, engine, tensors, timeout_s: float
     _ok(bounded(worker, engine, what, request, timeout_s, what), what)
 
 
-def _shareable(tensor):
+def _shareable(tensor: torch.Tensor) -> torch.Tensor:
     """Pickling a host tensor moves its storage into shared memory in place: a tensor the
     trainer still owns (in-process hand-over) is copied there instead, once, as the move would."""
     if tensor.is_cuda or tensor.is_shared():
@@ -126,8 +143,16 @@ def _shareable(tensor):
 
 
 def init_group(
-    worker: WorkerContext, engine, address, port, rank, world_size, group, backend, timeout_s
-):
+    worker: WorkerContext,
+    engine: Engine,
+    address: str,
+    port: int,
+    rank: int,
+    world_size: int,
+    group: str,
+    backend: str,
+    timeout_s: float,
+) -> None:
     from sglang.srt.managers.io_struct import InitWeightsUpdateGroupReqInput
 
     request = InitWeightsUpdateGroupReqInput(
@@ -143,7 +168,7 @@ def init_group(
 
 
 def update_from_distributed(
-    worker: WorkerContext, engine, meta, group: str, timeout_s: float
+    worker: WorkerContext, engine: Engine, meta: BucketMeta, group: str, timeout_s: float
 ) -> None:
     """Receive one bucket broadcast as SGLang's ``flattened_bucket`` (the core's wire format:
     one uint8 tensor, the tensors' bytes in metadata order) and load it."""
@@ -161,7 +186,7 @@ def update_from_distributed(
     _ok(bounded(worker, engine, what, request, timeout_s, f"{what} ({group})", peer=True), what)
 
 
-def destroy_group(worker: WorkerContext, engine, group: str, timeout_s: float) -> None:
+def destroy_group(worker: WorkerContext, engine: Engine, group: str, timeout_s: float) -> None:
     from sglang.srt.managers.io_struct import DestroyWeightsUpdateGroupReqInput
 
     what = "destroy_weights_update_group"

@@ -18,11 +18,12 @@ import gc
 import logging
 import os
 import time
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError
+from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, WeightBucket
 from posttrain.backend import drain, leads_replica, load_tokenizer, tensor_parallel_replicas
 from posttrain_sglang import args as engine_args_mod
 from posttrain_sglang import calls, leftovers
@@ -30,7 +31,9 @@ from posttrain_sglang.receiver import DistributedReceiver
 from posttrain_sglang.state import rank_state, tokenizer
 
 if TYPE_CHECKING:
-    from posttrain import WorkerContext
+    from sglang.srt.entrypoints.engine import Engine
+
+    from posttrain import SamplingParams, WorkerContext
 
 log = logging.getLogger("posttrain.sglang")
 
@@ -56,7 +59,7 @@ def setup_parallel(worker: WorkerContext) -> dict[str, int]:
     return tensor_parallel_replicas(worker, tp, "tp_size")
 
 
-def load_model(worker: WorkerContext):
+def load_model(worker: WorkerContext) -> Engine | dict[str, bool]:
     rank_state(worker).tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
     if not leads_replica(worker):
         return {"replica_leader": False}
@@ -82,7 +85,7 @@ def load_model(worker: WorkerContext):
     return engine
 
 
-def check_engine_tokenizer(worker: WorkerContext, engine) -> None:
+def check_engine_tokenizer(worker: WorkerContext, engine: Engine) -> None:
     """Stop strings are matched on the engine's detokenized text: its tokenizer must be the one
     posttrain decodes with."""
     theirs = engine.tokenizer_manager.tokenizer
@@ -93,7 +96,7 @@ def check_engine_tokenizer(worker: WorkerContext, engine) -> None:
         )
 
 
-def _engine(worker: WorkerContext):
+def _engine(worker: WorkerContext) -> Engine | None:
     engine = rank_state(worker).engine
     if engine is not None:
         calls.check_usable(worker)
@@ -117,7 +120,7 @@ def _sample_seed(seed: int | None, prompt: int, sample: int, n: int) -> int | No
     return (seed * 1_000_003 + prompt * n + sample) % (2**62)
 
 
-def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
+def sampling_params(worker: WorkerContext, sampling: SamplingParams) -> dict[str, Any]:
     eos = None if sampling.ignore_eos else tokenizer(worker).eos_token_id
     stop_ids = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
     params: dict[str, Any] = {
@@ -131,7 +134,7 @@ def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
     }
     stop = list(sampling.stop)
     if stop:
-        if rank_state(worker).engine is not None and engine_has_no_tokenizer(worker):
+        if engine_has_no_tokenizer(worker):
             raise UserError(
                 "sglang: stop strings need the engine's tokenizer; set generating_args."
                 "stop_strings in the workflow (the engine then loads one)"
@@ -141,7 +144,9 @@ def sampling_params(worker: WorkerContext, sampling) -> dict[str, Any]:
 
 
 def engine_has_no_tokenizer(worker: WorkerContext) -> bool:
-    return rank_state(worker).engine.tokenizer_manager.tokenizer is None
+    """Whether this rank drives an engine started without a tokenizer."""
+    engine = rank_state(worker).engine
+    return engine is not None and engine.tokenizer_manager.tokenizer is None
 
 
 def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSamples:
@@ -201,7 +206,7 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
 # ---------------------------------------------------------------------------------------------
 
 
-def import_weights(worker: WorkerContext, buckets) -> bool:
+def import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bool:
     """Colocated path: every bucket of this call inside one weight-update session."""
     engine = _engine(worker)
     if engine is None:
@@ -224,13 +229,13 @@ def weight_receiver(worker: WorkerContext) -> DistributedReceiver:
 # ---------------------------------------------------------------------------------------------
 
 
-def _sglang_tags(tags) -> list[str] | None:
+def _sglang_tags(tags: list[str]) -> list[str] | None:
     """posttrain's tags that SGLang knows; None (everything) when both are asked for."""
     known = [t for t in tags if t in ("weights", "kv_cache")]
     return None if set(known) == {"weights", "kv_cache"} else known
 
 
-def release_memory(worker: WorkerContext, tags) -> bool:
+def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     engine = _engine(worker)
     if engine is None:
         return True
@@ -243,7 +248,7 @@ def release_memory(worker: WorkerContext, tags) -> bool:
     return True
 
 
-def resume_memory(worker: WorkerContext, tags) -> bool:
+def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     engine = _engine(worker)
     if engine is None or not engine_args_mod.memory_saver(worker):
         return True

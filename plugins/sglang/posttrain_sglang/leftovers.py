@@ -15,6 +15,10 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from sglang.srt.entrypoints.engine import Engine
 
 log = logging.getLogger("posttrain.sglang")
 
@@ -90,7 +94,7 @@ def remove_shm_leftovers(before: set[str]) -> list[str]:
     return removed
 
 
-def ipc_paths(engine) -> list[str]:
+def ipc_paths(engine: Engine) -> list[str]:
     """The files behind the engine's ``ipc://`` ZeroMQ endpoints."""
     port_args = getattr(engine, "port_args", None)
     names = [getattr(port_args, field, None) for field in IPC_FIELDS]

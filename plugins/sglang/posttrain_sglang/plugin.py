@@ -31,7 +31,7 @@ class SGLangPlugin(EngineHooks):
     engine = "posttrain_sglang.engine"
 
     @hookimpl
-    def posttrain_add_strategies(self):
+    def posttrain_add_strategies(self) -> list[StrategySpec]:
         return [
             StrategySpec(
                 name=STRATEGY,
@@ -51,7 +51,7 @@ class SGLangPlugin(EngineHooks):
         ]
 
     @hookimpl
-    def posttrain_environment_checks(self):
+    def posttrain_environment_checks(self) -> list[EnvCheck]:
         return [EnvCheck(plugin="posttrain-sglang", package="sglang", tested=TESTED_SGLANG)]
 
 

@@ -19,18 +19,29 @@ from posttrain_sglang.args import is_cuda
 from posttrain_sglang.state import rank_state
 
 if TYPE_CHECKING:
+    from sglang.srt.entrypoints.engine import Engine
+
     from posttrain import WorkerContext
+    from posttrain_sglang.calls import BucketMeta
 
 log = logging.getLogger("posttrain.sglang")
 
 
 class DistributedReceiver:
-    def __init__(self, worker: WorkerContext, engine):
+    def __init__(self, worker: WorkerContext, engine: Engine | None) -> None:
         self.worker = worker
         self.engine = engine  # None on the ranks of a replica that do not drive the engine
         self.timeout_s = 300.0
 
-    def join(self, address, port, rank, world_size, group_name, timeout_s) -> None:
+    def join(
+        self,
+        address: str,
+        port: int,
+        rank: int,
+        world_size: int,
+        group_name: str,
+        timeout_s: float,
+    ) -> None:
         self.timeout_s = timeout_s
         if self.engine is None:
             return
@@ -48,7 +59,7 @@ class DistributedReceiver:
         )
         log.info("joined weight-sync group %s as rank %d of %d", group_name, rank, world_size)
 
-    def receive(self, meta, group_name) -> bool:
+    def receive(self, meta: BucketMeta, group_name: str) -> bool:
         if self.engine is None:
             return True
         with calls.weight_update(self.worker, self.engine, self.timeout_s):
@@ -57,7 +68,7 @@ class DistributedReceiver:
             )
         return True
 
-    def leave(self, group_name) -> None:
+    def leave(self, group_name: str) -> None:
         if self.engine is None or rank_state(self.worker).broken:
             return
         calls.destroy_group(self.worker, self.engine, group_name, self.timeout_s)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import attrs
 
 if TYPE_CHECKING:
+    from sglang.srt.entrypoints.engine import Engine
     from transformers import PreTrainedTokenizerBase
 
     from posttrain import WorkerContext
@@ -15,9 +16,8 @@ if TYPE_CHECKING:
 @attrs.define(kw_only=True)
 class SGLangState:
     tokenizer: PreTrainedTokenizerBase | None = None  # set by load_model, on every rank
-    # The replica's ``sglang.Engine`` (SGLang's classes are untyped to the check); None on the
-    # other ranks of a replica and after shutdown.
-    engine: Any = None
+    # The replica's engine; None on the other ranks of a replica and after shutdown.
+    engine: Engine | None = None
     # The engine-kind files in /dev/shm before the engine started (see leftovers).
     shm_before: set[str] | None = None
     # Why the engine is unusable (a call timed out: see calls); None while it is usable.

@@ -31,6 +31,8 @@ import importlib.abc
 import importlib.machinery
 import sys
 import types
+from collections.abc import Sequence
+from typing import NoReturn
 
 SHIMMED = ("torchvision", "sgl_kernel")
 # The submodules SGLang 0.5.23 imports at module level, without a fallback, on the CPU path.
@@ -69,7 +71,7 @@ def _unavailable(qualname: str) -> type:
     """A placeholder for ``qualname``: usable as a name, base class or isinstance target at
     import time; raises as soon as anything tries to use it."""
 
-    def refuse(*_args, **_kwargs):
+    def refuse(*_args: object, **_kwargs: object) -> NoReturn:
         raise NotImplementedError(
             f"{qualname} is not installed: posttrain_sglang.testing_shims only stands in for "
             "imports that SGLang's CPU decoding never calls"
@@ -79,7 +81,9 @@ def _unavailable(qualname: str) -> type:
 
 
 class _ShimModule(types.ModuleType):
-    def __getattr__(self, name: str):
+    __posttrain_shim__ = True  # what is_shim looks for
+
+    def __getattr__(self, name: str) -> type:
         qualname = f"{self.__name__}.{name}"
         if qualname not in PLACEHOLDERS:
             # ``from sgl_kernel.x import y`` then raises ImportError, which SGLang's optional
@@ -91,21 +95,20 @@ class _ShimModule(types.ModuleType):
 
 
 class _Loader(importlib.abc.Loader):
-    def create_module(self, spec):
+    def create_module(self, spec: importlib.machinery.ModuleSpec) -> types.ModuleType:
         module = _ShimModule(spec.name)
         module.__path__ = []  # a package: any submodule import goes through the finder again
-        module.__posttrain_shim__ = True
         return module
 
-    def exec_module(self, module):
+    def exec_module(self, module: types.ModuleType) -> None:
         if module.__name__ in ("torchvision.transforms", "torchvision.transforms.functional"):
-            module.InterpolationMode = InterpolationMode
+            vars(module)["InterpolationMode"] = InterpolationMode
 
 
 def _importer_is_sglang() -> bool:
     """Whether the innermost frame outside the import machinery belongs to SGLang (or to a
     shim module importing its own submodules)."""
-    frame = sys._getframe(2)
+    frame: types.FrameType | None = sys._getframe(2)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if not (name.startswith(("importlib", "_frozen_importlib")) or name == __name__):
@@ -116,7 +119,12 @@ def _importer_is_sglang() -> bool:
 
 
 class _Finder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path=None, target=None):
+    def find_spec(
+        self,
+        fullname: str,
+        path: Sequence[str] | None = None,
+        target: types.ModuleType | None = None,
+    ) -> importlib.machinery.ModuleSpec | None:
         if fullname not in SHIMMED + MODULES or not _importer_is_sglang():
             return None
         return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
@@ -132,5 +140,5 @@ def install() -> None:
         sys.meta_path.append(_Finder())
 
 
-def is_shim(module) -> bool:
+def is_shim(module: object) -> bool:
     return bool(getattr(module, "__posttrain_shim__", False))

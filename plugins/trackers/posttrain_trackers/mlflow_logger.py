@@ -61,7 +61,7 @@ class MlflowLogger:
         self.state.start(run_id)
 
     @hookimpl
-    def posttrain_log_metrics(self, step, metrics, run_dir):
+    def posttrain_log_metrics(self, step: int, metrics: dict[str, float], run_dir: str) -> None:
         if self.state.is_logged(step):
             return
         now = int(time.time() * 1000)
@@ -70,7 +70,7 @@ class MlflowLogger:
         self.state.logged(step)
 
     @hookimpl
-    def posttrain_run_finished(self, run_dir, history):
+    def posttrain_run_finished(self, run_dir: str, history: list[dict[str, float]]) -> None:
         self.client.set_terminated(self.run_id)
 
 

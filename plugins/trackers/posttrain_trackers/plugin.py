@@ -9,7 +9,7 @@ from posttrain_trackers.options import MlflowOptions, WandbOptions
 
 
 @hookimpl
-def posttrain_add_loggers():
+def posttrain_add_loggers() -> dict[str, LoggerSpec]:
     return {
         "wandb": LoggerSpec(
             factory="posttrain_trackers.wandb_logger:WandbLogger",
@@ -30,7 +30,7 @@ TESTED_MLFLOW = ">=2.16,<4"
 
 
 @hookimpl
-def posttrain_environment_checks():
+def posttrain_environment_checks() -> list[EnvCheck]:
     # mlflow-skinny and mlflow are both imported as mlflow: asked of the module, not of one
     # distribution.
     return [

@@ -34,12 +34,12 @@ class WandbLogger:
         self.state.start(run_id)
 
     @hookimpl
-    def posttrain_log_metrics(self, step, metrics, run_dir):
+    def posttrain_log_metrics(self, step: int, metrics: dict[str, float], run_dir: str) -> None:
         if self.state.is_logged(step):
             return
         self.run.log(dict(metrics), step=step)
         self.state.logged(step)
 
     @hookimpl
-    def posttrain_run_finished(self, run_dir, history):
+    def posttrain_run_finished(self, run_dir: str, history: list[dict[str, float]]) -> None:
         self.run.finish()

@@ -24,13 +24,21 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterable
 from contextlib import suppress
 from typing import TYPE_CHECKING, Any
 
 import attrs
 import torch
 
-from posttrain import GenerationRequest, RolloutSamples, SequenceBatch, UserError, unknown_keys
+from posttrain import (
+    GenerationRequest,
+    RolloutSamples,
+    SequenceBatch,
+    UserError,
+    WeightBucket,
+    unknown_keys,
+)
 from posttrain.backend import (
     drain,
     is_cuda,
@@ -43,9 +51,10 @@ from posttrain.backend import (
 from posttrain_vllm import worker_side
 
 if TYPE_CHECKING:
+    import vllm
     from transformers import PreTrainedTokenizerBase
 
-    from posttrain import WorkerContext
+    from posttrain import SamplingParams, WorkerContext
 
 log = logging.getLogger("posttrain.vllm")
 
@@ -60,9 +69,8 @@ class VLLMState:
     """What a rank keeps between calls (``worker.engine_state(VLLMState)``)."""
 
     tokenizer: PreTrainedTokenizerBase | None = None  # set by load_model, on every rank
-    # The replica's ``vllm.LLM`` (vLLM's classes are untyped to the check); None on the other
-    # ranks of a replica and after shutdown.
-    engine: Any = None
+    # The replica's engine; None on the other ranks of a replica and after shutdown.
+    engine: vllm.LLM | None = None
     # The engine joined the trainer's world (external_launcher): shutdown leaves it standing.
     external_world: bool = False
     # The engine loaded a tokenizer (it matches stop strings).
@@ -154,7 +162,7 @@ def _stop_strings(worker: WorkerContext) -> list[str]:
     return list(gen.stop_strings) if gen else []
 
 
-def _check_engine_tokenizer(worker: WorkerContext, llm) -> None:
+def _check_engine_tokenizer(worker: WorkerContext, llm: vllm.LLM) -> None:
     """Stop strings are matched on the engine's detokenized text: its tokenizer must be the
     one posttrain decodes with."""
     ours = _tokenizer(worker).get_vocab()
@@ -206,7 +214,7 @@ def check_cpu_head_size(path: str) -> None:
         )
 
 
-def load_model(worker: WorkerContext):
+def load_model(worker: WorkerContext) -> vllm.LLM | dict[str, bool]:
     _state(worker).tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
     if not leads_replica(worker):
         return {"replica_leader": False}
@@ -270,7 +278,7 @@ def _restore_threads(threads: int) -> None:
         torch.set_num_threads(threads)
 
 
-def _llm(worker: WorkerContext):
+def _llm(worker: WorkerContext) -> vllm.LLM | None:
     return _state(worker).engine
 
 
@@ -291,8 +299,10 @@ def _request_seed(seed: int | None, index: int, n: int) -> int | None:
     return (seed * 1_000_003 + index * n) % (2**62)
 
 
-def sampling_params(worker: WorkerContext, sampling, seed: int | None, **extra):
-    from vllm import SamplingParams
+def sampling_params(
+    worker: WorkerContext, sampling: SamplingParams, seed: int | None, **extra: Any
+) -> vllm.SamplingParams:
+    import vllm
 
     eos = None if sampling.ignore_eos else _tokenizer(worker).eos_token_id
     stop = list(dict.fromkeys([*sampling.stop_token_ids, *([eos] if eos is not None else [])]))
@@ -301,7 +311,7 @@ def sampling_params(worker: WorkerContext, sampling, seed: int | None, **extra):
             "vllm: this request has stop strings but the engine was started without a "
             "tokenizer; list them in the role's generating_args.stop_strings"
         )
-    return SamplingParams(
+    return vllm.SamplingParams(
         n=sampling.n,
         temperature=sampling.temperature,
         top_p=sampling.top_p,
@@ -390,7 +400,7 @@ def _shm_dir(worker: WorkerContext) -> str:
     return path
 
 
-def import_weights(worker: WorkerContext, buckets) -> bool:
+def import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bool:
     llm = _llm(worker)
     if llm is None:
         return drain(buckets)
@@ -412,7 +422,9 @@ def import_weights(worker: WorkerContext, buckets) -> bool:
     return True
 
 
-def _reload_from_files(worker: WorkerContext, llm, tensors, retie: bool) -> None:
+def _reload_from_files(
+    worker: WorkerContext, llm: vllm.LLM, tensors: list[tuple[str, torch.Tensor]], retie: bool
+) -> None:
     from safetensors.torch import save_file
 
     folder = _shm_dir(worker)
@@ -433,7 +445,7 @@ def _reload_from_files(worker: WorkerContext, llm, tensors, retie: bool) -> None
 # ---------------------------------------------------------------------------------------------
 
 
-def release_memory(worker: WorkerContext, tags) -> bool:
+def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     llm = _llm(worker)
     if llm is None:
         return True
@@ -444,7 +456,7 @@ def release_memory(worker: WorkerContext, tags) -> bool:
     return True
 
 
-def resume_memory(worker: WorkerContext, tags) -> bool:
+def resume_memory(worker: WorkerContext, tags: list[str]) -> bool:
     llm = _llm(worker)
     if llm is None or not _sleep_mode(worker):
         return True

@@ -8,6 +8,7 @@ vLLM itself is imported only there.
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from typing import TYPE_CHECKING, Any, Literal
 
 import attrs
@@ -24,7 +25,7 @@ from posttrain import (
 )
 
 if TYPE_CHECKING:
-    from posttrain import RolloutEngine
+    from posttrain import RolloutEngine, Workflow
     from posttrain_vllm import engine
 
     _ENGINE: RolloutEngine = engine  # mypy: the engine defines every function it must, typed
@@ -81,7 +82,7 @@ class VLLMPlugin(EngineHooks):
     engine = "posttrain_vllm.engine"
 
     @hookimpl
-    def posttrain_add_strategies(self):
+    def posttrain_add_strategies(self) -> list[StrategySpec]:
         return [
             StrategySpec(
                 name=STRATEGY,
@@ -99,7 +100,9 @@ class VLLMPlugin(EngineHooks):
         ]
 
     @hookimpl(wrapper=True)
-    def posttrain_plan_processes(self, workflow, strategies):
+    def posttrain_plan_processes(
+        self, workflow: Workflow, strategies: dict[str, StrategySpec]
+    ) -> Generator[None, list[tuple[str, ...]], list[tuple[str, ...]]]:
         """Beside a trainer, every rank drives an engine of its own (vLLM's external launcher
         makes the trainer's world its data-parallel dimension); with tensor parallelism one rank
         drives a replica's engine over several devices, so such a role keeps its own processes."""
@@ -126,7 +129,7 @@ class VLLMPlugin(EngineHooks):
         ]
 
     @hookimpl
-    def posttrain_environment_checks(self):
+    def posttrain_environment_checks(self) -> list[EnvCheck]:
         return [
             EnvCheck(
                 plugin="posttrain-vllm",

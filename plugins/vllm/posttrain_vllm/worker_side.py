@@ -11,7 +11,13 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from posttrain import WorkerContext
+    from collections.abc import Iterable
+
+    import torch
+    from vllm.v1.worker.gpu_worker import Worker
+
+    # What reload_weights reads: (name, tensor) pairs.
+    Weights = Iterable[tuple[str, torch.Tensor]]
 
 EXTENSION = "posttrain_vllm.worker_side.PosttrainWorkerExtension"
 
@@ -20,13 +26,19 @@ class PosttrainWorkerExtension:
     """Methods added to vLLM's worker (``self`` is the worker)."""
 
     def posttrain_reload_weights(
-        self, weights_iterator=None, weights_path=None, retie: bool = False
+        self,
+        weights_iterator: Weights | None = None,
+        weights_path: str | None = None,
+        retie: bool = False,
     ) -> bool:
         return reload_weights(self, weights_iterator, weights_path, retie)
 
 
 def reload_weights(
-    worker: WorkerContext, weights_iterator=None, weights_path=None, retie: bool = False
+    worker: Worker,
+    weights_iterator: Weights | None = None,
+    weights_path: str | None = None,
+    retie: bool = False,
 ) -> bool:
     """vLLM's in-place ``reload_weights``, then re-tie a tied LM head when the embeddings
     changed: Qwen2/Llama skip ``lm_head.weight`` for tied models, and on CPU the head keeps a
@@ -39,7 +51,7 @@ def reload_weights(
     return True
 
 
-def retie_lm_head(worker: WorkerContext) -> None:
+def retie_lm_head(worker: Worker) -> None:
     from vllm.config import set_current_vllm_config
     from vllm.platforms import current_platform
 
