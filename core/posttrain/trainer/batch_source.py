@@ -5,6 +5,7 @@ rank processes the loop's thread may ask for their figures in each case."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from posttrain.config.sections import Workflow
 from posttrain.launch.base import WorkerGroup
@@ -15,6 +16,12 @@ from posttrain.tasks.data import PromptSampler
 from posttrain.trainer.call_stats import phase_call_stats, split_by_caller
 from posttrain.trainer.phase_timer import PhaseTimer
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from posttrain.rollout.groups import ScoredGroups
+    from posttrain.rollout.partial import EngineTurn
+
 
 def batch_source(
     wf: Workflow,
@@ -22,7 +29,7 @@ def batch_source(
     sampler: PromptSampler,
     groups: dict[str, WorkerGroup],
     step: int,
-    console,
+    console: Console,
     ahead: Sequence[ProducedBatch] = (),
 ) -> tuple[SynchronousBatches | AsyncBatches, dict[str, WorkerGroup]]:
     """The batches of the steps after ``step`` (the policy the rollout engine holds now), and
@@ -30,7 +37,9 @@ def batch_source(
     after ``step`` a checkpoint kept, trained on first."""
     algo = wf.algorithm
 
-    def produce(index: int, timer: PhaseTimer, engine_turn=None):
+    def produce(
+        index: int, timer: PhaseTimer, engine_turn: EngineTurn | None = None
+    ) -> tuple[ScoredGroups, dict[str, float], dict[str, int]]:
         scored, sampling = collect_groups(
             lambda round_: rollout(index, round_, timer, engine_turn),
             algo.rollout_batch_size,

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
@@ -23,6 +23,10 @@ from posttrain.host.references import (
 )
 from posttrain.trainer.logger_spec import LoggerContext, LoggerSpec
 
+if TYPE_CHECKING:
+    import pluggy
+    from rich.console import Console
+
 # Loggers the project's own packages provide, to say what to install when one is missing.
 KNOWN_PROVIDERS = {
     "wandb": "posttrain-trackers, with its wandb extra",
@@ -30,12 +34,12 @@ KNOWN_PROVIDERS = {
 }
 
 
-def logger_specs(hook) -> dict[str, LoggerSpec]:
+def logger_specs(hook: pluggy.HookRelay) -> dict[str, LoggerSpec]:
     """Every declared logger; one name declared by two plugins is an error naming both."""
     return declared_by_name(hook.posttrain_add_loggers, "logger")
 
 
-def check_loggers(wf: Workflow, hook, report: ErrorReport) -> Workflow:
+def check_loggers(wf: Workflow, hook: pluggy.HookRelay, report: ErrorReport) -> Workflow:
     """Report unknown names in ``trainer.logger``, ``trainer.logger_args`` entries for loggers
     the run does not use, and bad options; return the workflow with each entry structured into
     its logger's config class."""
@@ -106,8 +110,8 @@ def _check_factory(name: str, spec: LoggerSpec, path: str, report: ErrorReport) 
 
 def make_loggers(
     wf: Workflow,
-    hook,
-    console,
+    hook: pluggy.HookRelay,
+    console: Console,
     run_dir: str,
     start_step: int,
     contributed: set[str],

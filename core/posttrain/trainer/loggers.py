@@ -5,10 +5,14 @@
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from posttrain.markers import hookimpl
 from posttrain.trainer.logger_spec import LoggerContext, LoggerSpec
 from posttrain.trainer.step_log import StepLog
+
+if TYPE_CHECKING:
+    from rich.console import Console
 
 # The one-line summary shows these, in this order, when present: short enough for 80 columns.
 # Everything else (each phase's time, every metric) is in metrics.jsonl and TensorBoard, and a
@@ -26,13 +30,18 @@ class ConsoleLogger:
     7.5k tok/s``, then the metrics plugins add (``posttrain_step_metrics``; ``contributed``: their
     names, which the trainer fills as they appear)."""
 
-    def __init__(self, console, max_steps: int, contributed: set[str] | frozenset = frozenset()):
+    def __init__(
+        self,
+        console: Console,
+        max_steps: int,
+        contributed: set[str] | frozenset[str] = frozenset(),
+    ) -> None:
         self.console = console
         self.max_steps = max_steps
         self.contributed = contributed
 
     @hookimpl
-    def posttrain_log_metrics(self, step, metrics, run_dir):
+    def posttrain_log_metrics(self, step: int, metrics: dict[str, float], run_dir: str) -> None:
         parts = [f"step {step}/{self.max_steps}"]
         parts += [
             f"{label} {fmt.format(metrics[key])}"
@@ -62,29 +71,29 @@ class JsonlLogger:
     after (a resumed run's checkpoint, else 0); what an earlier run in this directory logged
     beyond it is dropped (:class:`~posttrain.trainer.step_log.StepLog`)."""
 
-    def __init__(self, run_dir: str, start_step: int = 0):
+    def __init__(self, run_dir: str, start_step: int = 0) -> None:
         self.log = StepLog(os.path.join(run_dir, "metrics.jsonl"), start_step)
 
     @hookimpl
-    def posttrain_log_metrics(self, step, metrics, run_dir):
+    def posttrain_log_metrics(self, step: int, metrics: dict[str, float], run_dir: str) -> None:
         self.log.append({"step": step, **metrics})
 
 
 class TensorboardLogger:
-    def __init__(self, run_dir: str, start_step: int = 0):
+    def __init__(self, run_dir: str, start_step: int = 0) -> None:
         from torch.utils.tensorboard import SummaryWriter
 
         # purge_step: TensorBoard hides what an earlier run (a killed one) logged after it.
         self.writer = SummaryWriter(os.path.join(run_dir, "tensorboard"), purge_step=start_step + 1)
 
     @hookimpl
-    def posttrain_log_metrics(self, step, metrics, run_dir):
+    def posttrain_log_metrics(self, step: int, metrics: dict[str, float], run_dir: str) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, step)
         self.writer.flush()
 
     @hookimpl
-    def posttrain_run_finished(self, run_dir, history):
+    def posttrain_run_finished(self, run_dir: str, history: list[dict[str, float]]) -> None:
         self.writer.close()
 
 
@@ -101,7 +110,7 @@ def tensorboard_logger(context: LoggerContext) -> TensorboardLogger:
 
 
 @hookimpl(trylast=True)
-def posttrain_add_loggers():
+def posttrain_add_loggers() -> dict[str, LoggerSpec]:
     """The core's loggers (``trylast``: a plugin declaring one of these names is reported as a
     conflict rather than silently replacing it)."""
     return {

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.progress import Progress, TaskID
 
 # wait_rollout: the trainer waiting for the rollout producer (asynchronous rollout only);
 # evaluate: the held-out evaluation (posttrain.evaluation), on the steps it runs.
@@ -27,14 +33,14 @@ class PhaseTimer:
 
     def __init__(
         self,
-        console,
+        console: Console,
         total_steps: int,
         start_step: int,
         show: bool,
         counted: dict[str, tuple[int, int]] | None = None,
-    ):
+    ) -> None:
         self.times: dict[str, float] = {}
-        self.progress = None
+        self.progress: Progress | None = None
         self.step = start_step
         if show and console.is_terminal:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
@@ -49,7 +55,7 @@ class PhaseTimer:
             )
             self.total_steps, self.start_step = total_steps, start_step
             self.counted = counted or {}
-            self.tasks: dict = {}  # a bar per phase, from the phase's first run
+            self.tasks: dict[str, TaskID] = {}  # a bar per phase, from the phase's first run
             self.progress.start()
 
     def at_step(self, step: int) -> None:
@@ -57,7 +63,7 @@ class PhaseTimer:
         self.step = step
 
     @contextmanager
-    def phase(self, name: str):
+    def phase(self, name: str) -> Iterator[None]:
         start = time.perf_counter()
         try:
             yield
@@ -65,16 +71,16 @@ class PhaseTimer:
             elapsed = time.perf_counter() - start
             self.times[name] = self.times.get(name, 0.0) + elapsed
             if self.progress is not None:
-                self._show(name, elapsed)
+                self._show(self.progress, name, elapsed)
 
-    def _show(self, name: str, elapsed: float) -> None:
+    def _show(self, progress: Progress, name: str, elapsed: float) -> None:
         done, total = self.counted.get(name, (self.start_step, self.total_steps))
         if name not in self.tasks:
-            self.tasks[name] = self.progress.add_task(name, total=total, completed=done, secs="")
+            self.tasks[name] = progress.add_task(name, total=total, completed=done, secs="")
         if name in self.counted:
-            self.progress.update(self.tasks[name], advance=1, secs=f"{elapsed:.2f}s")
+            progress.update(self.tasks[name], advance=1, secs=f"{elapsed:.2f}s")
         else:  # a phase may run more than once a step (dynamic sampling's rounds)
-            self.progress.update(self.tasks[name], completed=self.step, secs=f"{elapsed:.2f}s")
+            progress.update(self.tasks[name], completed=self.step, secs=f"{elapsed:.2f}s")
 
     def pop(self) -> dict[str, float]:
         out, self.times = self.times, {}

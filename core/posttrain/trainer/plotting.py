@@ -6,8 +6,12 @@ an environment, also the turns an episode took and the share of episodes that ca
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 from posttrain.markers import hookimpl
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
 
 CURVES = (("reward/mean", "reward"), ("actor/kl", "KL to reference"), ("actor/entropy", "entropy"))
 # Shown only when the run measured them.
@@ -23,7 +27,7 @@ def curves_of(history: list[dict[str, float]]) -> list[tuple[str, str]]:
 
 
 @hookimpl(trylast=True)
-def posttrain_run_finished(run_dir, history):
+def posttrain_run_finished(run_dir: str, history: list[dict[str, float]]) -> None:
     if not history:
         return
     import matplotlib
@@ -49,7 +53,7 @@ def posttrain_run_finished(run_dir, history):
     plt.close(fig)
 
 
-def _plot_held_out(ax, history) -> None:
+def _plot_held_out(ax: Axes, history: list[dict[str, float]]) -> None:
     """Each held-out dataset's reward at the steps it was evaluated, and a legend."""
     keys = sorted({k for h in history for k in h if k.startswith("val/")})
     for key in (k for k in keys if k.endswith("/reward_mean")):

@@ -6,11 +6,15 @@ from __future__ import annotations
 import numbers
 from collections.abc import Mapping
 from types import MappingProxyType
+from typing import TYPE_CHECKING
 
 from posttrain.errors import PluginError
 
+if TYPE_CHECKING:
+    from posttrain.host.plugin_host import PluginHost
 
-def contributed_metrics(host, step: int, metrics: dict[str, float]) -> dict[str, float]:
+
+def contributed_metrics(host: PluginHost, step: int, metrics: dict[str, float]) -> dict[str, float]:
     """Every plugin's metrics for ``step``; ``metrics`` (the core's) is shown read-only."""
     added: dict[str, float] = {}
     owners: dict[str, str] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import time
+from typing import TYPE_CHECKING
 
 import attrs
 
@@ -55,6 +56,11 @@ from posttrain.trainer.step_metrics import add_timings, staleness
 from posttrain.training.update import update
 from posttrain.weight_sync.driver import make_transport, sync_weights
 
+if TYPE_CHECKING:
+    from rich.console import Console
+
+    from posttrain.host.plugin_host import PluginHost
+
 # Every step's metrics, the driver's own record: a resumed run reads back the steps before its
 # checkpoint from here (checkpoints do not copy the history).
 HISTORY = "history.jsonl"
@@ -76,7 +82,9 @@ class DriverState:
 
 
 class Trainer:
-    def __init__(self, workflow: Workflow, host, console, source: str = ""):
+    def __init__(
+        self, workflow: Workflow, host: PluginHost, console: Console, source: str = ""
+    ) -> None:
         self.host = host
         self.console = console
         out = workflow.trainer.output_dir
@@ -157,7 +165,7 @@ class Trainer:
         return "\n".join(["what would shrink it:", *(f"  {k}" for k in knobs), ""])
 
     def _rerun_hint(self) -> str:
-        done = self.history[-1]["step"] if self.history else self.state.step
+        done = int(self.history[-1]["step"]) if self.history else self.state.step
         return rerun_hint(self.run_dir, done, self.wf.trainer.resume)
 
     def _prepare_run_dir(self) -> None:
@@ -186,7 +194,8 @@ class Trainer:
             # First: a tracker that cannot start (a wrong URI, no login) stops the run before
             # any rank process does.
             self._start_loggers()
-        self.tokenizer = load_tokenizer(wf.actor_infer.model_args, wf.base_dir)
+        policy = wf.roles()["actor_infer"]
+        self.tokenizer = load_tokenizer(policy.model_args, wf.base_dir)
         tools = prompt_tools(wf.environment, hook)
         prompts = load_prompts(wf.data, wf.base_dir, self.tokenizer, tools)
         sampler = PromptSampler(size=len(prompts), seed=wf.data.seed, shuffle=wf.data.shuffle)
@@ -215,7 +224,7 @@ class Trainer:
         score = RewardScorer(
             wf.reward,
             wf.algorithm.group_size,
-            wf.actor_infer.generating_args,
+            policy.generating_args,
             self.tokenizer,
             self.rule_rewards,
             self.groups.get("reward"),
@@ -296,8 +305,13 @@ class Trainer:
     # -- the loop ------------------------------------------------------------------------------
 
     def _loop(self) -> None:
+        checkpoints, evaluation, batches = self.checkpoints, self.evaluation, self.batches
+        launcher, watch = self.launcher, self.watch
+        # All made by _start, and kept until _close.
+        assert checkpoints is not None and evaluation is not None and batches is not None
+        assert launcher is not None and watch is not None
         t = self.wf.trainer
-        saves = [step for step in range(1, t.max_steps + 1) if self.checkpoints.due(step)]
+        saves = [step for step in range(1, t.max_steps + 1) if checkpoints.due(step)]
         saved = sum(step <= self.state.step for step in saves)
         timer = PhaseTimer(
             self.console,
@@ -308,23 +322,23 @@ class Trainer:
         )
         try:
             # (not again when a killed run's step 0 is in the history already)
-            if self.evaluation.before_training(self.state.step) and not self.history:
+            if evaluation.before_training(self.state.step) and not self.history:
                 self._log({"step": 0, **self._evaluate(timer), **timer.pop()})
             while self.state.step < t.max_steps:
                 self.state.step += 1
-                self.watch.step = self.state.step
+                watch.step = self.state.step
                 timer.at_step(self.state.step)
                 step_start = time.perf_counter()
-                calls_before = self.launcher.driver_calls()
-                batch = self.batches.next(self.state.step, timer)
+                calls_before = launcher.driver_calls()
+                batch = batches.next(self.state.step, timer)
                 # The data position of the batch trained on: what a checkpoint must resume.
                 self.state.sampler = batch.sampler_state
                 metrics = self._step(batch, timer)
-                if self.evaluation.due(self.state.step):
+                if evaluation.due(self.state.step):
                     metrics.update(self._evaluate(timer))
                 tokens = metrics.pop("_tokens")
                 self._time_step(metrics, timer, step_start, calls_before, tokens)
-                metrics.update(self.batches.idle(metrics))
+                metrics.update(batches.idle(metrics))
                 self.memory_watch.check(self.state.step, metrics)
                 added = contributed_metrics(self.host, self.state.step, metrics)
                 self.contributed_metric_names.update(added)
@@ -335,12 +349,12 @@ class Trainer:
                 self._history_log.append(metrics)
                 self.steps_run += 1
                 try:
-                    if self.checkpoints.due(self.state.step):
+                    if checkpoints.due(self.state.step):
                         with timer.phase("checkpoint"):
                             # What the producer made ahead is kept: the resumed run trains
                             # on the same batches (posttrain.rollout.batches).
-                            self.state.ahead = [batch_record(b) for b in self.batches.ahead()]
-                            self.checkpoints.save(self.state.step, attrs.asdict(self.state))
+                            self.state.ahead = [batch_record(b) for b in batches.ahead()]
+                            checkpoints.save(self.state.step, attrs.asdict(self.state))
                         self._time_step(metrics, timer, step_start, calls_before, tokens)
                 finally:
                     # Also when Ctrl-C stops the save: the step ran, and the loggers say so.
@@ -353,8 +367,10 @@ class Trainer:
     def _evaluate(self, timer: PhaseTimer) -> dict[str, float]:
         """The held-out evaluation of the trainer's policy: after the step's weight sync the
         rollout engine holds it (asynchronous rollout: the producer waits meanwhile)."""
-        with timer.phase("evaluate"), self.batches.engine():
-            return self.evaluation.run(self.state.step)
+        batches, evaluation = self.batches, self.evaluation
+        assert batches is not None and evaluation is not None  # made by _start
+        with timer.phase("evaluate"), batches.engine():
+            return evaluation.run(self.state.step)
 
     def _log(self, metrics: dict[str, float]) -> None:
         """A record outside the steps (the evaluation before training, as step 0)."""
@@ -369,6 +385,7 @@ class Trainer:
         self.state = DriverState.of_checkpoint(checkpoint.state)
         try:
             self._start(checkpoint, loop=False)
+            assert self.evaluation is not None  # made by _start
             return self.evaluation.run(self.state.step)
         finally:
             self._close()
@@ -406,6 +423,7 @@ class Trainer:
         with timer.phase("weight_sync"):
             # Also without an update: the asynchronous schedule counts every step's sync.
             weights = self._sync_weights if policy_learns else None
+            assert self.batches is not None  # made by _start
             sync = self.batches.sync_weights(weights, version=self.state.step)
         lengths = [len(r) for r in samples.response_ids]
         return {
@@ -426,12 +444,20 @@ class Trainer:
             **train_metrics,
         }
 
-    def _sync_weights(self) -> dict:
+    def _sync_weights(self) -> dict[str, float]:
         self.sharing.activate("actor_train", "actor_infer")
         train, infer = self.groups["actor_train"], self.groups["actor_infer"]
         return sync_weights(self.host.hook, train, infer, self.transport)
 
-    def _time_step(self, metrics, timer: PhaseTimer, start: float, calls_before: int, tokens):
+    def _time_step(
+        self,
+        metrics: dict[str, float],
+        timer: PhaseTimer,
+        start: float,
+        calls_before: int,
+        tokens: float,
+    ) -> None:
+        assert self.launcher is not None  # made by _start
         calls = float(self.launcher.driver_calls() - calls_before)
         add_timings(metrics, timer, start, calls, tokens, self._stats_groups)
         metrics["step"] = self.state.step

@@ -4,11 +4,15 @@ calls, throughput, the ranks' figures and, with asynchronous rollout, the batch'
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from posttrain.launch.worker import resident_bytes
 from posttrain.rollout.batches import ProducedBatch
 from posttrain.trainer.call_stats import add_call_stats, phase_call_stats
 from posttrain.trainer.phase_timer import PHASES, PhaseTimer
+
+if TYPE_CHECKING:
+    from posttrain.launch.base import WorkerGroup
 
 
 def staleness(step: int, produced: ProducedBatch, max_staleness: int) -> dict[str, float]:
@@ -27,7 +31,7 @@ def add_timings(
     start: float,
     driver_calls: float,
     tokens: float,
-    stats_groups,
+    stats_groups: dict[str, WorkerGroup],
 ) -> None:
     """The step's timings so far: each phase, the whole step, and the driver's own work (what
     the phases do not account for, and its calls, ``driver_calls``)."""
