@@ -14,14 +14,24 @@ splits, q/k/v and gate/up packing) is mbridge's own.
 from __future__ import annotations
 
 import re
-from typing import Any
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from mbridge.core.bridge import Bridge
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
+    from transformers import PretrainedConfig
+else:
+    # make_bridge puts the mixin before the model's registered mbridge class; to mypy it is a
+    # subclass of mbridge's Bridge (untyped: Any), whose methods and attributes it uses.
+    Bridge = object
 
 _LOCAL_EXPERT = re.compile(r"\.mlp\.experts\.local_experts\.(\d+)\.(linear_fc[12])\.weight$")
 
 
-def _hf_config_for_mbridge(hf_config):
+def _hf_config_for_mbridge(hf_config: PretrainedConfig) -> PretrainedConfig:
     """transformers 5 moved ``rope_theta`` under ``rope_parameters``; mbridge reads the former."""
     if getattr(hf_config, "rope_theta", None) is None:
         params = getattr(hf_config, "rope_parameters", None) or {}
@@ -29,18 +39,20 @@ def _hf_config_for_mbridge(hf_config):
     return hf_config
 
 
-class _PosttrainNames:
+class _PosttrainNames(Bridge):
     """Mixed into a registered mbridge class (see :func:`make_bridge`)."""
 
     attention_backend = "sdpa"
 
-    def _get_transformer_layer_spec(self, vp_stage=None):
+    def _get_transformer_layer_spec(
+        self, vp_stage: int | None = None
+    ) -> TransformerBlockSubmodules:
         from posttrain_megatron.layer_spec import decoder_block_spec
 
         self.has_vp_stage = True
         return decoder_block_spec(self.config, self.attention_backend, vp_stage=vp_stage)
 
-    def export_weights(self, models):
+    def export_weights(self, models: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         """mbridge's walk, without its per-tensor object collectives when there is one pipeline
         stage and no expert parallelism: mbridge broadcasts every tensor's name and spec across
         the pipeline group (four object collectives per tensor, each a host round trip), which
@@ -72,7 +84,9 @@ class _PosttrainNames:
                     merged = param
                 yield from zip(*self._weight_to_hf_format(name, merged))
 
-    def _weight_name_mapping_mcore_local_to_global(self, model, consider_ep: bool = True):
+    def _weight_name_mapping_mcore_local_to_global(
+        self, model: torch.nn.Module, consider_ep: bool = True
+    ) -> dict[str, str]:
         mapping = super()._weight_name_mapping_mcore_local_to_global(model, consider_ep=False)
         dense_norm_fused = "pre_mlp_layernorm" not in self._MLP_MAPPING
         per_rank = (self.config.num_moe_experts or 0) // max(1, self.mpu.ep_size)
@@ -97,7 +111,7 @@ class _PosttrainNames:
 
 
 def make_bridge(
-    hf_config,
+    hf_config: PretrainedConfig,
     dtype: torch.dtype,
     attention_backend: str,
     overrides: dict[str, Any],
@@ -115,8 +129,8 @@ def make_bridge(
             f"mbridge has no bridge for model_type {hf_config.model_type!r}; "
             f"supported: {', '.join(sorted(_MODEL_REGISTRY))}"
         )
-    cls = type(f"Posttrain{base.__name__}", (*mixins, _PosttrainNames, base), {})
-    cls.attention_backend = attention_backend
+    bases = (*mixins, _PosttrainNames, base)
+    cls = type(f"Posttrain{base.__name__}", bases, {"attention_backend": attention_backend})
     bridge = cls(hf_config, dtype=dtype)
     if overrides:
         bridge.set_extra_args(**overrides)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -25,16 +25,26 @@ from posttrain_megatron.state import MegatronState
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
 if TYPE_CHECKING:
+    from multiprocessing.queues import Queue
+
+    from megatron.core.optimizer import MegatronOptimizer
+
     from posttrain import WorkerContext
+    from posttrain.backend import FileDigests, HostBuffers
+
+    # megatron's write buckets: (file name, storage key, (byte items, [(item, tensor)])).
+    WriteBucket = tuple[str, str, tuple[list[Any], list[tuple[Any, torch.Tensor]]]]
 
 _SHARDING = {"distrib_optim_sharding_type": "fully_reshardable"}
 
 
-def _model_keys(models) -> list[str]:
+def _model_keys(models: list[torch.nn.Module]) -> list[str]:
     return ["model"] if len(models) == 1 else [f"model{i}" for i in range(len(models))]
 
 
-def _sharded_state(models, optimizer, is_loading: bool) -> dict:
+def _sharded_state(
+    models: list[torch.nn.Module], optimizer: MegatronOptimizer | None, is_loading: bool
+) -> dict[str, Any]:
     # The bare GPTModels: tensor keys must not depend on the DDP / Float16Module wrappers, so
     # trainer checkpoints, infer models and `posttrain convert` output are interchangeable.
     state = {key: unwrap(m).sharded_state_dict() for key, m in zip(_model_keys(models), models)}
@@ -53,7 +63,9 @@ def _extra_path(path: str, rank: int) -> str:
     return os.path.join(path, f"extra_state_rank{rank}.pt")
 
 
-def _write_extras(worker: WorkerContext, path: str, optimizer, digests) -> dict:
+def _write_extras(
+    worker: WorkerContext, path: str, optimizer: MegatronOptimizer | None, digests: FileDigests
+) -> dict[str, Any]:
     """Per-rank step counters and RNG states, and rank 0's layout file, hashed while written."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
@@ -74,7 +86,7 @@ def _write_extras(worker: WorkerContext, path: str, optimizer, digests) -> dict:
     return layout
 
 
-def _saved_optimizer(worker: WorkerContext):
+def _saved_optimizer(worker: WorkerContext) -> MegatronOptimizer | None:
     # A never-stepped optimizer has no state to shard (megatron asserts on it): model only.
     state = worker.engine_state(MegatronState)
     return state.optimizer if state.updates else None
@@ -88,7 +100,7 @@ def _make_target(path: str) -> str:
     return target
 
 
-def save_checkpoint(worker: WorkerContext, path: str) -> dict:
+def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
     from megatron.core import dist_checkpointing
 
     from posttrain.backend import FileDigests
@@ -101,7 +113,7 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict:
     return layout
 
 
-def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
+def begin_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
     """megatron's async dist-checkpoint save, its writes run here: megatron plans the save
     (collective) and hands back the write buckets; their tensors are copied into reused host
     buffers (the only part the loop waits for) and a thread writes them, hashing each file.
@@ -114,7 +126,8 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     target = _make_target(path)
     optimizer = _saved_optimizer(worker)
     request = mcore_compat.async_dist_save(_sharded_state(worker.model, optimizer, False), target)
-    buckets, results_queue = [], None
+    buckets: list[WriteBucket] = []
+    results_queue: Queue[Any] | None = None  # where megatron's finalisation reads results
     if request.async_fn is not None:  # None: nothing of the state is this rank's to write
         _, buckets, results_queue = request.async_fn_args
     state = worker.engine_state(MegatronState)
@@ -131,11 +144,11 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict:
     return layout
 
 
-def _bucket_key(item) -> tuple:
+def _bucket_key(item: Any) -> tuple[str, tuple[int, ...]]:
     return (item.index.fqn, tuple(item.index.offset or ()))
 
 
-def _staged_buckets(buckets: list, buffers) -> list:
+def _staged_buckets(buckets: list[WriteBucket], buffers: HostBuffers) -> list[WriteBucket]:
     """megatron's write buckets with every tensor replaced by its host buffer copy."""
     tensors = [(_bucket_key(item), t) for _, _, (_, data) in buckets for item, t in data]
     buffers.reserve(tensors)
@@ -147,7 +160,12 @@ def _staged_buckets(buckets: list, buffers) -> list:
     return staged
 
 
-def _write_buckets(buckets: list, digests, results_queue, threads: int = 1) -> None:
+def _write_buckets(
+    buckets: list[WriteBucket],
+    digests: FileDigests,
+    results_queue: Queue[Any] | None,
+    threads: int = 1,
+) -> None:
     """What megatron's forked writer does, on threads and hashing: each bucket is one file of
     DCP items (``threads`` written at once); the write results go where megatron's
     finalisation reads them."""
@@ -155,7 +173,7 @@ def _write_buckets(buckets: list, digests, results_queue, threads: int = 1) -> N
 
     write_item, lead, extra = mcore_compat.dcp_write_item()
 
-    def write_file(bucket) -> list:
+    def write_file(bucket: WriteBucket) -> list[Any]:
         file_name, storage_key, (bytes_data, tensor_data) = bucket
         with digests.open(file_name) as stream:
             return [
@@ -233,7 +251,7 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     return True
 
 
-def current_layout() -> dict:
+def current_layout() -> dict[str, Any]:
     from megatron.core import parallel_state as ps
 
     return {
@@ -244,7 +262,7 @@ def current_layout() -> dict:
     }
 
 
-def set_adam_steps(optimizer, updates: int) -> None:
+def set_adam_steps(optimizer: MegatronOptimizer, updates: int) -> None:
     """Give every parameter its own Adam step tensor equal to ``updates``."""
     for inner in inner_optimizers(optimizer):
         for group in inner.param_groups:
@@ -258,7 +276,7 @@ def set_adam_steps(optimizer, updates: int) -> None:
                     state["step"] = torch.tensor(float(updates), device=where)
 
 
-def load_model_weights(models, path: str) -> None:
+def load_model_weights(models: list[torch.nn.Module], path: str) -> None:
     """Initial weights from a Megatron dist checkpoint (``posttrain convert`` writes one)."""
     from megatron.core import dist_checkpointing
 
@@ -270,7 +288,7 @@ def load_model_weights(models, path: str) -> None:
         unwrap(model).load_state_dict(loaded[key])
 
 
-def save_model_weights(models, path: str) -> None:
+def save_model_weights(models: list[torch.nn.Module], path: str) -> None:
     """A model-only dist checkpoint (what ``use_dist_checkpointing`` loads)."""
     from megatron.core import dist_checkpointing
 

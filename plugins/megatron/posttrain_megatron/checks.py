@@ -179,7 +179,7 @@ def _check_overrides(where: str, overrides: dict[str, Any], report: ErrorReport)
             )
 
 
-def _check_packing(report, where: str, config) -> None:
+def _check_packing(report: ErrorReport, where: str, config: MegatronParallelConfig) -> None:
     if config.attention_backend in ("local", "transformer_engine"):
         report.error(
             f"{where}.pack_sequences",

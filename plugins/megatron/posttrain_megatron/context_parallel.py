@@ -14,6 +14,8 @@ against the keys up to its end, with a causal mask aligned to the bottom right.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
 
@@ -44,14 +46,15 @@ def natural_order(parts: list[torch.Tensor], dim: int) -> torch.Tensor:
     return torch.cat(chunks, dim=dim)
 
 
-def gather_sequence(local: torch.Tensor, dim: int, group) -> torch.Tensor:
+def gather_sequence(local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
     """The whole sequence on every CP rank, from each rank's :func:`split_for_rank` part."""
     return _GatherSequence.apply(local, dim, group)
 
 
 class _GatherSequence(torch.autograd.Function):
+    # ctx: Any, as torch's context carries the attributes forward sets for backward.
     @staticmethod
-    def forward(ctx, local, dim, group):
+    def forward(ctx: Any, local: torch.Tensor, dim: int, group: dist.ProcessGroup) -> torch.Tensor:
         ctx.dim, ctx.group = dim, group
         local = local.contiguous()
         parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
@@ -59,7 +62,7 @@ class _GatherSequence(torch.autograd.Function):
         return natural_order(parts, dim)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
         # Every rank's use of the whole sequence adds to each chunk's gradient. An all-reduce
         # rather than a reduce-scatter: gloo has none (and the gathered tensors are small).
         grad = grad.contiguous()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import os
 import socket
+from typing import Any
 
 from posttrain import UserError
 
@@ -35,7 +36,7 @@ def add_convert_command(subparsers: argparse._SubParsersAction) -> None:
     parser.set_defaults(handler=run_convert)
 
 
-def _check_args(args) -> None:
+def _check_args(args: argparse.Namespace) -> None:
     problems = []
     if not os.path.isdir(args.source):
         problems.append(f"source: {args.source} is not a directory")
@@ -58,7 +59,7 @@ def _check_args(args) -> None:
         raise UserError("posttrain convert:\n  " + "\n  ".join(problems))
 
 
-def run_convert(args, host) -> int:
+def run_convert(args: argparse.Namespace, host: object) -> int:
     import torch.multiprocessing as mp
 
     _check_args(args)
@@ -71,7 +72,7 @@ def run_convert(args, host) -> int:
     return 0
 
 
-def _convert_rank(rank: int, world: int, port: int, args: dict) -> None:
+def _convert_rank(rank: int, world: int, port: int, args: dict[str, Any]) -> None:
     import torch
 
     from posttrain import ModelArgs, WorkerContext

@@ -26,9 +26,14 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Collection
+from typing import Any, ParamSpec, TypeVar
 
 import torch
 from torch.overrides import TorchFunctionMode
+
+P = ParamSpec("P")
+R = TypeVar("R")
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +50,7 @@ PATCHED_INTERNALS: tuple[tuple[str, str], ...] = (
 _applied = False
 
 
-def _is_cuda(device) -> bool:
+def _is_cuda(device: object) -> bool:
     if isinstance(device, torch.device):
         return device.type == "cuda"
     if isinstance(device, str):
@@ -56,7 +61,13 @@ def _is_cuda(device) -> bool:
 class CudaToCpu(TorchFunctionMode):
     """Runs calls that name a CUDA device on the CPU instead."""
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
+    def __torch_function__(
+        self,
+        func: Callable[..., Any],
+        types: Collection[type],
+        args: tuple[Any, ...] = (),
+        kwargs: dict[str, Any] | None = None,
+    ) -> Any:
         kwargs = dict(kwargs or {})
         if func is torch.Tensor.cuda:
             return args[0]
@@ -72,17 +83,17 @@ class CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _cpu_rng_state(*args, **kwargs) -> torch.Tensor:
+def _cpu_rng_state(*args: object, **kwargs: object) -> torch.Tensor:
     return torch.get_rng_state()
 
 
-def _set_cpu_rng_state(state, *args, **kwargs) -> None:
+def _set_cpu_rng_state(state: torch.Tensor, *args: object, **kwargs: object) -> None:
     torch.set_rng_state(state)
 
 
-def _with_cpu_mode(fn):
+def _with_cpu_mode(fn: Callable[P, R]) -> Callable[P, R]:
     @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
+    def wrapper(*args: P.args, **kwargs: P.kwargs) -> R:
         with CudaToCpu():
             return fn(*args, **kwargs)
 

@@ -22,8 +22,8 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Iterator
-from typing import Any
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -36,6 +36,11 @@ from posttrain_megatron.dense_models import (
     unsupported_reason,
 )
 
+if TYPE_CHECKING:
+    from megatron.core.distributed import DistributedDataParallel
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from transformers import PretrainedConfig
+
 # A critic's value head, in place of the vocabulary output layer (posttrain_megatron.value_head).
 VALUE_HEAD = "output_layer.weight"
 
@@ -43,12 +48,12 @@ VALUE_HEAD = "output_layer.weight"
 class DenseBridge:
     def __init__(
         self,
-        hf_config,
+        hf_config: PretrainedConfig,
         dtype: torch.dtype,
         attention_backend: str,
-        overrides: dict,
+        overrides: dict[str, Any],
         value_head: bool = False,
-    ):
+    ) -> None:
         from megatron.core import parallel_state as ps
         from megatron.core.transformer import TransformerConfig
 
@@ -98,8 +103,9 @@ class DenseBridge:
         bf16: bool,
         use_cpu_initialization: bool,
         data_parallel_random_init: bool,
-        ddp_config: dict | None,
-        post_model_creation_callbacks: list | tuple = (),
+        ddp_config: dict[str, Any] | None,
+        post_model_creation_callbacks: list[Callable[..., None]]
+        | tuple[Callable[..., None], ...] = (),
     ) -> list[torch.nn.Module]:
         """As mbridge's ``get_model``: ``post_model_creation_callbacks(model, pre_process=...,
         post_process=..., config=..., hf_config=...)`` run on each chunk after it is built."""
@@ -149,7 +155,7 @@ class DenseBridge:
             chunks = self._wrap_ddp(chunks, ddp_config or {}, data_parallel_random_init)
         return chunks
 
-    def _gpt_model(self, pre_process: bool, post_process: bool, vp_stage: int | None):
+    def _gpt_model(self, pre_process: bool, post_process: bool, vp_stage: int | None) -> GPTModel:
         from megatron.core.models.gpt.gpt_model import GPTModel
 
         from posttrain_megatron.layer_spec import decoder_block_spec
@@ -165,7 +171,9 @@ class DenseBridge:
             **gpt_model_kwargs(self.hf_config, self.padded_vocab_size),
         )
 
-    def _wrap_ddp(self, chunks, ddp_config: dict, random_init: bool):
+    def _wrap_ddp(
+        self, chunks: list[torch.nn.Module], ddp_config: dict[str, Any], random_init: bool
+    ) -> list[DistributedDataParallel]:
         from megatron.core import parallel_state as ps
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
@@ -206,7 +214,7 @@ class DenseBridge:
             tp=ps.get_tensor_model_parallel_world_size(),
         )
 
-    def _params(self, models) -> Iterator[tuple[str, torch.Tensor]]:
+    def _params(self, models: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         """``(global megatron name, parameter)`` of this rank's chunks."""
         for model in models:
             chunk = _unwrap(model)
@@ -219,7 +227,7 @@ class DenseBridge:
             return (HEAD_WEIGHT,), dense_mapping.REPLICATED  # [1, hidden] on every TP rank
         return dense_mapping.hf_names(name, tied)
 
-    def load_weights(self, models, weights_path: str) -> None:
+    def load_weights(self, models: list[torch.nn.Module], weights_path: str) -> None:
         from megatron.core import parallel_state as ps
 
         dims = self._dims()
@@ -239,7 +247,7 @@ class DenseBridge:
                     )
                 param.copy_(shard)
 
-    def export_weights(self, models) -> Iterator[tuple[str, torch.Tensor]]:
+    def export_weights(self, models: list[torch.nn.Module]) -> Iterator[tuple[str, torch.Tensor]]:
         from megatron.core import parallel_state as ps
 
         dims = self._dims()
@@ -276,7 +284,9 @@ class DenseBridge:
                 yield from zip(names, tensors)
 
 
-def _tp_shards(param: torch.Tensor, kind: str, group) -> list[torch.Tensor]:
+def _tp_shards(
+    param: torch.Tensor, kind: str, group: dist.ProcessGroup | None
+) -> list[torch.Tensor]:
     local = param.detach()
     size = dist.get_world_size(group) if dist.is_initialized() else 1
     if kind == dense_mapping.REPLICATED or size == 1:
@@ -297,13 +307,15 @@ class _SafetensorsDir:
     """The tensors of an HF directory (``model.safetensors`` or an indexed set of shards), each
     read from disk on request."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str) -> None:
         index = os.path.join(path, "model.safetensors.index.json")
         single = os.path.join(path, "model.safetensors")
         if os.path.exists(index):
             with open(index, encoding="utf-8") as f:
                 weight_map = json.load(f)["weight_map"]
-            self._where = {name: os.path.join(path, file) for name, file in weight_map.items()}
+            self._where: dict[str, str] | None = {
+                name: os.path.join(path, file) for name, file in weight_map.items()
+            }
         elif os.path.exists(single):
             self._where = None
             self._single = single
@@ -314,10 +326,10 @@ class _SafetensorsDir:
             )
         self._open: dict[str, Any] = {}
 
-    def __enter__(self):
+    def __enter__(self) -> _SafetensorsDir:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, *exc: object) -> None:
         self._open.clear()
 
     def has(self, name: str) -> bool:

@@ -39,6 +39,8 @@ from posttrain_megatron.weights import export_hf, export_weights
 from posttrain_megatron.wrappers import inner_optimizers
 
 if TYPE_CHECKING:
+    from megatron.core.distributed.param_and_grad_buffer import _ParamAndGradBuffer
+
     from posttrain import WorkerContext
 
 __all__ = [
@@ -61,7 +63,7 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 
-def load_model(worker: WorkerContext):
+def load_model(worker: WorkerContext) -> list[torch.nn.Module]:
     models, bridge = build_models(worker)
     state = worker.engine_state(MegatronState)
     state.bridge = bridge
@@ -70,7 +72,7 @@ def load_model(worker: WorkerContext):
     state.updates = 0
     if worker.strategy_name == TRAIN:
         state.optimizer = build_optimizer(worker, models)
-        state.lr_multiplier = lr_lambda(worker.training_args)
+        state.lr_multiplier = lr_lambda(worker.require_training_args())
     return models
 
 
@@ -93,11 +95,11 @@ def _tags(worker: WorkerContext, tags: list[str] | None) -> set[str]:
     return set(tags or ("weights", "grads", "optimizer")) & offloaded
 
 
-def _buffers(model):
+def _buffers(model: torch.nn.Module) -> list[_ParamAndGradBuffer]:
     return list(getattr(model, "buffers", [])) + list(getattr(model, "expert_parallel_buffers", []))
 
 
-def _move_optimizer_state(worker: WorkerContext, target) -> None:
+def _move_optimizer_state(worker: WorkerContext, target: str | torch.device) -> None:
     optimizer = worker.engine_state(MegatronState).optimizer
     if optimizer is not None:
         # The step counters stay where the optimizer reads them.

@@ -24,10 +24,17 @@ from __future__ import annotations
 import copy
 import itertools
 import math
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
+
+if TYPE_CHECKING:
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules
 
 
 class TorchNorm:
@@ -68,13 +75,13 @@ class SDPACoreAttention(MegatronModule):
         self,
         config: TransformerConfig,
         layer_number: int,
-        attn_mask_type,
+        attn_mask_type: AttnMaskType,
         attention_type: str,
         attention_dropout: float | None = None,
         softmax_scale: float | None = None,
         cp_comm_type: str | None = None,
-        pg_collection=None,
-    ):
+        pg_collection: ProcessGroupCollection | None = None,
+    ) -> None:
         super().__init__(config=config)
         from megatron.core import parallel_state
 
@@ -104,9 +111,9 @@ class SDPACoreAttention(MegatronModule):
         key: torch.Tensor,
         value: torch.Tensor,
         attention_mask: torch.Tensor | None,
-        attn_mask_type=None,
-        attention_bias=None,
-        packed_seq_params=None,
+        attn_mask_type: AttnMaskType | None = None,
+        attention_bias: torch.Tensor | None = None,
+        packed_seq_params: PackedSeqParams | None = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
             raise ValueError("SDPA core attention takes no attention bias")
@@ -122,7 +129,9 @@ class SDPACoreAttention(MegatronModule):
         b, n, s, d = out.shape
         return out.permute(2, 0, 1, 3).reshape(s, b, n * d)
 
-    def _attend(self, q, k, v, **mask) -> torch.Tensor:
+    def _attend(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **mask: bool | torch.Tensor
+    ) -> torch.Tensor:
         return torch.nn.functional.scaled_dot_product_attention(
             q,
             k,
@@ -133,7 +142,9 @@ class SDPACoreAttention(MegatronModule):
             **mask,
         )
 
-    def _packed(self, query, key, value, params) -> torch.Tensor:
+    def _packed(
+        self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, params: PackedSeqParams
+    ) -> torch.Tensor:
         """Packed sequences (THD: [t, n, d], boundaries on the host, see
         :mod:`posttrain_megatron.packing`): causal attention within each sequence, [t, n * d]."""
         if params.qkv_format != "thd" or self.cp_size > 1:
@@ -149,7 +160,7 @@ class SDPACoreAttention(MegatronModule):
         out = torch.cat(outs, dim=0)
         return out.reshape(out.shape[0], -1)
 
-    def _context_parallel(self, q, k, v) -> torch.Tensor:
+    def _context_parallel(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """This rank's two query chunks against the whole sequence's keys up to each chunk's end
         (the causal mask aligned to the bottom right: query i of chunk c is position c * L + i)."""
         from torch.nn.attention.bias import causal_lower_right
@@ -182,7 +193,9 @@ def have_transformer_engine() -> bool:
     return True
 
 
-def decoder_block_spec(config: TransformerConfig, attention_backend: str, vp_stage=None):
+def decoder_block_spec(
+    config: TransformerConfig, attention_backend: str, vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
     """The decoder block spec for this rank's layers (``vp_stage`` for interleaved PP)."""
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec
 

@@ -22,8 +22,13 @@ from __future__ import annotations
 
 import inspect
 import types
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
 
 
 def apply() -> None:
@@ -47,7 +52,12 @@ def _foreach_multi_tensor_ops() -> None:
         clip_grads.l2_norm_impl = foreach_multi_tensor_l2_norm
 
 
-def foreach_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> None:
+def foreach_multi_tensor_scale(
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: list[list[torch.Tensor]],
+    scale: float,
+) -> None:
     """``dst = src * scale`` for each pair (apex's ``multi_tensor_scale`` contract)."""
     sources, targets = tensor_lists[0], tensor_lists[1]
     if not sources:
@@ -60,7 +70,13 @@ def foreach_multi_tensor_scale(chunk_size, noop_flag, tensor_lists, scale) -> No
         torch._foreach_copy_(targets, torch._foreach_mul(sources, scale))
 
 
-def foreach_multi_tensor_l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+def foreach_multi_tensor_l2_norm(
+    chunk_size: int,
+    noop_flag: torch.Tensor,
+    tensor_lists: list[list[torch.Tensor]],
+    per_tensor: bool,
+    *args: object,
+) -> tuple[torch.Tensor, None]:
     """The l2 norm over every tensor as a float32 [1] tensor on their device (apex's
     ``multi_tensor_l2norm`` contract, without per-tensor norms), no host sync."""
     tensors = [t for group in tensor_lists for t in group]
@@ -83,7 +99,7 @@ def _mbridge_model_type() -> None:
     )
 
 
-def async_dist_save(sharded_state: dict, target: str):
+def async_dist_save(sharded_state: dict[str, Any], target: str) -> AsyncRequest:
     """``dist_checkpointing.save(..., async_sharded_save=True)``: the AsyncRequest whose
     ``async_fn_args`` are ``(rank, write_buckets, results_queue)`` and whose ``finalize_fns``
     are collective."""
@@ -95,7 +111,7 @@ def async_dist_save(sharded_state: dict, target: str):
     return dist_checkpointing.save(sharded_state, target, async_sharded_save=True, **extra)
 
 
-def dcp_write_item():
+def dcp_write_item() -> tuple[Callable[..., Any], tuple[Any, ...], dict[str, Any]]:
     """torch's DCP item writer with the leading arguments and keywords this torch expects."""
     from torch.distributed.checkpoint import filesystem
 

@@ -19,7 +19,13 @@ from posttrain_megatron import token_scores
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
 if TYPE_CHECKING:
+    from collections.abc import Callable
+
+    from megatron.core.optimizer import MegatronOptimizer
+    from transformers import PretrainedConfig
+
     from posttrain import WorkerContext
+    from posttrain_megatron.config import MegatronParallelConfig
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +86,7 @@ def attention_backend(requested: str) -> str:
     return requested
 
 
-def transformer_overrides(worker: WorkerContext, hf_config) -> dict[str, Any]:
+def transformer_overrides(worker: WorkerContext, hf_config: PretrainedConfig) -> dict[str, Any]:
     """TransformerConfig fields set from the strategy config (user overrides win last)."""
     cfg = worker.config
     cpu = not is_cuda(worker)
@@ -150,7 +156,7 @@ def recompute_fields(worker: WorkerContext) -> dict[str, Any]:
     return out
 
 
-def _num_experts(hf_config) -> int:
+def _num_experts(hf_config: PretrainedConfig) -> int:
     for key in ("num_experts", "num_local_experts", "n_routed_experts"):
         value = getattr(hf_config, key, None)
         if value:
@@ -217,8 +223,13 @@ def build_models(worker: WorkerContext) -> tuple[list[torch.nn.Module], Any]:
 
 
 def _make_bridge(
-    cfg, hf_config, dtype: torch.dtype, backend: str, overrides: dict[str, Any], value: bool
-) -> tuple[Any, list]:
+    cfg: MegatronParallelConfig,
+    hf_config: PretrainedConfig,
+    dtype: torch.dtype,
+    backend: str,
+    overrides: dict[str, Any],
+    value: bool,
+) -> tuple[Any, list[Callable[..., None]]]:
     """The bridge and its model-creation callbacks: mbridge when the role asks for it, else the
     plugin's own dense converter. A model that converter does not cover (MoE) still builds
     through mbridge when its weights come from a dist checkpoint (``posttrain convert``); without
@@ -226,7 +237,7 @@ def _make_bridge(
     (:mod:`posttrain_megatron.value_head`) with either."""
     from posttrain_megatron.dense_models import unsupported_reason
 
-    callbacks: list = []
+    callbacks: list[Callable[..., None]] = []
     if value:
         from posttrain_megatron import value_head
 
@@ -242,7 +253,7 @@ def _make_bridge(
     return DenseBridge(hf_config, dtype, backend, overrides, value_head=value), callbacks
 
 
-def build_optimizer(worker: WorkerContext, models: list[torch.nn.Module]):
+def build_optimizer(worker: WorkerContext, models: list[torch.nn.Module]) -> MegatronOptimizer:
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.utils import get_model_config
@@ -284,7 +295,7 @@ def build_optimizer(worker: WorkerContext, models: list[torch.nn.Module]):
     return optimizer
 
 
-def _use_fused_adam(optimizer) -> None:
+def _use_fused_adam(optimizer: MegatronOptimizer) -> None:
     """Without apex / TransformerEngine megatron-core falls back to torch's Adam(W) with the
     foreach implementation; torch's fused CUDA kernel is ~3x faster on the same state."""
     for inner in inner_optimizers(optimizer):

@@ -8,13 +8,17 @@ and ``doctor`` load it. The worker hooks (from :class:`posttrain.EngineHooks`) i
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator
 from typing import TYPE_CHECKING
 
 from posttrain import Capabilities, EngineHooks, EnvCheck, ErrorReport, StrategySpec, hookimpl
 from posttrain_megatron.config import MegatronInferConfig, MegatronTrainConfig
 
 if TYPE_CHECKING:
-    from posttrain import TrainEngine
+    import argparse
+
+    from posttrain import TrainEngine, Workflow
+    from posttrain.backend import MemoryQuery, RoleMemory
     from posttrain_megatron import engine
 
     _ENGINE: TrainEngine = engine  # mypy: the engine defines every function it must, typed
@@ -44,15 +48,21 @@ LAYOUT_FIELDS = (
 )
 
 
-def _layout(role) -> tuple | None:
-    """The parallel layout a megatron role sets process-wide (None for other strategies)."""
-    if role.strategy_args.strategy_name not in STRATEGIES:
+# A role's process-wide parallel layout: its LAYOUT_FIELDS' values.
+Layout = tuple[object, ...]
+
+
+def _layout(strategy_name: str, cfg: object) -> Layout | None:
+    """The parallel layout a megatron role (its strategy and strategy config) sets
+    process-wide (None for other strategies)."""
+    if strategy_name not in STRATEGIES:
         return None
-    cfg = role.strategy_args.strategy_config
     return tuple(getattr(cfg, name, None) for name in LAYOUT_FIELDS)
 
 
-def split_by_layout(members: tuple[str, ...], layout_of) -> list[tuple[str, ...]]:
+def split_by_layout(
+    members: tuple[str, ...], layout_of: Callable[[str], Layout | None]
+) -> list[tuple[str, ...]]:
     """Split one set of roles so that no two megatron layouts differ inside a set."""
     parts: list[list[str]] = []
     for name in members:
@@ -89,7 +99,7 @@ class MegatronPlugin(EngineHooks):
     )
 
     @hookimpl
-    def posttrain_add_strategies(self):
+    def posttrain_add_strategies(self) -> list[StrategySpec]:
         return [
             StrategySpec(
                 name=TRAIN,
@@ -119,19 +129,25 @@ class MegatronPlugin(EngineHooks):
         ]
 
     @hookimpl(wrapper=True)
-    def posttrain_plan_processes(self, workflow, strategies):
+    def posttrain_plan_processes(
+        self, workflow: Workflow, strategies: dict[str, StrategySpec]
+    ) -> Generator[None, list[tuple[str, ...]], list[tuple[str, ...]]]:
         """megatron-core's parallel state is one per process: two megatron roles share rank
         processes only with the same layout (the second one reuses it)."""
         plan = yield
-        roles = workflow.roles()
+        args = {name: role.strategy_args for name, role in workflow.roles().items()}
         return [
             part
             for members in plan
-            for part in split_by_layout(members, lambda name: _layout(roles[name]))
+            for part in split_by_layout(
+                members, lambda name: _layout(args[name].strategy_name, args[name].strategy_config)
+            )
         ]
 
     @hookimpl
-    def posttrain_validate_workflow(self, workflow, strategies, report: ErrorReport):
+    def posttrain_validate_workflow(
+        self, workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+    ) -> None:
         from posttrain_megatron.checks import check_role, model_shape
 
         for name, role in workflow.roles().items():
@@ -142,20 +158,20 @@ class MegatronPlugin(EngineHooks):
             check_role(name, config, shape, report)
 
     @hookimpl
-    def posttrain_environment_checks(self):
+    def posttrain_environment_checks(self) -> list[EnvCheck]:
         return [
             EnvCheck(plugin="posttrain-megatron", package=package, tested=tested, required=required)
             for package, (tested, required) in TESTED.items()
         ]
 
     @hookimpl
-    def posttrain_add_cli_commands(self, subparsers):
+    def posttrain_add_cli_commands(self, subparsers: argparse._SubParsersAction) -> None:
         from posttrain_megatron.convert_cli import add_convert_command
 
         add_convert_command(subparsers)
 
     @hookimpl
-    def posttrain_estimate_memory(self, query):
+    def posttrain_estimate_memory(self, query: MemoryQuery) -> RoleMemory | None:
         from posttrain_megatron import memory
 
         name = query.role.strategy_args.strategy_name

@@ -9,6 +9,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 if TYPE_CHECKING:
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+    from megatron.core.optimizer import MegatronOptimizer
+
     from posttrain.backend import BackgroundSave, HostBuffers
 
 
@@ -22,9 +25,9 @@ class MegatronState:
     step: int = 0
     updates: int = 0
     # megatron-core's (distributed, possibly chained) optimizer; None for megatron_infer.
-    optimizer: Any = None
+    optimizer: MegatronOptimizer | None = None
     lr_multiplier: Callable[[int], float] | None = None
     # Background checkpoint saves: the reused host copies, and the save in flight with
     # megatron's async request (whose finalisation is collective).
     checkpoint_buffers: HostBuffers | None = None
-    background_save: tuple[BackgroundSave, Any] | None = None
+    background_save: tuple[BackgroundSave, AsyncRequest] | None = None

@@ -31,9 +31,14 @@ down to two chunks' worth.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 # Largest float32 temporary of the torch path, in elements (256 MiB).
 _CHUNK_ELEMENTS = 1 << 26
@@ -95,12 +100,21 @@ class HeadInput:
         self.sequence_parallel = sequence_parallel
 
 
-def _note_labels(module, args, kwargs, *, state: _HeadState):
+def _note_labels(
+    module: torch.nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, state: _HeadState
+) -> None:
     # The plugin calls its models with keyword arguments only (training._run_schedule).
     state.scoring = kwargs.get("labels") is not None
 
 
-def _output_layer_forward(layer, forward, state: _HeadState, input_, weight=None, **kwargs):
+def _output_layer_forward(
+    layer: torch.nn.Module,
+    forward: Callable[..., tuple[torch.Tensor, torch.Tensor | None]],
+    state: _HeadState,
+    input_: torch.Tensor,
+    weight: torch.Tensor | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor | HeadInput, torch.Tensor | None]:
     if not state.scoring or kwargs.get("runtime_gather_output"):
         return forward(input_, weight=weight, **kwargs)
     weight = layer.weight if weight is None else weight
@@ -128,7 +142,12 @@ def _model_scores(
 
 
 def _chunked_model_scores(
-    labels: torch.Tensor, head: HeadInput, vocab_size: int, chunk: int, group, rank: int
+    labels: torch.Tensor,
+    head: HeadInput,
+    vocab_size: int,
+    chunk: int,
+    group: dist.ProcessGroup,
+    rank: int,
 ) -> torch.Tensor:
     from megatron.core.tensor_parallel import (
         copy_to_tensor_model_parallel_region,
@@ -171,7 +190,7 @@ def next_token_scores(
     *,
     vocab_start: int,
     vocab_size: int,
-    group=None,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(log p(target), entropy)`` per row, float32, differentiable in ``logits``.
 
@@ -185,7 +204,14 @@ def next_token_scores(
 
 class _NextTokenScores(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, targets, vocab_start, vocab_size, group):
+    def forward(
+        ctx: Any,
+        logits: Tensor,
+        targets: Tensor,
+        vocab_start: int,
+        vocab_size: int,
+        group: dist.ProcessGroup | None,
+    ) -> tuple[Tensor, Tensor]:
         if logits.stride(-1) != 1:
             logits = logits.contiguous()
         width = logits.shape[-1]
@@ -202,7 +228,9 @@ class _NextTokenScores(torch.autograd.Function):
         return target_logit - lse, log_s - t / s
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(
+        ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor, None, None, None, None]:
         logits, local, lse, mean = ctx.saved_tensors
         grad_logp, grad_entropy = _output_grads(grad_logp, grad_entropy, lse)
         grad = _impl(logits).gradient(logits, local, ctx.valid, lse, mean, grad_logp, grad_entropy)
@@ -217,7 +245,7 @@ def chunked_next_token_scores(
     vocab_start: int,
     vocab_size: int,
     chunk_tokens: int,
-    group=None,
+    group: dist.ProcessGroup | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`next_token_scores` of the logits ``hidden @ weight.T`` without making them whole:
     ``chunk_tokens`` rows at a time, forward and again in backward. Differentiable in ``hidden``
@@ -230,22 +258,24 @@ def chunked_next_token_scores(
     )
 
 
-def _local_targets(targets, device, vocab_start: int, valid: int) -> torch.Tensor:
+def _local_targets(
+    targets: Tensor, device: torch.device, vocab_start: int, valid: int
+) -> torch.Tensor:
     """Targets as column indices of this shard; NO_TARGET where the target is elsewhere."""
     targets = targets.to(device=device, dtype=torch.int64)
     local = targets - vocab_start
     return torch.where((targets >= 0) & (local >= 0) & (local < valid), local, NO_TARGET)
 
 
-def _output_grads(grad_logp, grad_entropy, like):
+def _output_grads(
+    grad_logp: Tensor | None, grad_entropy: Tensor | None, like: Tensor
+) -> tuple[Tensor, Tensor]:
     """The outputs' gradients as contiguous float32 (zeros for an output without one)."""
-    zeros = None
     if grad_logp is None or grad_entropy is None:
         zeros = torch.zeros_like(like)
-    return (
-        (grad_logp if grad_logp is not None else zeros).float().contiguous(),
-        (grad_entropy if grad_entropy is not None else zeros).float().contiguous(),
-    )
+        grad_logp = zeros if grad_logp is None else grad_logp
+        grad_entropy = zeros if grad_entropy is None else grad_entropy
+    return grad_logp.float().contiguous(), grad_entropy.float().contiguous()
 
 
 class _ChunkedNextTokenScores(torch.autograd.Function):
@@ -253,7 +283,16 @@ class _ChunkedNextTokenScores(torch.autograd.Function):
     (forward) or its gradient (backward) are computed, by the same kernels as the whole logits'."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, vocab_start, vocab_size, chunk, group):
+    def forward(
+        ctx: Any,
+        hidden: Tensor,
+        weight: Tensor,
+        targets: Tensor,
+        vocab_start: int,
+        vocab_size: int,
+        chunk: int,
+        group: dist.ProcessGroup | None,
+    ) -> tuple[Tensor, Tensor]:
         rows, width = hidden.shape[0], weight.shape[0]
         valid = max(0, min(width, vocab_size - vocab_start))
         local = _local_targets(targets, hidden.device, vocab_start, valid)
@@ -276,13 +315,15 @@ class _ChunkedNextTokenScores(torch.autograd.Function):
         return target_logit - lse, log_s - t / s
 
     @staticmethod
-    def backward(ctx, grad_logp, grad_entropy):
+    def backward(
+        ctx: Any, grad_logp: Tensor | None, grad_entropy: Tensor | None
+    ) -> tuple[Tensor | None, Tensor | None, None, None, None, None, None]:
         hidden, weight, local, lse, mean = ctx.saved_tensors
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         grad_logp, grad_entropy = _output_grads(grad_logp, grad_entropy, lse)
         rows, chunk = hidden.shape[0], ctx.chunk
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = None
+        grad_weight: Tensor | None = None
         # One chunk: its product is the whole one, in the weight's dtype. Several: summed in
         # float32 (a low-precision running sum would round at every chunk where the unchunked
         # product rounds once), cast once.
@@ -307,7 +348,7 @@ class _ChunkedNextTokenScores(torch.autograd.Function):
                 grad_hidden[start:end] = grad_logits @ weight
             if need_weight:
                 product = grad_logits.t() @ h
-                if several:
+                if grad_weight is not None:  # several chunks: the float32 sum
                     grad_weight.add_(product)
                 else:
                     grad_weight = product
@@ -318,7 +359,9 @@ class _ChunkedNextTokenScores(torch.autograd.Function):
         return grad_hidden, grad_weight, None, None, None, None, None
 
 
-def _combine(m, s, t, target_logit, group):
+def _combine(
+    m: Tensor, s: Tensor, t: Tensor, target_logit: Tensor, group: dist.ProcessGroup
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """The shards' partial sums as sums over the whole vocabulary (every TP rank gets them)."""
     global_m = m.clone()
     dist.all_reduce(global_m, op=dist.ReduceOp.MAX, group=group)
@@ -330,7 +373,26 @@ def _combine(m, s, t, target_logit, group):
     return global_m, sums[0], sums[1], sums[2]
 
 
-def _impl(logits: torch.Tensor):
+class _Kernels(Protocol):
+    """What computes a shard's sums and gradient: :class:`TorchScores`, or the Triton kernels
+    of :mod:`posttrain_megatron.token_scores_triton` (a module of the same two functions)."""
+
+    def partials(self, logits: Tensor, local: Tensor, valid: int, /) -> tuple[Tensor, ...]: ...
+
+    def gradient(
+        self,
+        logits: Tensor,
+        local: Tensor,
+        valid: int,
+        lse: Tensor,
+        mean: Tensor,
+        grad_logp: Tensor,
+        grad_entropy: Tensor,
+        /,
+    ) -> Tensor: ...
+
+
+def _impl(logits: torch.Tensor) -> _Kernels:
     if logits.is_cuda and _have_triton():
         from posttrain_megatron import token_scores_triton
 
@@ -351,12 +413,12 @@ class TorchScores:
     of at most ``_CHUNK_ELEMENTS``)."""
 
     @staticmethod
-    def _chunks(logits):
+    def _chunks(logits: Tensor) -> tuple[range, int]:
         step = max(1, _CHUNK_ELEMENTS // max(1, logits.shape[-1]))
         return range(0, logits.shape[0], step), step
 
     @staticmethod
-    def partials(logits, local, valid):
+    def partials(logits: Tensor, local: Tensor, valid: int) -> tuple[Tensor, ...]:
         rows = logits.shape[0]
         out = torch.zeros(4, rows, dtype=torch.float32, device=logits.device)
         out[0] = float("-inf")
@@ -378,7 +440,15 @@ class TorchScores:
         return tuple(out)
 
     @staticmethod
-    def gradient(logits, local, valid, lse, mean, grad_logp, grad_entropy):
+    def gradient(
+        logits: Tensor,
+        local: Tensor,
+        valid: int,
+        lse: Tensor,
+        mean: Tensor,
+        grad_logp: Tensor,
+        grad_entropy: Tensor,
+    ) -> Tensor:
         grad = torch.zeros_like(logits)
         starts, step = TorchScores._chunks(logits)
         for start in starts:

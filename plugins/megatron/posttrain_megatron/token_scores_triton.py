@@ -15,8 +15,11 @@ _BLOCK = 4096
 _WARPS = 8
 
 
+# Triton reads a kernel's parameter annotations (``tl.constexpr``, and dtypes it parses from
+# the annotation's text): the kernels' other parameters stay unannotated, as Triton's own are
+# (unused-ignore: the ignore is needed only where mypy runs with --disallow-untyped-defs).
 @triton.jit
-def _partials_kernel(
+def _partials_kernel(  # type: ignore[no-untyped-def, unused-ignore]
     logits_ptr,
     row_stride,
     local_ptr,
@@ -57,7 +60,7 @@ def _partials_kernel(
 
 
 @triton.jit
-def _gradient_kernel(
+def _gradient_kernel(  # type: ignore[no-untyped-def, unused-ignore]
     logits_ptr,
     row_stride,
     grad_ptr,
@@ -92,7 +95,7 @@ def _gradient_kernel(
         tl.store(grad_base + cols, g.to(grad_ptr.dtype.element_ty), mask=cols < width)
 
 
-def partials(logits: torch.Tensor, local: torch.Tensor, valid: int):
+def partials(logits: torch.Tensor, local: torch.Tensor, valid: int) -> tuple[torch.Tensor, ...]:
     rows = logits.shape[0]
     out = torch.empty(4, rows, dtype=torch.float32, device=logits.device)
     if rows:
@@ -109,7 +112,15 @@ def partials(logits: torch.Tensor, local: torch.Tensor, valid: int):
     return tuple(out)
 
 
-def gradient(logits, local, valid, lse, mean, grad_logp, grad_entropy):
+def gradient(
+    logits: torch.Tensor,
+    local: torch.Tensor,
+    valid: int,
+    lse: torch.Tensor,
+    mean: torch.Tensor,
+    grad_logp: torch.Tensor,
+    grad_entropy: torch.Tensor,
+) -> torch.Tensor:
     grad = torch.empty_like(logits)
     if logits.shape[0]:
         _gradient_kernel[(logits.shape[0],)](

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -33,6 +34,17 @@ from posttrain_megatron.state import MegatronState
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
+
+    # A micro-batch slot: its rows of the batch (None: a filler) and the trimmed micro-batch.
+    MicroBatch = tuple[list[int] | None, SequenceBatch]
+    # A micro-batch's loss and metrics, as megatron's schedule takes them from a loss function.
+    LossResult = tuple[torch.Tensor, dict[str, float]]
+    # loss_for(rows, micro_batch, outputs, entropy): outputs are log-probs or values.
+    LossFor = Callable[
+        [list[int] | None, SequenceBatch, torch.Tensor, torch.Tensor | None], LossResult
+    ]
+    # What a forward step hands megatron's schedule: the output and its loss function.
+    ForwardOut = tuple[torch.Tensor, Callable[[torch.Tensor], LossResult]]
 
 log = logging.getLogger(__name__)
 
@@ -79,11 +91,11 @@ def plan(
 
 def _micro_batches(
     worker: WorkerContext, batch: SequenceBatch, groups: list[list[int]], count: int
-):
+) -> list[MicroBatch]:
     """(row indices or None for a filler, trimmed micro-batch) for each of ``count`` slots."""
     if not len(batch):
         raise ValueError("megatron: an empty batch cannot be scored")
-    out: list[tuple[list[int] | None, SequenceBatch]] = []
+    out: list[MicroBatch] = []
     for i in range(count):
         if i < len(groups):
             out.append((groups[i], batch.select(groups[i]).trimmed()))
@@ -100,14 +112,14 @@ def _needs_equal_shapes(worker: WorkerContext) -> bool:
     return cfg.expert_model_parallel_size > 1 and cfg.moe_token_dispatcher_type == "allgather"
 
 
-def _equal_shapes(worker: WorkerContext, items):
+def _equal_shapes(worker: WorkerContext, items: list[MicroBatch]) -> list[MicroBatch]:
     """Pad every micro-batch to the largest rows x width of its slot on any rank; padding rows
     and columns are masked out (attention and response masks 0) and never returned."""
     sizes = torch.tensor(
         [[len(mb), mb.input_ids.shape[1]] for _, mb in items], device=rank_device(worker)
     )
     dist.all_reduce(sizes, op=dist.ReduceOp.MAX)
-    padded = []
+    padded: list[MicroBatch] = []
     for (rows, mb), (n, width) in zip(items, sizes.tolist()):
         tensors = {}
         for key, value in mb.tensors.items():
@@ -141,7 +153,9 @@ def _loss_inputs(
     return token_scores.aligned(out)
 
 
-def _run_schedule(worker: WorkerContext, items, loss_for, forward_only: bool) -> list[Any]:
+def _run_schedule(
+    worker: WorkerContext, items: list[MicroBatch], loss_for: LossFor, forward_only: bool
+) -> list[Any]:
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -155,7 +169,7 @@ def _run_schedule(worker: WorkerContext, items, loss_for, forward_only: bool) ->
         2 * cp if cp > 1 else 1
     )
 
-    def forward_step(data_iterator, model):
+    def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> ForwardOut:
         rows, mb = next(data_iterator)
         ids = mb.input_ids.to(dev)
         width = ids.shape[1]
@@ -178,7 +192,7 @@ def _run_schedule(worker: WorkerContext, items, loss_for, forward_only: bool) ->
             labels=_labels(worker, next_tokens),
         )
 
-        def loss_func(scores: torch.Tensor):
+        def loss_func(scores: torch.Tensor) -> LossResult:
             if cp > 1:  # the whole sequence on every CP rank: the loss sees whole rows
                 scores = context_parallel.gather_sequence(
                     scores, 1, ps.get_context_parallel_group()
@@ -200,7 +214,15 @@ def _run_schedule(worker: WorkerContext, items, loss_for, forward_only: bool) ->
     )
 
 
-def _packed_forward(worker: WorkerContext, model, rows, mb, ids, multiple, loss_for):
+def _packed_forward(
+    worker: WorkerContext,
+    model: torch.nn.Module,
+    rows: list[int] | None,
+    mb: SequenceBatch,
+    ids: torch.Tensor,
+    multiple: int,
+    loss_for: LossFor,
+) -> ForwardOut:
     """forward_step on one packed row (pack_sequences); results back in the padded layout."""
     packed = packing.pack(ids, mb.attention_mask.to(ids.device), multiple)
     output = model(
@@ -211,7 +233,7 @@ def _packed_forward(worker: WorkerContext, model, rows, mb, ids, multiple, loss_
         packed_seq_params=packed.params,
     )
 
-    def loss_func(scores: torch.Tensor):
+    def loss_func(scores: torch.Tensor) -> LossResult:
         unpacked = packing.unpack(packed, scores)
         return loss_for(rows, mb.with_tensors(), *_loss_inputs(worker, unpacked))
 
@@ -233,7 +255,9 @@ def _from_last_stage(obj: Any) -> Any:
     return box[0]
 
 
-def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+def train_step(
+    worker: WorkerContext, batch: SequenceBatch, loss_fn: Callable[..., Any]
+) -> dict[str, float]:
     # Every rank is here at once: the point to complete a background checkpoint save whose
     # files are all written (megatron's last step of a save is collective).
     advance_background_save(worker)
@@ -249,7 +273,12 @@ def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str
     groups, count = plan(worker, batch, for_logprobs=False)
     items = _micro_batches(worker, batch, groups, count)
 
-    def loss_for(rows, mb, outputs, entropy):
+    def loss_for(
+        rows: list[int] | None,
+        mb: SequenceBatch,
+        outputs: torch.Tensor,
+        entropy: torch.Tensor | None,
+    ) -> LossResult:
         # outputs: log-probs, or a critic's values (entropy None)
         mb = SequenceBatch({k: v.to(outputs.device) for k, v in mb.tensors.items()}, dict(mb.meta))
         if entropy is not None and not entropy_grad:
@@ -314,7 +343,12 @@ def _per_token(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     items = _micro_batches(worker, batch, groups, count)
     out = torch.zeros(batch.input_ids.shape, dtype=torch.float32)
 
-    def loss_for(rows, mb, outputs, _entropy):
+    def loss_for(
+        rows: list[int] | None,
+        mb: SequenceBatch,
+        outputs: torch.Tensor,
+        _entropy: torch.Tensor | None,
+    ) -> LossResult:
         if rows is not None:
             kept = (outputs * mb.attention_mask.to(outputs.device))[: len(rows)]
             width = min(kept.shape[1], out.shape[1])

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import copy
 import logging
+from typing import TYPE_CHECKING
 
 import torch
 from mbridge.core.safetensor_io import SafeTensorIO
@@ -25,13 +26,21 @@ from mbridge.utils.post_creation_callbacks import make_value_model
 
 from posttrain.backend import HEAD_WEIGHT
 
+if TYPE_CHECKING:
+    from mbridge.core.bridge import Bridge
+    from transformers import PretrainedConfig
+else:
+    # Mixed into the critic's mbridge bridge (make_bridge); to mypy a subclass of mbridge's
+    # Bridge (untyped: Any), whose methods and attributes it uses.
+    Bridge = object
+
 log = logging.getLogger(__name__)
 
 # The head's megatron name (global and local: it is outside the decoder layers).
 OUTPUT_LAYER = "output_layer.weight"
 
 
-def bridge_hf_config(hf_config):
+def bridge_hf_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     """The HF config the critic's bridge builds from: untied, since the head replaces the output
     layer that a tied model shares with the embedding (megatron would otherwise feed the
     embedding matrix to the head and all-reduce their gradients across pipeline stages)."""
@@ -40,7 +49,7 @@ def bridge_hf_config(hf_config):
     return config
 
 
-def export_config(hf_config):
+def export_config(hf_config: PretrainedConfig) -> PretrainedConfig:
     """The config of an exported critic: loadable by ``AutoModelForTokenClassification`` as the
     value model it is (one label, no bias, no dropout), as the HF backends save theirs."""
     from transformers.models.auto.modeling_auto import MODEL_FOR_TOKEN_CLASSIFICATION_MAPPING_NAMES
@@ -59,7 +68,7 @@ def export_config(hf_config):
 MODEL_CREATION_CALLBACKS = (make_value_model,)
 
 
-class ValueHeadNames:
+class ValueHeadNames(Bridge):
     """Mixed into the critic's bridge (:func:`posttrain_megatron.bridge.make_bridge`)."""
 
     def _weight_name_mapping_mcore_to_hf(self, mcore_weights_name: str) -> list[str]:
@@ -67,17 +76,21 @@ class ValueHeadNames:
             return [HEAD_WEIGHT]
         return super()._weight_name_mapping_mcore_to_hf(mcore_weights_name)
 
-    def _weight_to_hf_format(self, mcore_weights_name: str, mcore_weights: torch.Tensor):
+    def _weight_to_hf_format(
+        self, mcore_weights_name: str, mcore_weights: torch.Tensor
+    ) -> tuple[list[str], list[torch.Tensor]]:
         if mcore_weights_name == OUTPUT_LAYER:  # [1, hidden]: no vocabulary padding to cut
             return [HEAD_WEIGHT], [mcore_weights]
         return super()._weight_to_hf_format(mcore_weights_name, mcore_weights)
 
-    def _weight_to_mcore_format(self, mcore_weights_name: str, hf_weights: list[torch.Tensor]):
+    def _weight_to_mcore_format(
+        self, mcore_weights_name: str, hf_weights: list[torch.Tensor]
+    ) -> torch.Tensor:
         if mcore_weights_name == OUTPUT_LAYER:
             return hf_weights[0].to(self.dtype)
         return super()._weight_to_mcore_format(mcore_weights_name, hf_weights)
 
-    def _get_safetensor_io(self, weights_path: str):
+    def _get_safetensor_io(self, weights_path: str) -> SafeTensorIO:
         return _HeadOrZeros(self._get_actual_hf_path(weights_path), self.hf_config.hidden_size)
 
 
@@ -89,7 +102,7 @@ class _HeadOrZeros(SafeTensorIO):
         self.hidden_size = hidden_size
         self.has_head = HEAD_WEIGHT in self.load_hf_weight_names()
 
-    def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict:
+    def load_some_hf_weight(self, hf_weight_names: list[str]) -> dict[str, torch.Tensor]:
         if self.has_head or HEAD_WEIGHT not in hf_weight_names:
             return super().load_some_hf_weight(hf_weight_names)
         log.info("megatron: %s has no %s; the value head starts at zero", self.hf_dir, HEAD_WEIGHT)

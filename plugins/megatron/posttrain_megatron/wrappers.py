@@ -3,9 +3,12 @@ megatron optimizer. Shared by model building, training and checkpoints."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from megatron.core.optimizer import MegatronOptimizer
 
 
 def unwrap(model: torch.nn.Module) -> torch.nn.Module:
@@ -15,7 +18,7 @@ def unwrap(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def inner_optimizers(optimizer) -> list[Any]:
+def inner_optimizers(optimizer: MegatronOptimizer) -> list[torch.optim.Optimizer]:
     """The torch optimizers inside a (chained) megatron optimizer."""
     chained = getattr(optimizer, "chained_optimizers", None)
     parts = chained if chained is not None else [optimizer]
