@@ -15,19 +15,18 @@ _BLOCK = 4096
 _WARPS = 8
 
 
-# Triton reads a kernel's parameter annotations (``tl.constexpr``, and dtypes it parses from
-# the annotation's text): the kernels' other parameters stay unannotated, as Triton's own are
-# (unused-ignore: the ignore is needed only where mypy runs with --disallow-untyped-defs).
+# Triton reads a kernel's parameter annotations (``tl.constexpr``, dtype names): ``tl.tensor``,
+# what a scalar or pointer argument is inside the kernel, changes nothing in its specialisation.
 @triton.jit
-def _partials_kernel(  # type: ignore[no-untyped-def, unused-ignore]
-    logits_ptr,
-    row_stride,
-    local_ptr,
-    out_ptr,
-    rows,
-    valid,
+def _partials_kernel(
+    logits_ptr: tl.tensor,
+    row_stride: tl.tensor,
+    local_ptr: tl.tensor,
+    out_ptr: tl.tensor,
+    rows: tl.tensor,
+    valid: tl.tensor,
     BLOCK: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     offsets = tl.arange(0, BLOCK)
@@ -60,20 +59,20 @@ def _partials_kernel(  # type: ignore[no-untyped-def, unused-ignore]
 
 
 @triton.jit
-def _gradient_kernel(  # type: ignore[no-untyped-def, unused-ignore]
-    logits_ptr,
-    row_stride,
-    grad_ptr,
-    grad_row_stride,
-    local_ptr,
-    lse_ptr,
-    mean_ptr,
-    grad_logp_ptr,
-    grad_entropy_ptr,
-    width,
-    valid,
+def _gradient_kernel(
+    logits_ptr: tl.tensor,
+    row_stride: tl.tensor,
+    grad_ptr: tl.tensor,
+    grad_row_stride: tl.tensor,
+    local_ptr: tl.tensor,
+    lse_ptr: tl.tensor,
+    mean_ptr: tl.tensor,
+    grad_logp_ptr: tl.tensor,
+    grad_entropy_ptr: tl.tensor,
+    width: tl.tensor,
+    valid: tl.tensor,
     BLOCK: tl.constexpr,
-):
+) -> None:
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * row_stride
     grad_base = grad_ptr + row * grad_row_stride
