@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typing
+from collections.abc import Callable
 from typing import Any
 
 import attrs
@@ -12,6 +13,9 @@ from cattrs.errors import ForbiddenExtraKeysError
 from posttrain.config.device_mapping import DeviceMappingError, parse_device_mapping
 from posttrain.config.ranges import OutOfRange, Range, range_of
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
+
+# A structure hook: (value, type) -> the structured value.
+_Hook = Callable[[Any, Any], Any]
 
 
 class _TypeMismatch(TypeError):
@@ -105,15 +109,16 @@ def make_converter() -> cattrs.Converter:
     conv.register_structure_hook_func(lambda t: typing.get_origin(t) is typing.Literal, _literal)
 
     # cattrs builds a list from any iterable: a string would become a list of its characters.
-    def _list_hook_factory(tp: Any):
+    def _list_hook_factory(tp: Any) -> _Hook:
         try:
             from cattrs.cols import list_structure_factory
 
-            inner = list_structure_factory(tp, conv)
+            inner: _Hook = list_structure_factory(tp, conv)
         except ImportError:  # cattrs < 24.1
-            inner = conv._structure_list
+            # The installed cattrs (>= 24.1), whose types mypy reads, no longer has it.
+            inner = conv._structure_list  # type: ignore[attr-defined]
 
-        def hook(value: Any, _type: Any):
+        def hook(value: Any, _type: Any) -> Any:
             if not isinstance(value, list | tuple):
                 raise _TypeMismatch("a list", value)
             return inner(value, _type)
@@ -128,10 +133,10 @@ def make_converter() -> cattrs.Converter:
     # A field with a Range (posttrain.config.ranges) is checked as it is structured, not by
     # the class's validator in __init__: that one would stop at the first bad field and name the
     # class, not the field.
-    def _ranged_hook(field_type: Any, allowed: Range):
+    def _ranged_hook(field_type: Any, allowed: Range) -> _Hook:
         structure = conv.get_structure_hook(field_type)
 
-        def hook(value: Any, _type: Any):
+        def hook(value: Any, _type: Any) -> Any:
             structured = structure(value, field_type)
             if structured is not None and not allowed.admits(structured):
                 raise OutOfRange(value, allowed)  # as written: 0, not the float hook's 0.0
@@ -140,18 +145,20 @@ def make_converter() -> cattrs.Converter:
         return hook
 
     # Classes must be built from mappings: a scalar where a section belongs is a clear error.
-    def _class_hook_factory(cls: type):
+    def _class_hook_factory(cls: type) -> _Hook:
         attrs.resolve_types(cls)
-        ranged = {
-            f.name: cattrs.gen.override(struct_hook=_ranged_hook(f.type, range_of(f)))
+        # Any values: mypy would match the overrides against make_dict_structure_fn's own
+        # keyword parameters (its bool flags), which no field name reaches.
+        ranged: dict[str, Any] = {
+            f.name: cattrs.gen.override(struct_hook=_ranged_hook(f.type, allowed))
             for f in attrs.fields(cls)
-            if range_of(f) is not None
+            if (allowed := range_of(f)) is not None
         }
-        inner = cattrs.gen.make_dict_structure_fn(
+        inner: _Hook = cattrs.gen.make_dict_structure_fn(
             cls, conv, _cattrs_forbid_extra_keys=True, **ranged
         )
 
-        def hook(value: Any, _type: Any):
+        def hook(value: Any, _type: Any) -> Any:
             if not isinstance(value, dict):
                 raise _TypeMismatch("a mapping", value)
             return inner(value, _type)
@@ -196,7 +203,7 @@ def _report_errors(
                 index = getattr(note, "index", None)
                 if name is not None:
                     sub_path, sub_type = join_path(path, name), getattr(note, "type", None)
-                    if attrs.has(owner):
+                    if owner is not None and attrs.has(owner):
                         sub_field = attrs.fields_dict(owner).get(name)
                 elif index is not None:
                     sub_path, sub_type = join_path(path, index), getattr(note, "type", None)

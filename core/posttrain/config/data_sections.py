@@ -101,7 +101,7 @@ class EvaluationConfig:
     seed: int = 0
 
 
-def check_prompt_source(data, base_dir: str, where: str, report: ErrorReport) -> None:
+def check_prompt_source(data: DataConfig, base_dir: str, where: str, report: ErrorReport) -> None:
     """A data section (``data``, or a held-out dataset at YAML path ``where``) names one
     source of prompts: a file that exists, or a synthetic task."""
     if data.path and data.synthetic:

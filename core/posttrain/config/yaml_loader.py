@@ -15,7 +15,7 @@ class _StrictLoader(yaml.SafeLoader):
 
     duplicates: list[tuple[str, int]]
 
-    def construct_mapping(self, node, deep=False):
+    def construct_mapping(self, node: yaml.MappingNode, deep: bool = False) -> dict[Any, Any]:
         seen: set[Any] = set()
         for key_node, _ in node.value:
             key = self.construct_object(key_node, deep=deep)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+from typing import TYPE_CHECKING
 
 from posttrain.config.data_sections import check_prompt_source
 from posttrain.config.report import ErrorReport, did_you_mean, join_path
@@ -17,12 +18,15 @@ from posttrain.rollout.partial import segment_tokens
 from posttrain.tasks.presets import PRESETS, is_preset
 from posttrain.training.lr_schedule import run_optimizer_steps
 
+if TYPE_CHECKING:
+    from posttrain.host.strategy import StrategySpec
+
 # Roles every workflow has (the critic and reference depend on the algorithm's settings).
 REQUIRED_ROLES = ("actor_train", "actor_infer")
 
 
 @hookimpl(trylast=True)
-def posttrain_environment_checks():
+def posttrain_environment_checks() -> list[EnvCheck]:
     return [
         EnvCheck(plugin="posttrain", package="torch", tested=">=2.6,<=2.13.0"),
         EnvCheck(plugin="posttrain", package="transformers", tested=">=4.51,<6"),
@@ -32,7 +36,9 @@ def posttrain_environment_checks():
 
 
 @hookimpl(trylast=True)
-def posttrain_validate_workflow(workflow: Workflow, strategies, report: ErrorReport):
+def posttrain_validate_workflow(
+    workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+) -> None:
     # A section that failed to structure was reported already; checks that read it would only
     # add misleading errors about its defaults (e.g. "needs an 'actor_train' role").
     failed = report.failed_sections
@@ -68,7 +74,9 @@ ROLE_KINDS = {
 }
 
 
-def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None:
+def _check_strategy_kinds(
+    wf: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+) -> None:
     for name, role in wf.roles().items():
         spec = strategies.get(role.strategy_args.strategy_name)
         if spec is None:
@@ -108,7 +116,9 @@ def _check_strategy_kinds(wf: Workflow, strategies, report: ErrorReport) -> None
             )
 
 
-def _fitting_strategies(spec, kinds: tuple[str, ...], strategies) -> str:
+def _fitting_strategies(
+    spec: StrategySpec, kinds: tuple[str, ...], strategies: dict[str, StrategySpec]
+) -> str:
     """The installed strategies of ``kinds``, those of ``spec``'s own plugin first (a trainer's
     forward-only sibling shards the model the same way)."""
     fitting = sorted(
@@ -207,7 +217,7 @@ def _check_data(wf: Workflow, report: ErrorReport) -> None:
     check_prompt_source(wf.data, wf.base_dir, "data", report)
 
 
-def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
+def _check_batches(wf: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport) -> None:
     algo = wf.algorithm
     samples = algo.rollout_batch_size * algo.group_size
     for name, role in wf.roles().items():
@@ -261,7 +271,9 @@ def _check_batches(wf: Workflow, strategies, report: ErrorReport) -> None:
             )
 
 
-def _dp_size(wf: Workflow, role_name: str, strategies, report: ErrorReport) -> int | None:
+def _dp_size(
+    wf: Workflow, role_name: str, strategies: dict[str, StrategySpec], report: ErrorReport
+) -> int | None:
     """Ranks / product of the strategy's declared parallel sizes, or None with an error."""
     role = wf.roles()[role_name]
     config = role.strategy_args.strategy_config
@@ -356,7 +368,8 @@ def _check_partial_rollout(wf: Workflow, report: ErrorReport) -> None:
             "single-turn generations; multi-turn episodes are not segmented",
             "set algorithm.partial_rollout: false, or leave environment.name null",
         )
-    gen = wf.actor_infer.generating_args
+    # actor_infer may be missing (reported by _check_roles).
+    gen = wf.actor_infer.generating_args if wf.actor_infer is not None else None
     if gen is not None and gen.stop_strings:
         report.error(
             "actor_infer.generating_args.stop_strings",

@@ -12,12 +12,16 @@ directory was made.
 from __future__ import annotations
 
 import os
+from typing import TYPE_CHECKING
 
 import attrs
 
 from posttrain.config.report import ErrorReport, join_path
 from posttrain.errors import UserError
 from posttrain.tasks.presets import is_preset
+
+if TYPE_CHECKING:
+    from posttrain.config.sections import Workflow
 
 # What a load reads first from the hub, by the model_args key naming the repository.
 FIRST_FILE = {
@@ -40,7 +44,7 @@ def looks_local(name_or_path: str) -> bool:
     return name_or_path.startswith((".", "/", "~")) or name_or_path.count("/") > 1
 
 
-def hub_models(workflow) -> list[HubModel]:
+def hub_models(workflow: Workflow) -> list[HubModel]:
     """Each hub id of the workflow's roles (model and tokenizer), once."""
     found: dict[tuple[str, str], HubModel] = {}
     for name, role in workflow.roles().items():
@@ -83,7 +87,7 @@ def _download_hint(repo_id: str) -> str:
     )
 
 
-def check_hub_ids(workflow, report: ErrorReport) -> None:
+def check_hub_ids(workflow: Workflow, report: ErrorReport) -> None:
     """A name that is neither a local path nor a valid hub id is an error (before any process:
     the hub would refuse it after transformers' retries)."""
     for model in hub_models(workflow):
@@ -96,7 +100,7 @@ def check_hub_ids(workflow, report: ErrorReport) -> None:
             )
 
 
-def warn_uncached(workflow, report: ErrorReport) -> None:
+def warn_uncached(workflow: Workflow, report: ErrorReport) -> None:
     """``posttrain validate``: a hub id the local cache lacks is a warning (no network is used;
     a run asks the hub itself, :func:`check_reachable`)."""
     from huggingface_hub import constants
@@ -111,7 +115,7 @@ def warn_uncached(workflow, report: ErrorReport) -> None:
             )
 
 
-def check_reachable(workflow) -> None:
+def check_reachable(workflow: Workflow) -> None:
     """``posttrain run`` and ``eval``: every hub id is in the local cache or on the hub, asked
     once; else a :class:`UserError` saying what was looked for and what to do."""
     from huggingface_hub import HfApi, constants
