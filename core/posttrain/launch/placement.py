@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import logging
+
 from posttrain.launch.base import WorkerGroup
+
+log = logging.getLogger(__name__)
 
 
 class TimeSharing:
@@ -15,6 +19,7 @@ class TimeSharing:
         self.groups = groups
         self.enabled = enabled
         self.released: set[str] = set()
+        self._unanswered: set[tuple[str, str]] = set()
 
     def activate(self, *roles: str) -> None:
         """Make ``roles`` resident (a weight sync needs trainer and rollout at once); release
@@ -26,9 +31,29 @@ class TimeSharing:
             if name in roles or name in self.released:
                 continue
             if any(me.shares_devices_with(other) for me in active):
-                other.call("release_memory", self.TAGS)
+                self._check_answers(
+                    other, "release_memory", other.call("release_memory", self.TAGS)
+                )
                 self.released.add(name)
         for role in roles:
             if role in self.released:
-                self.groups[role].call("resume_memory", self.TAGS)
+                group = self.groups[role]
+                self._check_answers(group, "resume_memory", group.call("resume_memory", self.TAGS))
                 self.released.discard(role)
+
+    def _check_answers(self, group: WorkerGroup, call: str, answers: list[object]) -> None:
+        # None: no hook answered, so the role's memory stayed where it was while another role
+        # ran on its devices. Said once per role and call: the run goes on, more slowly or
+        # nearer the card's limit, as it did before anyone asked.
+        key = (group.role, call)
+        if key in self._unanswered or not any(answer is None for answer in answers):
+            return
+        self._unanswered.add(key)
+        strategy = group.spec.config.strategy_args.strategy_name
+        log.warning(
+            "%s (%s) implements no %s: its memory stays on the GPUs it shares with the other "
+            "roles (docs/plugin-guide.md, worker hooks)",
+            group.role,
+            strategy,
+            call,
+        )
