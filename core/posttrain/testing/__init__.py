@@ -27,7 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["StrategyContract", "create_plugin_host", "resolve_reward_function"]
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[StrategyContract]:
     # The contract needs pytest; the kit's other parts (posttrain.testing.faults, which a run
     # loads to rehearse faults) must not.
     if name == "StrategyContract":

@@ -16,13 +16,18 @@ by hand can only tell by being called: for the read-only hooks (``generate``,
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from posttrain.host.engine_hooks import EngineHooks
 from posttrain.host.engine_source import engine_names
 from posttrain.host.strategy import Capabilities, StrategySpec
+
+if TYPE_CHECKING:
+    from posttrain.host.plugin_host import PluginHost
+    from posttrain.launch.base import WorkerGroup
+    from posttrain.launch.worker import WorkerRuntime
 
 
 @attrs.frozen
@@ -112,7 +117,7 @@ class Implemented:
     sharing: tuple[StrategySpec, ...]
 
 
-def implemented(host, strategy: str) -> Implemented:
+def implemented(host: PluginHost, strategy: str) -> Implemented:
     """What answers for ``strategy`` in ``host``, without calling any hook."""
     specs = host.strategies()
     owners = [
@@ -123,7 +128,7 @@ def implemented(host, strategy: str) -> Implemented:
     return Implemented(answers, tuple(specs[s] for s in sorted(sharing) if s in specs))
 
 
-def _answer(host, function: str, strategy: str) -> bool | None:
+def _answer(host: PluginHost, function: str, strategy: str) -> bool | None:
     hook = f"posttrain_{function}"
     found: list[bool | None] = []
     for impl in getattr(host.hook, hook).get_hookimpls():
@@ -143,7 +148,7 @@ def _answer(host, function: str, strategy: str) -> bool | None:
     return None if None in found else False
 
 
-def answers_on_rank(runtime, calls: dict[str, dict[str, Any]]) -> dict[str, bool]:
+def answers_on_rank(runtime: WorkerRuntime, calls: dict[str, dict[str, Any]]) -> dict[str, bool]:
     """Rank side (``group.call("run_function", ...)``): whether each hook in ``calls``
     (function name -> keyword arguments) answers for this rank's strategy."""
     worker = runtime.ctx
@@ -158,7 +163,7 @@ def _probe_calls(functions: Iterable[str]) -> dict[str, dict[str, Any]]:
     from posttrain.testing.batches import PROMPTS
 
     prompt = PROMPTS[0]
-    arguments = {
+    arguments: dict[str, dict[str, Any]] = {
         "generate": {
             "request": GenerationRequest(
                 prompt_ids=[prompt], sampling=SamplingParams(n=1, max_new_tokens=1), seed=0
@@ -204,7 +209,7 @@ def _called_for(use: HookUse, declared: Capabilities, sharing: Iterable[Strategy
 
 
 def check_capabilities(
-    spec: StrategySpec, host, start: Callable[[], Any] | None = None
+    spec: StrategySpec, host: PluginHost, start: Callable[[], WorkerGroup] | None = None
 ) -> list[str]:
     """:func:`mismatches` of ``spec`` in ``host``. ``start()`` gives a started group of the
     strategy, for hand-written hooks that only a call can judge (None: leave them unjudged)."""

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import itertools
 import os
-from typing import Any, ClassVar
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import pytest
 import torch
@@ -60,6 +61,17 @@ from posttrain.testing.expected import (
 )
 from posttrain.weight_sync.transport import InProcessTransport, SharedMemoryTransport
 
+if TYPE_CHECKING:
+    import pathlib
+
+    from posttrain.host.strategy import StrategySpec
+    from posttrain.launch.base import WorkerGroup
+
+    # The structured strategy_config beside its spec (the ``spec_and_config`` fixture).
+    SpecAndConfig = tuple[StrategySpec, Any]
+    # The ``critic`` fixture: the group, and its export and values right after loading.
+    Critic = tuple[WorkerGroup, dict[str, Any]]
+
 # The resume contract's training: warmup then linear decay (the rate moves every step, so a
 # schedule that restarts after a load shows), and clipping far below the gradients' norm (it
 # acts on every step, as it does early in real runs).
@@ -96,11 +108,13 @@ class StrategyContract:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def spec_and_config(cls):
+    def spec_and_config(cls) -> SpecAndConfig:
         return structure_config(cls.strategy, dict(cls.strategy_config), cls.plugins)
 
     @pytest.fixture
-    def start(self, spec_and_config, tiny_model_path, tmp_path):
+    def start(
+        self, spec_and_config: SpecAndConfig, tiny_model_path: str, tmp_path: pathlib.Path
+    ) -> Iterator[Callable[..., Any]]:
         """``start(strategy=None, config=None, world_size=None)`` -> a started worker group;
         ``start(..., beside=("hf_infer", "actor_infer"))`` -> the group and a group of that
         strategy and role hosted by the same rank processes (the hybrid engine);
@@ -118,7 +132,7 @@ class StrategyContract:
             role: str = "actor_train",
             beside: tuple[str, str] | None = None,
             training_args: TrainingArgs | None = None,
-        ):
+        ) -> WorkerGroup | tuple[WorkerGroup, WorkerGroup]:
             if beside is not None:
                 spec = spec_for(strategy, config, world_size, role, training_args)
                 other = spec_for(beside[0], None, spec.config.num_ranks, beside[1], None)
@@ -126,7 +140,13 @@ class StrategyContract:
                 return groups[role], groups[beside[1]]
             return launcher.start_group(spec_for(strategy, config, world_size, role, training_args))
 
-        def spec_for(strategy, config, world_size, role, training_args):
+        def spec_for(
+            strategy: str | None,
+            config: Any,
+            world_size: int | None,
+            role: str,
+            training_args: TrainingArgs | None,
+        ) -> GroupSpec:
             if strategy is None:
                 strategy, config = self.strategy, spec_and_config[1]
             elif config is None:
@@ -150,7 +170,7 @@ class StrategyContract:
         tmp: str,
         learning_rate: float = 1e-2,
         training_args: TrainingArgs | None = None,
-    ):
+    ) -> GroupSpec:
         """The GroupSpec of ``role`` (its model head as the core gives it) on ``ranks`` ranks;
         ``training_args`` default to a constant ``learning_rate``, clipping at 1.0."""
 
@@ -177,7 +197,12 @@ class StrategyContract:
 
     @pytest.fixture(scope="class")
     @classmethod
-    def critic(cls, spec_and_config, tiny_model_path, tmp_path_factory):
+    def critic(
+        cls,
+        spec_and_config: SpecAndConfig,
+        tiny_model_path: str,
+        tmp_path_factory: pytest.TempPathFactory,
+    ) -> Iterator[Critic]:
         """``(group, initial)``: one ``critic`` group of the strategy for the critic contract
         (started once per class: each test holds whatever state the previous ones left) and
         what it held right after loading: its export and its values of :func:`value_probe`."""
@@ -210,16 +235,18 @@ class StrategyContract:
         finally:
             launcher.shutdown()
 
-    def kind(self, spec_and_config) -> str:
+    def kind(self, spec_and_config: SpecAndConfig) -> str:
         return spec_and_config[0].capabilities.kind
 
-    def require(self, spec_and_config, *kinds: str) -> None:
+    def require(self, spec_and_config: SpecAndConfig, *kinds: str) -> None:
         if self.kind(spec_and_config) not in kinds:
             pytest.skip(f"{self.strategy} is a {self.kind(spec_and_config)} strategy")
 
     # -- every strategy --------------------------------------------------------------------
 
-    def test_declared_capabilities_match_implemented_hooks(self, spec_and_config, request):
+    def test_declared_capabilities_match_implemented_hooks(
+        self, spec_and_config: SpecAndConfig, request: pytest.FixtureRequest
+    ) -> None:
         """The capabilities the kit and the core go by agree with the hooks the strategy
         implements; otherwise the tests of what it does are skipped (an engine that generates,
         declared ``kind="infer"``) or fail far from the cause."""
@@ -232,14 +259,16 @@ class StrategyContract:
         if problems:
             pytest.fail("\n".join(problems), pytrace=False)
 
-    def test_setup_reports_data_parallel_coordinates(self, start):
+    def test_setup_reports_data_parallel_coordinates(self, start: Callable[..., Any]) -> None:
         group = start()
         assert len(group.parallel) == self.world_size
         assert self.world_size % group.dp_size == 0
         assert {p["dp_rank"] for p in group.parallel} == set(range(group.dp_size))
         assert all(p["dp_size"] == group.dp_size for p in group.parallel)
 
-    def test_logprobs_match_transformers_forward(self, spec_and_config, start, tiny_model_path):
+    def test_logprobs_match_transformers_forward(
+        self, spec_and_config: SpecAndConfig, start: Callable[..., Any], tiny_model_path: str
+    ) -> None:
         if not spec_and_config[0].capabilities.computes_logprobs:
             pytest.skip("strategy does not compute log-probs")
         group = start()
@@ -252,7 +281,9 @@ class StrategyContract:
 
     # -- rollout engines -------------------------------------------------------------------
 
-    def _generate(self, group, n: int = 3, max_new_tokens: int = 6, seed: int = 5):
+    def _generate(
+        self, group: WorkerGroup, n: int = 3, max_new_tokens: int = 6, seed: int = 5
+    ) -> RolloutSamples:
 
         sampling = SamplingParams(n=n, max_new_tokens=max_new_tokens)
         shares = [
@@ -271,8 +302,8 @@ class StrategyContract:
             )
 
     def test_generate_logprobs_match_transformers_forward(
-        self, spec_and_config, start, tiny_model_path
-    ):
+        self, spec_and_config: SpecAndConfig, start: Callable[..., Any], tiny_model_path: str
+    ) -> None:
         self.require(spec_and_config, "rollout")
         group = start()
         out = self._generate(group)
@@ -282,7 +313,9 @@ class StrategyContract:
         ref = reference_logprobs(tiny_model_path, None, samples_batch(out))
         self._close(max_sample_logprob_diff(out, ref), "generate's log-probs against transformers")
 
-    def test_import_weights_then_logprobs_match(self, spec_and_config, start, tiny_model_path):
+    def test_import_weights_then_logprobs_match(
+        self, spec_and_config: SpecAndConfig, start: Callable[..., Any], tiny_model_path: str
+    ) -> None:
         self.require(spec_and_config, "rollout")
 
         group = start()
@@ -305,10 +338,12 @@ class StrategyContract:
 
     # -- trainers --------------------------------------------------------------------------
 
-    def _export(self, group) -> dict:
+    def _export(self, group: WorkerGroup) -> dict[str, torch.Tensor]:
         return export_state(group)
 
-    def test_export_weights_equal_loaded_checkpoint(self, spec_and_config, start, tiny_model_path):
+    def test_export_weights_equal_loaded_checkpoint(
+        self, spec_and_config: SpecAndConfig, start: Callable[..., Any], tiny_model_path: str
+    ) -> None:
         self.require(spec_and_config, "train")
 
         group = start()
@@ -322,7 +357,9 @@ class StrategyContract:
         gap = state_difference({n: exported[n] for n in expected}, expected)
         assert not gap, f"export_weights right after load differ from the checkpoint: {gap}"
 
-    def test_train_then_sync_to_hf_infer_logprob_parity(self, spec_and_config, start):
+    def test_train_then_sync_to_hf_infer_logprob_parity(
+        self, spec_and_config: SpecAndConfig, start: Callable[..., Any]
+    ) -> None:
         self.require(spec_and_config, "train")
 
         trainer = start()
@@ -347,7 +384,7 @@ class StrategyContract:
             "hf_infer's log-probs after the weight sync against the trainer's own",
         )
 
-    def _check_replicas(self, group) -> None:
+    def _check_replicas(self, group: WorkerGroup) -> None:
         """After a step every data-parallel rank holds the same model: each rank's log-probs
         of the same rows agree with rank 0's."""
         if group.dp_size < 2:
@@ -364,7 +401,9 @@ class StrategyContract:
                     pytrace=False,
                 )
 
-    def test_train_then_in_process_sync_logprob_parity(self, spec_and_config, start):
+    def test_train_then_in_process_sync_logprob_parity(
+        self, spec_and_config: SpecAndConfig, start: Callable[..., Any]
+    ) -> None:
         """Hybrid engine: hf_infer in the trainer's own rank processes; after a step, the
         in-process hand-over gives it the trainer's weights exactly (every rank a replica)."""
         self.require(spec_and_config, "train")
@@ -389,7 +428,9 @@ class StrategyContract:
             "hf_infer's log-probs after the weight sync against the trainer's own",
         )
 
-    def _rollout_checkpoint_round_trip(self, start, model_path: str, path: str) -> None:
+    def _rollout_checkpoint_round_trip(
+        self, start: Callable[..., Any], model_path: str, path: str
+    ) -> None:
 
         first = start()
         for bucket in bucketize(sorted(perturbed_state(model_path).items()), 64 << 10):
@@ -402,8 +443,12 @@ class StrategyContract:
         assert a.response_logprobs == b.response_logprobs, "log-probs after load differ"
 
     def test_checkpoint_round_trip_is_exact(
-        self, spec_and_config, start, tmp_path, tiny_model_path
-    ):
+        self,
+        spec_and_config: SpecAndConfig,
+        start: Callable[..., Any],
+        tmp_path: pathlib.Path,
+        tiny_model_path: str,
+    ) -> None:
         supports = self.supports_checkpoint
         if supports is None:
             supports = self.kind(spec_and_config) == "train"
@@ -417,11 +462,11 @@ class StrategyContract:
         if problems:
             pytest.fail("\n".join(problems), pytrace=False)
 
-    def _step(self, group, seed: int) -> dict[str, float]:
+    def _step(self, group: WorkerGroup, seed: int) -> dict[str, float]:
         batch = synthetic_train_batch(seed=seed, dp_size=group.dp_size)
         return group.call_dp("train_step", batch.split(group.dp_size))[0]
 
-    def _resume_problems(self, start, path: str) -> list[str]:
+    def _resume_problems(self, start: Callable[..., Any], path: str) -> list[str]:
         """A trainer saved after two steps, loaded by a fresh group: the loaded group's next
         steps must equal the uninterrupted one's bitwise, with warmup and decay, and clipping
         that acts (:data:`RESUME_TRAINING`). Each difference is named with the state it
@@ -473,7 +518,9 @@ class StrategyContract:
             )
         return problems
 
-    def _release_resume_problems(self, group, before: dict) -> list[str]:
+    def _release_resume_problems(
+        self, group: WorkerGroup, before: dict[str, torch.Tensor]
+    ) -> list[str]:
         """release_memory then resume_memory of every tag: both answer True and the weights
         (and, checked by the steps after, the optimizer state) come back unchanged."""
         tags = list(MEMORY_TAGS)
@@ -490,7 +537,14 @@ class StrategyContract:
             problems.append(f"weights after release_memory + resume_memory differ: {gap}")
         return problems
 
-    def _step_difference(self, step: str, got, expected, first, second) -> str:
+    def _step_difference(
+        self,
+        step: str,
+        got: dict[str, float],
+        expected: dict[str, float],
+        first: WorkerGroup,
+        second: WorkerGroup,
+    ) -> str:
         """What differs after ``step`` between the loaded group (``got``: its metrics) and the
         uninterrupted one (``expected``), by the first state that explains it."""
         for name in sorted(expected):
@@ -513,12 +567,14 @@ class StrategyContract:
 
     # -- critics (a trainer with a value head) ---------------------------------------------
 
-    def _value_step(self, group, seed: int = 0) -> None:
+    def _value_step(self, group: WorkerGroup, seed: int = 0) -> None:
         """One value-loss step on :func:`value_train_batch` at the critic's current values."""
         batch = value_train_batch(group, seed)
         group.call_dp("train_step", batch.split(group.dp_size))
 
-    def test_critic_values_match_transformers_forward(self, critic, tmp_path):
+    def test_critic_values_match_transformers_forward(
+        self, critic: Critic, tmp_path: pathlib.Path
+    ) -> None:
         """The head starts at zero on a checkpoint without one; after a step moved the head and
         the backbone, the values equal a transformers value model's of the exported weights."""
 
@@ -540,7 +596,9 @@ class StrategyContract:
         assert all(torch.equal(exported[k], written[k]) for k in written)
         assert bool(written[HEAD_WEIGHT].any())
 
-    def test_critic_checkpoint_round_trip_is_exact(self, critic, tmp_path):
+    def test_critic_checkpoint_round_trip_is_exact(
+        self, critic: Critic, tmp_path: pathlib.Path
+    ) -> None:
         """Values after a load equal those at the save bitwise, and the step after it repeats
         the original step bitwise (optimizer and schedule restored with the weights)."""
 
@@ -561,7 +619,7 @@ class StrategyContract:
             "is not restored"
         )
 
-    def test_critic_value_step_reduces_value_loss(self, critic):
+    def test_critic_value_step_reduces_value_loss(self, critic: Critic) -> None:
         """Steps on one batch (the loop's ValueLoss) lower its value loss step after step."""
         group, _ = critic
         batch = value_train_batch(group, seed=3)

@@ -4,7 +4,8 @@ the same weights, and the batches and weights it feeds both."""
 from __future__ import annotations
 
 import os
-from typing import Any
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -17,8 +18,17 @@ from posttrain.protocol import SequenceBatch, build_sequence_batch, concat_tenso
 from posttrain.scoring.modeling import shifted_token_logprobs, shifted_values
 from posttrain.testing.batches import PROMPTS
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-def kit_host(plugins: tuple[str, ...] = ()):
+    from posttrain.host.plugin_host import PluginHost
+    from posttrain.host.strategy import StrategySpec
+    from posttrain.launch.base import WorkerGroup
+    from posttrain.launch.worker import WorkerRuntime
+    from posttrain.protocol import RolloutSamples
+
+
+def kit_host(plugins: tuple[str, ...] = ()) -> PluginHost:
     """The plugin host a run builds, with the module ``plugins`` a workflow would name loaded
     too (a plugin under test that is not installed)."""
     host = create_plugin_host()
@@ -28,7 +38,9 @@ def kit_host(plugins: tuple[str, ...] = ()):
     return host
 
 
-def structure_config(strategy: str, raw: dict[str, Any], plugins: tuple[str, ...] = ()):
+def structure_config(
+    strategy: str, raw: dict[str, Any], plugins: tuple[str, ...] = ()
+) -> tuple[StrategySpec, Any]:
 
     spec = kit_host(plugins).strategies().get(strategy)
     if spec is None:
@@ -36,7 +48,9 @@ def structure_config(strategy: str, raw: dict[str, Any], plugins: tuple[str, ...
     return spec, CONVERTER.structure(raw, spec.config_class)
 
 
-def reference_logprobs(model_path: str, state: dict | None, batch: SequenceBatch):
+def reference_logprobs(
+    model_path: str, state: dict[str, torch.Tensor] | None, batch: SequenceBatch
+) -> torch.Tensor:
     """Log-probs of ``batch`` from a plain transformers forward pass (the ground truth)."""
     model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
     if state is not None:
@@ -47,18 +61,18 @@ def reference_logprobs(model_path: str, state: dict | None, batch: SequenceBatch
     return shifted_token_logprobs(logits, batch.input_ids) * batch.attention_mask
 
 
-def perturbed_state(model_path: str, seed: int = 7, scale: float = 0.05) -> dict:
+def perturbed_state(model_path: str, seed: int = 7, scale: float = 0.05) -> dict[str, torch.Tensor]:
     """The model's weights plus seeded noise: what a weight import must reproduce exactly."""
     state = load_file(os.path.join(model_path, "model.safetensors"))
     gen = torch.Generator().manual_seed(seed)
     return {k: v + scale * torch.randn(v.shape, generator=gen) for k, v in state.items()}
 
 
-def samples_batch(out, pad_id: int = 0) -> SequenceBatch:
+def samples_batch(out: RolloutSamples, pad_id: int = 0) -> SequenceBatch:
     return build_sequence_batch(out.prompt_ids, out.response_ids, pad_id)
 
 
-def forward_logprobs(model, out, pad_id: int = 0) -> torch.Tensor:
+def forward_logprobs(model: PreTrainedModel, out: RolloutSamples, pad_id: int = 0) -> torch.Tensor:
     """Log-probs of the samples ``out`` (prompts and responses) from ``model``'s own forward pass
     on its device and in its dtype, laid out as :func:`max_sample_logprob_diff` reads them."""
     batch = samples_batch(out, pad_id)
@@ -69,13 +83,13 @@ def forward_logprobs(model, out, pad_id: int = 0) -> torch.Tensor:
     return (shifted_token_logprobs(logits, ids) * mask).cpu()
 
 
-def forward_logprob_gap(model, out) -> float:
+def forward_logprob_gap(model: PreTrainedModel, out: RolloutSamples) -> float:
     """The largest gap between the samples' log-probs and ``model``'s own forward pass's
     (:func:`forward_logprobs`)."""
     return max_sample_logprob_diff(out, forward_logprobs(model, out))
 
 
-def max_sample_logprob_diff(out, ref) -> float:
+def max_sample_logprob_diff(out: RolloutSamples, ref: torch.Tensor) -> float:
     worst = 0.0
     for i, (p, lps) in enumerate(zip(out.prompt_ids, out.response_logprobs)):
         for j, lp in enumerate(lps):
@@ -83,7 +97,9 @@ def max_sample_logprob_diff(out, ref) -> float:
     return worst
 
 
-def cut_after_stop_string(tokenizer, ids: list[int], logprobs: list[float], stop):
+def cut_after_stop_string(
+    tokenizer: PreTrainedTokenizerBase, ids: list[int], logprobs: list[float], stop: Iterable[str]
+) -> tuple[list[int], list[float]]:
     """What a rollout engine returns for a free-running sample once given stop strings: the
     tokens up to the first one after which the text (special tokens skipped) holds a stop
     string, and their log-probs."""
@@ -116,7 +132,7 @@ def synthetic_train_batch(seed: int = 0, dp_size: int = 1) -> SequenceBatch:
     return batch
 
 
-def value_train_batch(group, seed: int = 0) -> SequenceBatch:
+def value_train_batch(group: WorkerGroup, seed: int = 0) -> SequenceBatch:
     """:func:`synthetic_train_batch` as the loop hands it to a critic: the values the critic
     ``group`` gives it now (``values``) and the returns to regress on, one per row, at most 0.4
     from those (inside the default ``cliprange_value`` of 0.5: the clip does not hide a step's
@@ -128,7 +144,7 @@ def value_train_batch(group, seed: int = 0) -> SequenceBatch:
     return batch.with_tensors(values=values, returns=(values + offset) * batch.response_mask)
 
 
-def reference_values(hf_dir: str, batch: SequenceBatch):
+def reference_values(hf_dir: str, batch: SequenceBatch) -> torch.Tensor:
     """Values of ``batch`` from a plain transformers forward pass of an exported critic: the
     value model it declares itself to be (``*ForTokenClassification``, one label, no bias)."""
     model = AutoModelForTokenClassification.from_pretrained(hf_dir, dtype=torch.float32)
@@ -140,18 +156,18 @@ def reference_values(hf_dir: str, batch: SequenceBatch):
     return shifted_values(out) * batch.attention_mask
 
 
-def masked_value_loss(values, batch: SequenceBatch) -> float:
+def masked_value_loss(values: torch.Tensor, batch: SequenceBatch) -> float:
     """The unclipped value loss of ``values`` on ``batch`` (mean over response tokens)."""
     mask = batch.response_mask
     return float((0.5 * (values - batch["returns"]) ** 2 * mask).sum() / mask.sum())
 
 
-def export_state(group) -> dict:
+def export_state(group: WorkerGroup) -> dict[str, torch.Tensor]:
     """Every HF-named tensor a trainer exports (weight-sync buckets, rank 0's copy). Every rank
     must yield one bucket (an empty one where it holds none) for each of rank 0's: a transport
     steps all ranks together, and a rank that stops early leaves the others' gathers waiting."""
     group.call("export_begin", 64 << 10)
-    state: dict = {}
+    state: dict[str, torch.Tensor] = {}
     sent = 0
     while True:
         buckets = group.call("export_next")
@@ -175,7 +191,7 @@ def export_state(group) -> dict:
         sent += 1
 
 
-def state_difference(got: dict, expected: dict) -> str:
+def state_difference(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> str:
     """How two exports differ ("" when they are equal bitwise): the tensors that differ, the
     largest difference and where."""
     if got.keys() != expected.keys():
@@ -189,7 +205,7 @@ def state_difference(got: dict, expected: dict) -> str:
     return f"{len(differing)} of {len(expected)} tensors differ, by up to {gap:.3g} in {worst!r}"
 
 
-def rng_fingerprint(runtime) -> str:
+def rng_fingerprint(runtime: WorkerRuntime) -> str:
     """Rank side (``group.call("run_function", ...)``): a digest of the random state a step
     draws from (torch's CPU generator, and its GPU's on a GPU rank: what ``posttrain.backend``'s
     ``rng_state`` saves), read without drawing."""
@@ -206,7 +222,7 @@ def value_probe() -> SequenceBatch:
     return synthetic_train_batch(seed=2)
 
 
-def group_values(group, batch: SequenceBatch):
+def group_values(group: WorkerGroup, batch: SequenceBatch) -> torch.Tensor:
     """A critic group's values of ``batch`` (each DP rank scores its share), masked."""
     shares = group.call_dp("compute_values", batch.split(group.dp_size))
     return concat_tensor_rows(shares) * batch.attention_mask

@@ -34,10 +34,17 @@ import functools
 import os
 import signal
 import time
+from collections.abc import Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from posttrain.markers import hookimpl
+
+if TYPE_CHECKING:
+    from posttrain.checkpoint.manifest import Manifest
+    from posttrain.launch.worker import WorkerContext
+    from posttrain.protocol import SequenceBatch, WeightBucket
 
 KINDS = (
     "delay_train",
@@ -95,7 +102,9 @@ def _count(phase: str) -> int:
 
 
 @hookimpl(wrapper=True)
-def posttrain_train_step(worker, batch, loss_fn):
+def posttrain_train_step(
+    worker: WorkerContext, batch: SequenceBatch, loss_fn: Any
+) -> Generator[None, dict[str, float] | None, dict[str, float] | None]:
     call = _count(f"train_step:{worker.role}")
     for fault in _faults("delay_train"):
         if fault.at == call and fault.rank() == worker.rank:
@@ -111,7 +120,7 @@ def posttrain_train_step(worker, batch, loss_fn):
 _saves: set[str] = set()
 
 
-def _no_space(worker, path: str) -> None:
+def _no_space(worker: WorkerContext, path: str) -> None:
     if worker.role != "actor_train" or path in _saves:
         return  # (a save begun in the background, or synchronously after a begin said no)
     _saves.add(path)
@@ -122,26 +131,30 @@ def _no_space(worker, path: str) -> None:
 
 
 @hookimpl(wrapper=True)
-def posttrain_begin_checkpoint(worker, path):
+def posttrain_begin_checkpoint(
+    worker: WorkerContext, path: str
+) -> Generator[None, dict[str, Any] | None, dict[str, Any] | None]:
     _no_space(worker, path)
     return (yield)
 
 
 @hookimpl(wrapper=True)
-def posttrain_save_checkpoint(worker, path):
+def posttrain_save_checkpoint(
+    worker: WorkerContext, path: str
+) -> Generator[None, dict[str, Any] | None, dict[str, Any] | None]:
     _no_space(worker, path)
     return (yield)
 
 
 @hookimpl
-def posttrain_log_metrics(step, metrics, run_dir):
+def posttrain_log_metrics(step: int, metrics: dict[str, float], run_dir: str) -> None:
     for fault in _faults("kill_driver"):
         if fault.at == step:
             os.kill(os.getpid(), signal.SIGKILL)
 
 
 @hookimpl
-def posttrain_checkpoint_saved(checkpoint_dir, manifest):
+def posttrain_checkpoint_saved(checkpoint_dir: str, manifest: Manifest) -> None:
     call = _count("checkpoint_saved")
     for fault in _faults("flip_saved_byte"):
         if fault.at == call:
@@ -149,7 +162,9 @@ def posttrain_checkpoint_saved(checkpoint_dir, manifest):
 
 
 @hookimpl(wrapper=True)
-def posttrain_export_weights(worker, bucket_bytes, on_device):
+def posttrain_export_weights(
+    worker: WorkerContext, bucket_bytes: int, on_device: bool
+) -> Generator[None, Iterator[WeightBucket] | None, Iterator[WeightBucket] | None]:
     buckets = yield
     call = _count(f"export:{worker.role}")
     faults = [f for f in _faults("corrupt_sync") + _faults("rename_sync") if f.at == call]
@@ -158,7 +173,7 @@ def posttrain_export_weights(worker, bucket_bytes, on_device):
     return _tampered(buckets, faults[0].kind)
 
 
-def _tampered(buckets, kind: str):
+def _tampered(buckets: Iterable[WeightBucket], kind: str) -> Iterator[WeightBucket]:
     done = False
     for bucket in buckets:
         if bucket and not done:
@@ -173,7 +188,7 @@ def _tampered(buckets, kind: str):
         yield bucket
 
 
-def largest_file(checkpoint_dir: str, manifest) -> str:
+def largest_file(checkpoint_dir: str, manifest: Manifest) -> str:
     return max(manifest.files, key=lambda rel: os.path.getsize(os.path.join(checkpoint_dir, rel)))
 
 

@@ -9,7 +9,7 @@ an engine's shutdown left nothing behind.
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from posttrain.config.converter import CONVERTER
 from posttrain.config.sections import (
@@ -23,6 +23,11 @@ from posttrain.config.sections import (
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.launch.base import GroupSpec
 
+if TYPE_CHECKING:
+    import pathlib
+
+    import pluggy
+
 # multiprocessing's helpers: started by the first spawn, they live as long as the test process.
 _HELPERS = (b"resource_tracker", b"forkserver")
 
@@ -33,16 +38,16 @@ def group_spec(
     ranks: int,
     role: str,
     model_path: str,
-    run_dir,
+    run_dir: str | pathlib.Path,
     *,
-    base_dir=None,
+    base_dir: str | pathlib.Path | None = None,
     generating: GeneratingArgs | None = None,
     env: dict[str, str] | None = None,
     head: str = "lm",
 ) -> GroupSpec:
     """``role`` on CPU ranks ``0 .. ranks-1`` running ``strategy`` with config ``raw``, loading
     the model with ``head`` (``WorkerContext.head``)."""
-    config = CONVERTER.structure(raw, create_plugin_host().strategies()[strategy].config_class)
+    config: Any = CONVERTER.structure(raw, create_plugin_host().strategies()[strategy].config_class)
     return GroupSpec(
         role=role,
         config=RoleConfig(
@@ -63,7 +68,7 @@ def group_spec(
     )
 
 
-def engine_hook_relay(plugin, name: str):
+def engine_hook_relay(plugin: object, name: str) -> pluggy.HookRelay:
     """A hook relay with only ``plugin`` and the core's algorithm pieces registered: for tests
     that drive one strategy's engine by hand through :class:`posttrain.WorkerRuntime`
     (its train step looks the policy loss up through the hooks)."""

@@ -10,7 +10,10 @@ model and counts the chunked head's calls, so the test also sees that chunking r
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
 
 # 0: full logits; 7: several chunks per micro-batch of the backend tests' random batches.
 CHUNKS = (0, 7)
@@ -33,7 +36,7 @@ def chunked_vs_full(
     original = head.chunked_token_logprobs
     rows: list[int] = []
 
-    def counted(hidden, *args, **kwargs):
+    def counted(hidden: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
         rows.append(hidden.shape[0])
         return original(hidden, *args, **kwargs)
 

@@ -7,7 +7,7 @@ import os
 import pytest
 
 
-def pytest_configure(config):
+def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "conformance: posttrain strategy contract test")
     # A test session starts many groups of every engine: the CPU fork server its local ranks
     # come from imports every installed engine's library once (EngineHooks.preload).
@@ -18,7 +18,7 @@ def pytest_configure(config):
 
 
 @pytest.fixture(scope="session")
-def posttrain_cache(tmp_path_factory):
+def posttrain_cache(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A session-wide preset cache, unless the user points POSTTRAIN_CACHE somewhere."""
     if os.environ.get("POSTTRAIN_CACHE"):
         return os.environ["POSTTRAIN_CACHE"]
@@ -28,7 +28,7 @@ def posttrain_cache(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def tiny_model_path(posttrain_cache):
+def tiny_model_path(posttrain_cache: str) -> str:
     """The HF directory of ``preset:tiny-qwen2``, built once per session."""
     from posttrain.tasks.presets import preset_path
 

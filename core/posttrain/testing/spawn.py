@@ -20,7 +20,9 @@ from typing import Any
 from posttrain.launch.local import free_port, rank_context
 
 
-def run_ranks(target: str, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any):
+def run_ranks(
+    target: str, world_size: int, *args: Any, timeout: float = 240.0, **kwargs: Any
+) -> None:
     import torch
     import torch.multiprocessing as mp
 
@@ -49,11 +51,11 @@ def _entry(
     world_size: int,
     port: int,
     target: str,
-    args: tuple,
-    kwargs: dict,
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
     env: dict[str, str],
     path: list[str],
-):
+) -> None:
     import torch
     import torch.distributed as dist
 
