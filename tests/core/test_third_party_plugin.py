@@ -358,7 +358,8 @@ def test_ddp_train_passes_the_conformance_kit(example_venv, posttrain_cache):
     args = ["-m", "pytest", "-q", "-p", "no:randomly", "-p", "no:cacheprovider", str(tests)]
     proc = run_in_venv(python, args, work, POSTTRAIN_CACHE=posttrain_cache)
     assert proc.returncode == 0, proc.stdout[-5000:] + proc.stderr[-3000:]
-    assert re.search(r"\b7 passed\b", proc.stdout), proc.stdout[-2000:]
+    passed = re.search(r"\b(\d+) passed\b", proc.stdout)
+    assert passed and int(passed[1]) >= 7, proc.stdout[-2000:]  # none skipped that applies
 
 
 @pytest.mark.slow
