@@ -11,6 +11,7 @@ import pytest
 
 from posttrain import ScoringOptions, hookimpl
 from posttrain.host.strategy import Capabilities, StrategySpec
+from posttrain_hf_infer.engine import HFInferState
 
 CONTRACT_FAKE_TRAIN = "contract_fake_train"
 
@@ -124,7 +125,7 @@ def settings_of(worker):
             yield worker
         finally:
             worker.config = original
-            worker.state.pop("decoders", None)
+            worker.engine_state(HFInferState).decoders = None
 
     return settings
 

@@ -12,6 +12,7 @@ import torch
 from posttrain.protocol import GenerationRequest, SamplingParams
 from posttrain.testing.batches import PROMPTS
 from posttrain.testing.expected import forward_logprob_gap
+from posttrain_hf_infer.engine import HFInferState
 
 pytestmark = [
     pytest.mark.gpu,
@@ -130,7 +131,7 @@ def test_compiled_bf16_decode_scores_what_a_forward_pass_scores(
         patch.setattr(static_decode, "WINDOW_BUCKET", 16)
         request = GenerationRequest(prompt_ids=PROMPTS[:3], sampling=sampling, seed=5)
         out = hf_infer.generate(worker, request)
-        (decoder,) = worker.state["decoders"]._decoders.values()
+        (decoder,) = worker.engine_state(HFInferState).decoders._decoders.values()
     assert decoder.attention == getattr(static_decode, name)
     assert len(decoder.graphs) > 1  # windows of 16 slots
     # bf16 logits: about 2^-8 of their size apart

@@ -17,6 +17,7 @@ from posttrain.rewards.pool import RuleRewards
 from posttrain.rollout.environments.runner import EpisodeRunner
 from posttrain.tasks.data import Prompt
 from posttrain.testing.expected import reference_logprobs
+from posttrain_hf_infer.engine import HFInferState
 
 SAMPLING = SamplingParams(max_new_tokens=4, temperature=1.0)
 
@@ -55,11 +56,13 @@ def prompts(tokenizer, answers: list[int]) -> list[Prompt]:
 
 def runner(engine, name: str, score=None, log_dir=None, **settings) -> EpisodeRunner:
     config = EnvironmentConfig(name=name, **settings)
-    return EpisodeRunner(SPECS[name], config, engine.state["tokenizer"], score, log_dir)
+    return EpisodeRunner(
+        SPECS[name], config, engine.engine_state(HFInferState).tokenizer, score, log_dir
+    )
 
 
 def test_model_tokens_are_trained_and_observations_are_not(engine):
-    tokenizer = engine.state["tokenizer"]
+    tokenizer = engine.engine_state(HFInferState).tokenizer
     score = RuleRewards(exact_match, "posttrain.rewards.functions:exact_match", {})
     run = runner(engine, "countdown", score, kwargs={"turns": 3}, max_turns=4)
     generate = Recorder(engine)
@@ -105,7 +108,7 @@ def test_model_tokens_are_trained_and_observations_are_not(engine):
 
 
 def test_broken_environments_score_zero_and_the_others_go_on(engine, caplog, tmp_path):
-    tokenizer = engine.state["tokenizer"]
+    tokenizer = engine.engine_state(HFInferState).tokenizer
     run = runner(engine, "broken", log_dir=tmp_path, kwargs={"turns": 3}, step_timeout_s=0.5)
     answers = [0, int(RAISES), int(HANGS), 3]  # 3: garbage (a NaN reward)
     RELEASE_HUNG.clear()
@@ -135,7 +138,7 @@ def test_broken_environments_score_zero_and_the_others_go_on(engine, caplog, tmp
     [({"max_turns": 3}, "turn_limited"), ({"max_total_tokens": 7}, "truncated")],
 )
 def test_the_turn_limit_and_the_token_budget_end_episodes(engine, settings, ended_by):
-    tokenizer = engine.state["tokenizer"]
+    tokenizer = engine.engine_state(HFInferState).tokenizer
     run = runner(engine, "countdown", kwargs={"turns": 0, "reward": 1.0}, **settings)
     generate = Recorder(engine)
     out = run.run(prompts(tokenizer, [1, 2]), 2, generate, SAMPLING, "step 1")

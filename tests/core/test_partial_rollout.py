@@ -23,12 +23,21 @@ from posttrain.rollout.batches import AsyncBatches
 from posttrain.rollout.partial import end_token_ids, generate_in_segments, version_metrics
 from posttrain.testing.expected import perturbed_state, reference_logprobs
 from posttrain.trainer.phase_timer import PhaseTimer
+from posttrain_hf_infer.engine import HFInferState
 
 PROMPTS = ["3+4=", "12+5=", "7="]
 GREEDY = SamplingParams(n=2, temperature=0.0, max_new_tokens=12)
 # Seeded weights (perturbed_state's noise at 0.3): with seed 3 greedy samples end with
 # end-of-sequence after 8, 8 and 4 tokens; with seed 1 two run the full 12.
 ENDS_EARLY, RUNS_LONG = 3, 1
+
+
+@attrs.define
+class TestPrompts:
+    """The prompts' token ids, kept on the engine's worker by the module's fixture."""
+
+    __test__ = False  # not a test class
+    ids: list[list[int]] = attrs.Factory(list)
 
 
 @pytest.fixture(scope="module")
@@ -38,10 +47,10 @@ def engine(hf_infer_worker, tiny_model_path):
     from safetensors.torch import load_file
 
     worker = hf_infer_worker
-    tokenizer = worker.state["tokenizer"]
-    worker.state["prompts"] = [tokenizer(t)["input_ids"] for t in PROMPTS]
+    tokenizer = worker.engine_state(HFInferState).tokenizer
+    worker.engine_state(TestPrompts).ids = [tokenizer(t)["input_ids"] for t in PROMPTS]
     yield worker
-    worker.state.pop("prompts")
+    worker.engine_state(TestPrompts).ids = []
     load(worker, load_file(os.path.join(tiny_model_path, "model.safetensors")))
 
 
@@ -89,9 +98,9 @@ def test_segments_without_a_weight_change_sample_what_one_call_does(
 ):
     load(engine, perturbed_state(tiny_model_path, seed=weights, scale=0.3))
     generate = generate_on(engine)
-    prompts = engine.state["prompts"]
+    prompts = engine.engine_state(TestPrompts).ids
     whole = generate(prompts, GREEDY, 11)
-    eos = engine.state["tokenizer"].eos_token_id
+    eos = engine.engine_state(HFInferState).tokenizer.eos_token_id
     turn, record = turns(engine)
     parts = generate_in_segments(
         generate, prompts, GREEDY, 11, segment, end_token_ids(GREEDY, eos), turn
@@ -118,10 +127,10 @@ def test_a_weight_sync_between_segments_shows_in_versions_and_behaviour_logprobs
     load(engine, first)
     segment = 3
     turn, record = turns(engine, swaps={1: second})
-    eos = engine.state["tokenizer"].eos_token_id
+    eos = engine.engine_state(HFInferState).tokenizer.eos_token_id
     out = generate_in_segments(
         generate_on(engine),
-        engine.state["prompts"],
+        engine.engine_state(TestPrompts).ids,
         GREEDY,
         11,
         segment,
@@ -142,7 +151,7 @@ def test_a_weight_sync_between_segments_shows_in_versions_and_behaviour_logprobs
         "rollout/token_staleness_max": 1.0,
     }
 
-    pad = engine.state["tokenizer"].pad_token_id
+    pad = engine.engine_state(HFInferState).tokenizer.pad_token_id
     batch = batch_of(out.prompt_ids, out.response_ids, pad, policy_versions=out.policy_versions)
     by_version = {0: reference_logprobs(tiny_model_path, first, batch)}
     by_version[1] = reference_logprobs(tiny_model_path, second, batch)

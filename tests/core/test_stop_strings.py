@@ -10,6 +10,7 @@ import pytest
 from posttrain.protocol import GenerationRequest, SamplingParams, stop_string_start
 from posttrain.testing.batches import PROMPTS
 from posttrain.testing.expected import cut_after_stop_string
+from posttrain_hf_infer.engine import HFInferState
 
 
 @pytest.mark.parametrize(
@@ -31,7 +32,7 @@ def test_hf_infer_stops_with_the_token_completing_a_stop_string(hf_infer_worker)
     from posttrain_hf_infer import engine as hf_infer
 
     worker = hf_infer_worker
-    tokenizer = worker.state["tokenizer"]
+    tokenizer = worker.engine_state(HFInferState).tokenizer
 
     def generate(stop):
         sampling = SamplingParams(n=4, max_new_tokens=10, stop=stop)
@@ -63,7 +64,7 @@ def test_hf_infer_ignore_eos_samples_the_full_length(hf_infer_worker):
     max_new_tokens; without it some end at EOS, which the tiny model samples often."""
     from posttrain_hf_infer import engine as hf_infer
 
-    eos = hf_infer_worker.state["tokenizer"].eos_token_id
+    eos = hf_infer_worker.engine_state(HFInferState).tokenizer.eos_token_id
 
     def lengths(ignore_eos: bool) -> tuple[list[int], list[list[int]]]:
         sampling = SamplingParams(n=8, max_new_tokens=12, ignore_eos=ignore_eos)
