@@ -22,7 +22,10 @@ from posttrain.markers import hookspec
 
 if TYPE_CHECKING:
     import argparse
-    from collections.abc import Iterable, Iterator, Mapping
+    from collections.abc import Callable, Iterable, Iterator, Mapping
+
+    import pluggy
+    import torch
 
     from posttrain.algorithms.registry import AdvantageEstimator, AlgorithmPreset, PolicyLossTerm
     from posttrain.checkpoint.manifest import Manifest
@@ -30,6 +33,7 @@ if TYPE_CHECKING:
     from posttrain.config.sections import Workflow
     from posttrain.host.doctor import EnvCheck
     from posttrain.host.strategy import StrategySpec
+    from posttrain.launch.base import WorkerGroup
     from posttrain.launch.worker import WorkerContext
     from posttrain.memory.estimate import MemoryQuery, RoleMemory
     from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
@@ -134,7 +138,9 @@ def posttrain_add_algorithms() -> dict[str, AlgorithmPreset]:
 
 
 @hookspec
-def posttrain_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+def posttrain_add_cli_commands(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
     """Add subcommands to the ``posttrain`` CLI.
 
     Called on the driver while the argument parser is built. Add a parser with
@@ -152,7 +158,10 @@ def posttrain_add_cli_commands(subparsers: argparse._SubParsersAction) -> None:
 
 @hookspec
 def posttrain_validate_workflow(
-    workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport, hook: Any
+    workflow: Workflow,
+    strategies: dict[str, StrategySpec],
+    report: ErrorReport,
+    hook: pluggy.HookRelay,
 ) -> None:
     """Add cross-field checks for a structured workflow.
 
@@ -250,7 +259,7 @@ def posttrain_generate(worker: WorkerContext, request: GenerationRequest) -> Rol
 
 
 @hookspec(firstresult=True)
-def posttrain_compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> Any | None:
+def posttrain_compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor | None:
     """Return log-probs of the given sequences: a float32 tensor shaped like ``batch.input_ids``.
 
     ``out[b, t] = log p(input_ids[b, t] | input_ids[b, :t])`` for ``t >= 1``; position 0 is 0.
@@ -260,7 +269,7 @@ def posttrain_compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> A
 
 
 @hookspec(firstresult=True)
-def posttrain_compute_values(worker: WorkerContext, batch: SequenceBatch) -> Any | None:
+def posttrain_compute_values(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor | None:
     """Return a value model's estimates: a float32 tensor shaped like ``batch.input_ids``.
 
     ``out[b, t] = V(input_ids[b, :t])``: the value head applied to the last hidden state at
@@ -274,7 +283,7 @@ def posttrain_compute_values(worker: WorkerContext, batch: SequenceBatch) -> Any
 
 
 @hookspec(firstresult=True)
-def posttrain_compute_scores(worker: WorkerContext, batch: SequenceBatch) -> Any | None:
+def posttrain_compute_scores(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor | None:
     """Return a reward model's score of every sequence: a float32 tensor of shape ``[rows]``.
 
     The score head (HF ``*ForSequenceClassification`` with one label) applied to the last hidden
@@ -284,7 +293,9 @@ def posttrain_compute_scores(worker: WorkerContext, batch: SequenceBatch) -> Any
 
 
 @hookspec(firstresult=True)
-def posttrain_train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn: Any) -> dict | None:
+def posttrain_train_step(
+    worker: WorkerContext, batch: SequenceBatch, loss_fn: Callable[..., Any]
+) -> dict[str, float] | None:
     """Run one optimizer step on this rank's share of the batch; return scalar metrics.
 
     Called on every rank of ``actor_train`` and ``critic``. ``loss_fn(outputs, entropy,
@@ -369,7 +380,9 @@ def posttrain_weight_receiver(worker: WorkerContext) -> Any | None:
 
 
 @hookspec(firstresult=True)
-def posttrain_select_weight_transport(source: Any, target: Any, colocated: bool) -> str | None:
+def posttrain_select_weight_transport(
+    source: WorkerGroup, target: WorkerGroup, colocated: bool
+) -> str | None:
     """Pick the transport for a trainer -> rollout weight sync.
 
     Called on the driver once per (source, target) pair. ``source`` and ``target`` are the
@@ -381,7 +394,9 @@ def posttrain_select_weight_transport(source: Any, target: Any, colocated: bool)
 
 
 @hookspec(firstresult=True)
-def posttrain_sync_weights(source: Any, target: Any, transport: WeightTransport) -> dict | None:
+def posttrain_sync_weights(
+    source: WorkerGroup, target: WorkerGroup, transport: WeightTransport
+) -> dict[str, Any] | None:
     """Move the policy weights from ``source`` (trainer group) to ``target`` (rollout group).
 
     Called on the driver after each policy update. The core's trylast implementation runs the
@@ -396,7 +411,7 @@ def posttrain_sync_weights(source: Any, target: Any, transport: WeightTransport)
 
 
 @hookspec(firstresult=True)
-def posttrain_save_checkpoint(worker: WorkerContext, path: str) -> dict | None:
+def posttrain_save_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any] | None:
     """Save model, optimizer and scheduler state of this role into directory ``path``.
 
     Called on every rank (saves are collective). ``path`` is inside the checkpoint's temporary
@@ -406,7 +421,7 @@ def posttrain_save_checkpoint(worker: WorkerContext, path: str) -> dict | None:
 
 
 @hookspec(firstresult=True)
-def posttrain_begin_checkpoint(worker: WorkerContext, path: str) -> dict | None:
+def posttrain_begin_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any] | None:
     """Start saving this role's state into directory ``path`` without holding up training.
 
     Called on every rank (saves are collective) by the driver's checkpoint saver, in place of

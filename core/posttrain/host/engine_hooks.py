@@ -27,12 +27,19 @@ from __future__ import annotations
 import difflib
 import importlib
 import warnings
+from collections.abc import Callable, Iterable, Iterator
 from types import ModuleType
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from posttrain.errors import PluginWarning
 from posttrain.host.engine_source import engine_names
 from posttrain.markers import hookimpl
+
+if TYPE_CHECKING:
+    import torch
+
+    from posttrain.launch.worker import WorkerContext
+    from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
 
 
 class EngineHooks:
@@ -43,7 +50,7 @@ class EngineHooks:
     # a GPU anything at import.
     preload: ClassVar[tuple[str, ...]] = ()
 
-    def _call(self, name: str, worker, *args: Any) -> Any:
+    def _call(self, name: str, worker: WorkerContext, *args: Any) -> Any:
         if worker.strategy_name not in self.strategies:
             return None
         module: ModuleType = importlib.import_module(self.engine)
@@ -51,81 +58,95 @@ class EngineHooks:
         return fn(worker, *args) if fn is not None else None
 
     @hookimpl(trylast=True)
-    def posttrain_setup_parallel(self, worker):
+    def posttrain_setup_parallel(self, worker: WorkerContext) -> dict[str, int] | None:
         return self._call("setup_parallel", worker)
 
     @hookimpl(trylast=True)
-    def posttrain_load_model(self, worker):
+    def posttrain_load_model(self, worker: WorkerContext) -> Any:
         return self._call("load_model", worker)
 
     @hookimpl(trylast=True)
-    def posttrain_generate(self, worker, request):
+    def posttrain_generate(
+        self, worker: WorkerContext, request: GenerationRequest
+    ) -> RolloutSamples | None:
         return self._call("generate", worker, request)
 
     @hookimpl(trylast=True)
-    def posttrain_compute_logprobs(self, worker, batch):
+    def posttrain_compute_logprobs(
+        self, worker: WorkerContext, batch: SequenceBatch
+    ) -> torch.Tensor | None:
         return self._call("compute_logprobs", worker, batch)
 
     @hookimpl(trylast=True)
-    def posttrain_compute_values(self, worker, batch):
+    def posttrain_compute_values(
+        self, worker: WorkerContext, batch: SequenceBatch
+    ) -> torch.Tensor | None:
         return self._call("compute_values", worker, batch)
 
     @hookimpl(trylast=True)
-    def posttrain_compute_scores(self, worker, batch):
+    def posttrain_compute_scores(
+        self, worker: WorkerContext, batch: SequenceBatch
+    ) -> torch.Tensor | None:
         return self._call("compute_scores", worker, batch)
 
     @hookimpl(trylast=True)
-    def posttrain_train_step(self, worker, batch, loss_fn):
+    def posttrain_train_step(
+        self, worker: WorkerContext, batch: SequenceBatch, loss_fn: Callable[..., Any]
+    ) -> dict[str, float] | None:
         return self._call("train_step", worker, batch, loss_fn)
 
     @hookimpl(trylast=True)
-    def posttrain_export_weights(self, worker, bucket_bytes, on_device):
+    def posttrain_export_weights(
+        self, worker: WorkerContext, bucket_bytes: int, on_device: bool
+    ) -> Iterator[WeightBucket] | None:
         return self._call("export_weights", worker, bucket_bytes, on_device)
 
     @hookimpl(trylast=True)
-    def posttrain_import_weights(self, worker, buckets):
+    def posttrain_import_weights(
+        self, worker: WorkerContext, buckets: Iterable[WeightBucket]
+    ) -> bool | None:
         return self._call("import_weights", worker, buckets)
 
     @hookimpl(trylast=True)
-    def posttrain_weight_shapes(self, worker):
+    def posttrain_weight_shapes(self, worker: WorkerContext) -> dict[str, tuple[int, ...]] | None:
         return self._call("weight_shapes", worker)
 
     @hookimpl(trylast=True)
-    def posttrain_weight_receiver(self, worker):
+    def posttrain_weight_receiver(self, worker: WorkerContext) -> Any:
         return self._call("weight_receiver", worker)
 
     @hookimpl(trylast=True)
-    def posttrain_save_checkpoint(self, worker, path):
+    def posttrain_save_checkpoint(self, worker: WorkerContext, path: str) -> dict[str, Any] | None:
         return self._call("save_checkpoint", worker, path)
 
     @hookimpl(trylast=True)
-    def posttrain_begin_checkpoint(self, worker, path):
+    def posttrain_begin_checkpoint(self, worker: WorkerContext, path: str) -> dict[str, Any] | None:
         return self._call("begin_checkpoint", worker, path)
 
     @hookimpl(trylast=True)
-    def posttrain_finish_checkpoint(self, worker, path):
+    def posttrain_finish_checkpoint(self, worker: WorkerContext, path: str) -> bool | None:
         return self._call("finish_checkpoint", worker, path)
 
     @hookimpl(trylast=True)
-    def posttrain_load_checkpoint(self, worker, path):
+    def posttrain_load_checkpoint(self, worker: WorkerContext, path: str) -> bool | None:
         return self._call("load_checkpoint", worker, path)
 
     @hookimpl(trylast=True)
-    def posttrain_export_hf(self, worker, path, merge):
+    def posttrain_export_hf(self, worker: WorkerContext, path: str, merge: bool) -> bool | None:
         # ``merge`` only reaches engines of strategies with the ``lora`` capability.
         args = (path, True) if merge else (path,)
         return self._call("export_hf", worker, *args)
 
     @hookimpl(trylast=True)
-    def posttrain_release_memory(self, worker, tags):
+    def posttrain_release_memory(self, worker: WorkerContext, tags: list[str]) -> bool | None:
         return self._call("release_memory", worker, tags)
 
     @hookimpl(trylast=True)
-    def posttrain_resume_memory(self, worker, tags):
+    def posttrain_resume_memory(self, worker: WorkerContext, tags: list[str]) -> bool | None:
         return self._call("resume_memory", worker, tags)
 
     @hookimpl(trylast=True)
-    def posttrain_shutdown_worker(self, worker):
+    def posttrain_shutdown_worker(self, worker: WorkerContext) -> bool | None:
         return self._call("shutdown_worker", worker)
 
 

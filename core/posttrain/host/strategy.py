@@ -12,7 +12,7 @@ from posttrain.errors import PluginError
 KINDS = ("train", "infer", "rollout")
 
 
-def _check_kind(_instance, _attribute, value) -> None:
+def _check_kind(_instance: object, _attribute: attrs.Attribute[str], value: object) -> None:
     # A misspelt kind would make every role refuse the strategy with a puzzling message, and the
     # conformance kit skip the tests of the kind meant: refuse it where it is written.
     if value not in KINDS:
@@ -95,7 +95,7 @@ class Capabilities:
 SHARED_OPTIONS = {field.name: ScoringOptions for field in attrs.fields(ScoringOptions)}
 
 
-def _check_config_class(_instance, _attribute, value) -> None:
+def _check_config_class(_instance: object, _attribute: attrs.Attribute[type], value: type) -> None:
     # Core's helpers (score_rows, plan_micro_batches, logprob_forward) read these options only
     # through their declaring base; a config that declares one on its own would have it ignored
     # in silence: refuse it where it is declared, not inside a worker.
@@ -110,11 +110,11 @@ def _check_config_class(_instance, _attribute, value) -> None:
     ]
     if own:
         names = ", ".join(name for name, _ in own)
-        base = own[0][1].__name__
+        base_name = own[0][1].__name__
         raise PluginError(
             f"{value.__name__} declares {names}, which core reads only from "
-            f"posttrain.{base}: make it `class {value.__name__}(posttrain.{base})` (and drop "
-            "its own declaration unless it changes the default)"
+            f"posttrain.{base_name}: make it `class {value.__name__}(posttrain.{base_name})` "
+            "(and drop its own declaration unless it changes the default)"
         )
 
 

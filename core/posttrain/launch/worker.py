@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Iterator
-from typing import Any, ClassVar, TypeVar
+from collections.abc import Iterable, Iterator
+from typing import TYPE_CHECKING, Any, ClassVar, TypeVar
 
 import attrs
 
@@ -20,6 +20,11 @@ from posttrain.algorithms.value_loss import ValueLoss
 from posttrain.config.sections import AlgorithmConfig, GeneratingArgs, ModelArgs, TrainingArgs
 from posttrain.errors import DeviceOutOfMemory, PosttrainError, UserError
 from posttrain.weight_sync.verify import SyncState
+
+if TYPE_CHECKING:
+    import torch
+
+    from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
 
 StateT = TypeVar("StateT")
 
@@ -129,7 +134,7 @@ class WorkerRuntime:
     def __init__(self, ctx: WorkerContext, peers: dict[str, WorkerRuntime] | None = None):
         self.ctx = ctx
         self.peers = peers if peers is not None else {ctx.role: self}
-        self._export: Iterator | None = None
+        self._export: Iterator[WeightBucket] | None = None
         # What the engine takes in a sync, asked once (posttrain_weight_shapes; None: unsaid).
         self._shapes: dict[str, tuple[int, ...]] | None = None
         self._shapes_asked = False
@@ -166,27 +171,32 @@ class WorkerRuntime:
         self.ctx.model = self._call("posttrain_load_model")
         return self.ctx.parallel
 
-    def generate(self, request):
+    def generate(self, request: GenerationRequest) -> RolloutSamples:
         return self._call("posttrain_generate", request=request)
 
-    def compute_logprobs(self, batch):
+    def compute_logprobs(self, batch: SequenceBatch) -> torch.Tensor:
         return self._call("posttrain_compute_logprobs", batch=batch)
 
-    def compute_values(self, batch):
+    def compute_values(self, batch: SequenceBatch) -> torch.Tensor:
         return self._call("posttrain_compute_values", batch=batch)
 
-    def compute_scores(self, batch):
+    def compute_scores(self, batch: SequenceBatch) -> torch.Tensor:
         return self._call("posttrain_compute_scores", batch=batch)
 
-    def train_step(self, batch):
+    def train_step(self, batch: SequenceBatch) -> dict[str, float]:
+        loss_fn: ValueLoss | PolicyLoss
         if self.ctx.head == "value":
             loss_fn = ValueLoss(self.ctx.algorithm)
         else:
-            term = policy_loss_term(self.ctx.algorithm, self.ctx.hook)
-            loss_fn = PolicyLoss(self.ctx.algorithm, term)
+            algorithm = self.ctx.algorithm
+            if algorithm is None:  # launchers give every role the workflow's algorithm section
+                raise PosttrainError(
+                    f"train_step of role {self.ctx.role}: its WorkerContext has no algorithm"
+                )
+            loss_fn = PolicyLoss(algorithm, policy_loss_term(algorithm, self.ctx.hook))
         return self._call("posttrain_train_step", batch=batch, loss_fn=loss_fn)
 
-    def export_weights(self, bucket_bytes: int, on_device: bool):
+    def export_weights(self, bucket_bytes: int, on_device: bool) -> Iterator[WeightBucket]:
         """The export hook's bucket iterator (see ``posttrain_export_weights``)."""
         return iter(
             self._call("posttrain_export_weights", bucket_bytes=bucket_bytes, on_device=on_device)
@@ -198,7 +208,7 @@ class WorkerRuntime:
         begin_sync(self.ctx.sync, verify)
         self._export = self.export_weights(bucket_bytes, on_device=False)
 
-    def export_next(self):
+    def export_next(self) -> WeightBucket | None:
         """The next bucket (empty on ranks that do not hold the gathered weights) or None."""
         if self._export is None:
             raise PosttrainError("export_next called before export_begin")
@@ -207,7 +217,7 @@ class WorkerRuntime:
             self._export = None
         return bucket
 
-    def import_weights(self, buckets) -> bool:
+    def import_weights(self, buckets: Iterable[WeightBucket]) -> bool:
         """Load ``buckets`` into this role's engine, each bucket that carries the trainer's byte
         sums checked first (posttrain.weight_sync.verify)."""
         from posttrain.weight_sync.verify import checked
@@ -224,10 +234,10 @@ class WorkerRuntime:
             self._shapes_asked = True
         return self._shapes
 
-    def save_checkpoint(self, path: str) -> dict:
+    def save_checkpoint(self, path: str) -> dict[str, Any]:
         return self._call("posttrain_save_checkpoint", path=path)
 
-    def begin_checkpoint(self, path: str, background: bool) -> dict:
+    def begin_checkpoint(self, path: str, background: bool) -> dict[str, Any]:
         """Start this role's save into ``path``: in the background when asked and the strategy
         can (``posttrain_begin_checkpoint``), else synchronously. ``{"layout": ...,
         "background": bool}``: with True the rank's completion marker tells when it is done."""
