@@ -43,7 +43,8 @@ def _implementing(*functions: str, unknown: tuple[str, ...] = (), sharing=()) ->
     return Implemented(answers, tuple(sharing))
 
 
-BASICS = ("setup_parallel", "load_model", "compute_logprobs")
+LIFECYCLE = ("release_memory", "resume_memory", "shutdown_worker")
+BASICS = ("setup_parallel", "load_model", "compute_logprobs", *LIFECYCLE)
 ROLLOUT = (*BASICS, "generate", "import_weights")
 TRAIN = (*BASICS, "train_step", "export_weights", "save_checkpoint", "load_checkpoint", "export_hf")
 
@@ -160,6 +161,8 @@ def mismatched_entry_point(tmp_path, monkeypatch):
             def compute_logprobs(worker, batch): ...
             def generate(worker, request): ...
             def import_weights(worker, buckets): ...
+            def release_memory(worker, tags): ...
+            def resume_memory(worker, tags): ...
             def shutdown_worker(worker): ...
             """
         )
@@ -222,6 +225,18 @@ class HandWrittenPlugin:
     @hookimpl
     def posttrain_generate(self, worker, request):
         return "samples" if worker.strategy_name == HAND_WRITTEN else None
+
+    @hookimpl
+    def posttrain_release_memory(self, worker, tags):
+        return True if worker.strategy_name == HAND_WRITTEN else None
+
+    @hookimpl
+    def posttrain_resume_memory(self, worker, tags):
+        return True if worker.strategy_name == HAND_WRITTEN else None
+
+    @hookimpl
+    def posttrain_shutdown_worker(self, worker):
+        return True if worker.strategy_name == HAND_WRITTEN else None
 
 
 def test_hand_written_hooks_are_judged_by_calling_them_on_a_rank(monkeypatch):
