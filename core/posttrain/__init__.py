@@ -43,6 +43,7 @@ _PUBLIC = {
     # Typed configs and their checks
     "ModelArgs": "posttrain.config.sections",
     "TrainingArgs": "posttrain.config.sections",
+    "AlgorithmConfig": "posttrain.config.sections",
     "GeneratingArgs": "posttrain.config.sections",
     "Workflow": "posttrain.config.sections",
     "ScoringOptions": "posttrain.config.scoring_options",
@@ -98,7 +99,13 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     from posttrain.config.ranges import at_least, between, greater_than
     from posttrain.config.report import ErrorReport, did_you_mean, join_path, unknown_keys
     from posttrain.config.scoring_options import ScoringOptions
-    from posttrain.config.sections import GeneratingArgs, ModelArgs, TrainingArgs, Workflow
+    from posttrain.config.sections import (
+        AlgorithmConfig,
+        GeneratingArgs,
+        ModelArgs,
+        TrainingArgs,
+        Workflow,
+    )
     from posttrain.errors import (
         CheckpointError,
         PluginError,

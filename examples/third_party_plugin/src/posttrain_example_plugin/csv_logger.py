@@ -36,6 +36,6 @@ class CsvLogger:
             writer.writerows(kept)
 
     @hookimpl
-    def posttrain_log_metrics(self, step, metrics, run_dir):
+    def posttrain_log_metrics(self, step: int, metrics: dict[str, float], run_dir: str) -> None:
         with open(self.path, "a", newline="") as f:
             csv.writer(f).writerow([step, *(metrics.get(key, "") for key in self.keys)])

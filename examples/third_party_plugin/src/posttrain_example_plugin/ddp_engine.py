@@ -112,7 +112,9 @@ def _forward(worker: WorkerContext, model: Any, hf_model: Any, train: bool) -> C
     return in_dtype
 
 
-def train_step(worker: WorkerContext, batch: SequenceBatch, loss_fn) -> dict[str, float]:
+def train_step(
+    worker: WorkerContext, batch: SequenceBatch, loss_fn: Callable[..., Any]
+) -> dict[str, float]:
     state = _state(worker)
     model, optimizer, scheduler = state.model, state.optimizer, state.scheduler
     if model is None or optimizer is None or scheduler is None:

@@ -30,7 +30,7 @@ class DDPPlugin(EngineHooks):
     engine = "posttrain_example_plugin.ddp_engine"
 
     @hookimpl
-    def posttrain_add_strategies(self):
+    def posttrain_add_strategies(self) -> list[StrategySpec]:
         return [
             StrategySpec(
                 name="ddp_train",

@@ -5,20 +5,22 @@ is right or ``environment.max_turns`` runs out. Right at turn ``t`` (0-based) sc
 
 from __future__ import annotations
 
-from posttrain import EnvStep
+from typing import Any
+
+from posttrain import EnvStep, EpisodePrompt, ModelTurn
 
 
 class GuessDigit:
-    def __init__(self, config):
+    def __init__(self, config: dict[str, Any]) -> None:
         # config: the workflow's environment.kwargs (a dict: this spec declares no config
         # class); "higher" / "lower" replace the hints.
         self.hints = (config.get("higher", "+"), config.get("lower", "-"))
 
-    def reset(self, prompt):
+    def reset(self, prompt: EpisodePrompt) -> str | None:
         self.answer = prompt.answer.strip()
         return None  # nothing to add to the prompt
 
-    def step(self, turn):
+    def step(self, turn: ModelTurn) -> EnvStep:
         guess = turn.text.strip()[:1]
         if guess == self.answer:
             return EnvStep(reward=1.0 / (turn.index + 1), done=True)

@@ -18,11 +18,14 @@ It implements four hooks:
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
+from collections.abc import Generator, Mapping
+from typing import Any
 
-from posttrain import AdvantageEstimator, EnvironmentSpec, LoggerSpec, hookimpl
+from posttrain import AdvantageEstimator, EnvironmentSpec, LoggerSpec, WeightTransport, hookimpl
 from posttrain_example_plugin.advantages import sign_advantages
 from posttrain_example_plugin.csv_logger import CsvOptions
 
@@ -30,21 +33,21 @@ TIMINGS_ENV = "POSTTRAIN_EXAMPLE_TIMINGS_DIR"
 TIMINGS_FILE = "weight_sync_times.jsonl"
 
 # Every sync timed in this process: {"sync": n, "seconds": s, "bytes": b, "buckets": k}.
-SYNC_TIMES: list[dict] = []
+SYNC_TIMES: list[dict[str, float]] = []
 
 
 @hookimpl
-def posttrain_add_reward_functions():
+def posttrain_add_reward_functions() -> dict[str, str]:
     return {"digit_match": "posttrain_example_plugin.rewards:digit_match"}
 
 
 @hookimpl
-def posttrain_add_advantage_estimators():
+def posttrain_add_advantage_estimators() -> dict[str, AdvantageEstimator]:
     return {"sign": AdvantageEstimator(estimate=sign_advantages, min_group_size=2)}
 
 
 @hookimpl
-def posttrain_add_environments():
+def posttrain_add_environments() -> dict[str, EnvironmentSpec]:
     # The factory is imported when a run uses it: this module stays cheap.
     return {
         "guess_digit": EnvironmentSpec(
@@ -55,7 +58,7 @@ def posttrain_add_environments():
 
 
 @hookimpl
-def posttrain_add_loggers():
+def posttrain_add_loggers() -> dict[str, LoggerSpec]:
     # "module:attr": the logger's module is imported when a run names it.
     return {
         "csv": LoggerSpec(
@@ -71,7 +74,9 @@ def timings_path() -> str:
 
 
 @hookimpl(wrapper=True)
-def posttrain_sync_weights(source, target, transport):
+def posttrain_sync_weights(
+    source: object, target: object, transport: WeightTransport
+) -> Generator[None, dict[str, Any] | None, dict[str, Any] | None]:
     start = time.perf_counter()
     result = yield
     record = {"sync": len(SYNC_TIMES) + 1, "seconds": time.perf_counter() - start}
@@ -86,13 +91,15 @@ def posttrain_sync_weights(source, target, transport):
 
 
 @hookimpl
-def posttrain_add_cli_commands(subparsers):
+def posttrain_add_cli_commands(
+    subparsers: argparse._SubParsersAction[argparse.ArgumentParser],
+) -> None:
     parser = subparsers.add_parser("example-hello", help="say hello from the example plugin")
     parser.add_argument("--name", default="world", help="who to greet")
     parser.set_defaults(handler=_hello)
 
 
-def _hello(args, host=None) -> int:
+def _hello(args: argparse.Namespace, host: object = None) -> int:
     print(f"hello, {args.name}, from posttrain-example-plugin")
     return 0
 
@@ -103,7 +110,7 @@ _reported = 0
 
 
 @hookimpl
-def posttrain_step_metrics(step, metrics):
+def posttrain_step_metrics(step: int, metrics: Mapping[str, float]) -> dict[str, float]:
     global _reported
     this_step = SYNC_TIMES[_reported:]
     _reported = len(SYNC_TIMES)
@@ -114,12 +121,12 @@ def posttrain_step_metrics(step, metrics):
 
 
 @hookimpl
-def posttrain_checkpoint_files(step, run_dir):
+def posttrain_checkpoint_files(step: int, run_dir: str) -> dict[str, bytes]:
     return {CHECKPOINT_FILE: json.dumps(SYNC_TIMES).encode()}
 
 
 @hookimpl
-def posttrain_restore_checkpoint_files(step, files):
+def posttrain_restore_checkpoint_files(step: int, files: dict[str, bytes]) -> None:
     global _reported
     if CHECKPOINT_FILE in files:
         SYNC_TIMES[:] = json.loads(files[CHECKPOINT_FILE])
