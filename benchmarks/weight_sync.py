@@ -6,12 +6,19 @@ rank 0, NCCL on GPUs).
 Effective GB/s = bytes of the model's weights in its dtype / wall time of the whole sync phase
 (the transport's run, as the loop times it). Median of the timed syncs after one warm-up.
 
+``--verify``: the syncs are timed once per ``trainer.weight_sync_verify`` mode, in the same
+processes, and each mode's overhead is given against ``off``'s sync. ``every`` sums every bucket
+of every sync, as ``first`` does in a run's first sync only; ``first``'s row is its later syncs
+(one bucket each, in turn): the warm-up of the first mode timed is the processes' first sync.
+
     python benchmarks/weight_sync.py                                   # CPU, tiny preset
     python benchmarks/weight_sync.py --device cuda --shape qwen2-1.5b --dtype bf16
     python benchmarks/weight_sync.py --device cuda --ranks 2 --shape qwen2-1.5b --dtype bf16 \
         --trainers megatron_train --megatron-tp 2                      # TP2 -> 2 replicas
     python benchmarks/weight_sync.py --device cuda --shape qwen2-1.5b --dtype bf16 \
         --layouts disaggregated                                        # GPU 0 -> GPU 1
+    python benchmarks/weight_sync.py --device cuda --shape qwen2-1.5b --dtype bf16 \
+        --trainers fsdp2_train --verify off first every               # the check's cost
     python benchmarks/weight_sync.py --trainers fsdp2_train --repeats 1   # smoke check
 """
 
@@ -89,6 +96,14 @@ def main() -> int:
         help=f"comma-separated, of: {', '.join(LAYOUTS)} (disaggregated: rollout on the "
         "devices after the trainer's)",
     )
+    parser.add_argument(
+        "--verify",
+        nargs="+",
+        default=["first"],
+        choices=("off", "first", "every"),
+        help="trainer.weight_sync_verify modes to time, in this order (default: first, the "
+        "workflow's default)",
+    )
     args = parser.parse_args()
     installed = create_plugin_host().strategies()
     rows = []
@@ -123,33 +138,45 @@ def main() -> int:
                         groups = launcher.start_processes(specs)
                     else:
                         groups = {s.role: launcher.start_group(s) for s in specs}
-                    seconds, stats, calls = time_syncs(
-                        transport, groups["actor_train"], groups["actor_infer"], args.repeats
-                    )
+                    for verify in args.verify:
+                        transport.verify = verify
+                        seconds, stats, calls = time_syncs(
+                            transport, groups["actor_train"], groups["actor_infer"], args.repeats
+                        )
+                        rows.append(
+                            (trainer, label, transport_cls.name, verify, stats, seconds, calls)
+                        )
                     transport.close(groups["actor_train"], groups["actor_infer"])
                 finally:
                     launcher.shutdown()
-                rows.append((trainer, label, transport_cls.name, stats, seconds, calls))
-    separate = {r[0]: r[4] for r in rows if r[2] == SharedMemoryTransport.name}
+    separate = {(r[0], r[3]): r[5] for r in rows if r[2] == SharedMemoryTransport.name}
+    unchecked = {(r[0], r[2]): r[5] for r in rows if r[3] == "off"}
     print_table(
         [
             {
                 "trainer": trainer,
                 "layout": layout,
                 "transport": name,
+                "verify": verify,
                 "buckets": stats["buckets"],
+                # Buckets the rollout side checked in the last sync (the shared-memory
+                # transport's imports do not say).
+                "checked": stats.get("verified"),
                 "s/sync": seconds,
                 "GB/s": model_bytes / seconds / 1e9,
+                "vs off": f"{(seconds / unchecked[trainer, name] - 1) * 100:+.1f}%"
+                if (trainer, name) in unchecked
+                else None,
                 "calls/sync": f"{calls:.0f}",
-                "vs sep": f"{separate.get(trainer, seconds) / seconds:.1f}x",
+                "vs sep": f"{separate.get((trainer, verify), seconds) / seconds:.1f}x",
             }
-            for trainer, layout, name, stats, seconds, calls in rows
+            for trainer, layout, name, verify, stats, seconds, calls in rows
         ],
         f"\nweight sync, {args.shape} ({model_bytes / 1e9:.3f} GB in {args.dtype}), "
         f"{args.ranks} rank(s) on {args.device} -> hf_infer",
         float_format=".2f",
         formats={"s/sync": ".4f"},
-        text_columns=3,
+        text_columns=4,
     )
     return 0
 
