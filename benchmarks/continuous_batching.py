@@ -68,6 +68,7 @@ def measure(worker, mode: str, decode: str, prompts, stops, args, share: int | N
 
     from posttrain.protocol import SamplingParams
     from posttrain_hf_infer import decode_loop
+    from posttrain_hf_infer.engine import HFInferState
 
     worker.config = attrs.evolve(
         worker.config,
@@ -75,7 +76,7 @@ def measure(worker, mode: str, decode: str, prompts, stops, args, share: int | N
         continuous_batching=mode == "continuous",
         batch_size=args.rows,
     )
-    worker.state.pop("decoders", None)
+    worker.engine_state(HFInferState).decoders = None
     sampling = SamplingParams(
         n=1, max_new_tokens=args.new_tokens, ignore_eos=True, stop_token_ids=stops
     )
@@ -87,7 +88,7 @@ def measure(worker, mode: str, decode: str, prompts, stops, args, share: int | N
     finally:
         decode_loop.REFILL_SHARE = default_share
     lengths = [len(r) for r in responses]
-    worker.state.pop("decoders", None)
+    worker.engine_state(HFInferState).decoders = None
     return {
         "mode": mode if share is None else f"{mode}, refill at 1/{share} free",
         "first call s": first,

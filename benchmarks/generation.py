@@ -65,12 +65,19 @@ def make_worker(model_dir: str, device: str, dtype: str):
     return worker
 
 
+def hf_infer_state(worker):
+    """The engine's state on ``worker``: its tokenizer, its kept decoders."""
+    from posttrain_hf_infer.engine import HFInferState
+
+    return worker.engine_state(HFInferState)
+
+
 def hf_generate(worker, prompts, new_tokens: int) -> list[list[int]]:
     """``model.generate`` of the left-padded prompts, sampled at temperature 1, forced to
     ``new_tokens`` new tokens: the new tokens of each row."""
     import torch
 
-    pad_id = worker.state["tokenizer"].pad_token_id
+    pad_id = hf_infer_state(worker).tokenizer.pad_token_id
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
     mask = torch.zeros_like(ids)
@@ -101,7 +108,7 @@ def hf_infer_before(worker, prompts, new_tokens: int, seed: int):
     from posttrain_hf_infer.token_sampling import filter_logits
 
     model, device = worker.model, worker.device
-    pad_id = worker.state["tokenizer"].pad_token_id
+    pad_id = hf_infer_state(worker).tokenizer.pad_token_id
     stop_ids: set[int] = set()
     generator = torch.Generator(device=device)
     generator.manual_seed(seed)
@@ -210,9 +217,9 @@ def measure(
     worker.config = attrs.evolve(
         worker.config, decode=engine_mode, batch_size=batch, decode_attention=attention
     )
-    worker.state.pop("decoders", None)
+    hf_infer_state(worker).decoders = None
     rng = random.Random(batch)
-    vocab = worker.state["tokenizer"].vocab_size
+    vocab = hf_infer_state(worker).tokenizer.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
     on_gpu = worker.device.startswith("cuda")
     first = timed_generate(worker, prompts, new_tokens, mode)[0]
@@ -243,7 +250,7 @@ def measure(
         "peak GiB": torch.cuda.max_memory_allocated() / 2**30 if on_gpu else None,
         "logp gap": worst_logprob_gap(worker, prompts, responses, logprobs),
     }
-    worker.state.pop("decoders", None)
+    hf_infer_state(worker).decoders = None
     return row
 
 
