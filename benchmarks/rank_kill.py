@@ -326,12 +326,16 @@ def main() -> int:
             "trainer.logger=[jsonl]",
             f"trainer.save_steps={args.save_steps}",
             "trainer.resume=auto",
+            # Two checkpoints a run directory at most: a larger shape's saves fill no disk.
+            "trainer.save_total_limit=2",
             # In every run, so that the three are the same workflow to the resume's check.
             "plugins=[posttrain.testing.faults]",
             *args.set,
         ]
         args.clean_dir, args.run_dir = tmp_path / "uninterrupted", tmp_path / "killed"
         clean = Run(path, args.clean_dir, overrides, args.run_timeout)()
+        for checkpoint in args.clean_dir.glob("checkpoint-*"):
+            shutil.rmtree(checkpoint)  # its metrics are what is compared
         gpu_before = gpu_memory_mib(args.device)
         run = Run(path, args.run_dir, overrides, args.run_timeout)
         killed = run(faults=f"kill_rank:{args.kill_at}/rank=1")
