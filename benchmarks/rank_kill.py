@@ -12,9 +12,9 @@ training step, ``--kill-at``); then the rerun of the killed one, without the fau
     python benchmarks/rank_kill.py --device cpu --shape tiny    # CPU smoke check: 2 gloo ranks
 
 The kill's time is the last write of rank 1's log (the fault kit prints its line, then kills);
-the driver's exit, when its process ends. Rank processes are those the run lists for ``posttrain
-stacks`` (RUN_DIR/logs/processes.json), and any process whose command line names the run
-directory.
+the driver's exit, when its process ends. The run's processes are the ranks it lists for
+``posttrain stacks`` (RUN_DIR/logs/processes.json), every process descended from its driver
+while it ran, and any process whose command line names the run directory.
 """
 
 from __future__ import annotations
@@ -54,19 +54,44 @@ AFTER_EXIT_S = 10.0
 
 
 class Watch(threading.Thread):
-    """While a run is under way: the pids of its rank processes (with their start times, their
-    identity with the pid) and the moment rank 1's log says it kills itself."""
+    """While a run is under way: the pids of its rank processes and of every other process
+    descended from its driver (the launcher's fork server and resource tracker: the ranks are
+    the fork server's children, not the driver's), each with its start time (its identity with
+    the pid), and the moment rank 1's log says it kills itself."""
 
-    def __init__(self, run_dir: Path):
+    def __init__(self, run_dir: Path, driver: int):
         super().__init__(daemon=True)
-        self.run_dir = run_dir
+        self.run_dir, self.driver = run_dir, driver
         self.ranks: dict[int, str] = {}  # pid -> /proc start time
+        self.descendants: dict[int, str] = {}
         self.kill_seen: float | None = None
         self.done = threading.Event()
 
     def run(self) -> None:
+        polls = 0
         while not self.done.wait(0.02):
             self.poll()
+            polls += 1
+            if polls % 25 == 0:  # a walk of /proc: twice a second
+                self.walk()
+
+    def walk(self) -> None:
+        parents: dict[int, list[int]] = {}
+        for entry in Path("/proc").iterdir():
+            if entry.name.isdigit():
+                try:
+                    stat = (entry / "stat").read_text()
+                except OSError:
+                    continue
+                parent = int(stat.rsplit(")", 1)[1].split()[1])
+                parents.setdefault(parent, []).append(int(entry.name))
+        todo = list(parents.get(self.driver, []))
+        while todo:
+            pid = todo.pop()
+            started = start_time(pid)
+            if started is not None:
+                self.descendants[pid] = started
+            todo += parents.get(pid, [])
 
     def poll(self) -> None:
         try:
@@ -104,9 +129,10 @@ def start_time(pid: int) -> str | None:
     return None if fields[0] in ("Z", "X") else fields[19]
 
 
-def left_over(ranks: dict[int, str], run_dir: Path) -> list[int]:
-    """The rank processes still alive, and any other live process naming ``run_dir``."""
-    alive = {pid for pid, started in ranks.items() if start_time(pid) == started}
+def left_over(processes: dict[int, str], run_dir: Path) -> list[int]:
+    """Those of ``processes`` (pid -> start time) still alive, and any other live process
+    naming ``run_dir``."""
+    alive = {pid for pid, started in processes.items() if start_time(pid) == started}
     mine = str(run_dir)
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
@@ -162,31 +188,33 @@ class Run:
         self.calls += 1
         out_path = self.run_dir.parent / f"{self.run_dir.name}.{self.calls}.out"
         err_path = out_path.with_suffix(".err")
-        watch = Watch(self.run_dir)
-        watch.start()
         start = time.time()
         with open(out_path, "a") as out, open(err_path, "a") as err:
             # A session of its own: a run that outlives --run-timeout is stopped with its ranks.
             proc = subprocess.Popen(
                 command, stdout=out, stderr=err, env=env, start_new_session=True
             )
+            watch = Watch(self.run_dir, proc.pid)
+            watch.start()
+            timed_out = False
             try:
                 returncode = proc.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
-                returncode = proc.wait()
+                returncode, timed_out = proc.wait(), True
         exited = time.time()
         watch.done.set()
         watch.join()
         watch.poll()
         return {
             "returncode": returncode,
-            "timed_out": exited - start >= self.timeout_s,
+            "timed_out": timed_out,
             "wall_s": exited - start,
             "exited": exited,
             "stdout": out_path.read_text(errors="replace"),
             "stderr": err_path.read_text(errors="replace"),
             "ranks": watch.ranks,
+            "processes": {**watch.descendants, **watch.ranks},
             "kill_seen": watch.kill_seen,
         }
 
@@ -221,15 +249,15 @@ def resumed_at(stdout: str) -> int | None:
 
 
 def after_exit(killed: dict, run_dir: Path, device: str) -> dict:
-    """Rank processes left when the killed run's driver exited, and how soon they were all gone
+    """The run's processes left when its driver exited, and how soon they were all gone
     (watched for AFTER_EXIT_S); GPU memory in use at that moment and at the end."""
-    at_exit = left_over(killed["ranks"], run_dir)
+    at_exit = command_lines(left_over(killed["processes"], run_dir))
     gpu_at_exit = gpu_memory_mib(device)
     gone_s = 0.0 if not at_exit else None
     remaining = at_exit
     while remaining and time.time() - killed["exited"] < AFTER_EXIT_S:
         time.sleep(0.05)
-        remaining = left_over(killed["ranks"], run_dir)
+        remaining = command_lines(left_over(killed["processes"], run_dir))
         if not remaining:
             gone_s = time.time() - killed["exited"]
     return {
@@ -239,6 +267,40 @@ def after_exit(killed: dict, run_dir: Path, device: str) -> dict:
         "gpu_at_exit": gpu_at_exit,
         "gpu_later": gpu_memory_mib(device),
     }
+
+
+def describe(processes: dict[int, str], ranks: dict[int, str]) -> str:
+    """How many processes, how many of them ranks, and what the others ran (``processes``: pid
+    -> command line, read while they were alive)."""
+    if not processes:
+        return "0"
+    others = [short(line) for pid, line in processes.items() if pid not in ranks]
+    text = f"{len(processes)} ({len(processes) - len(others)} ranks)"
+    return text + (f": {'; '.join(others)}" if others else "")
+
+
+def short(command_line: str) -> str:
+    """A process's command line, shortened: multiprocessing's helpers by their module name."""
+    helper = re.search(r"from multiprocessing\.(\w+) import", command_line)
+    return f"multiprocessing {helper.group(1)}" if helper else command_line[:70]
+
+
+def command_lines(pids: list[int]) -> dict[int, str]:
+    lines = {}
+    for pid in pids:
+        try:
+            raw = Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            raw = b"(gone before its command line was read)"
+        lines[pid] = raw.replace(b"\0", b" ").decode(errors="replace").strip()
+    return lines
+
+
+def ended(run: dict) -> str:
+    """How a run ended: its exit code and wall time, or that this script stopped it."""
+    if run["timed_out"]:
+        return f"did not exit: stopped after {run['wall_s']:.0f} s (--run-timeout)"
+    return f"exit {run['returncode']}, {run['wall_s']:.1f} s"
 
 
 def table_rows(args, clean: dict, killed: dict, rerun: dict, left: dict, gpu_before) -> list:
@@ -254,21 +316,24 @@ def table_rows(args, clean: dict, killed: dict, rerun: dict, left: dict, gpu_bef
     after = compare(reference, resumed, at or 0)
     whole = compare(reference, resumed, 0)
     rows = [
-        ("uninterrupted run", f"exit {clean['returncode']}, {clean['wall_s']:.1f} s"),
-        ("killed run: exit code", str(killed["returncode"])),
+        ("uninterrupted run", ended(clean)),
+        ("killed run", ended(killed)),
         (
             "kill -> driver exit (s)",
             f"{killed['exited'] - killed_at:.2f}" if killed_at else "no kill seen",
         ),
         ("error names rank 1", "yes" if names_rank else "no"),
         ("error", errors[0][:160] if errors else "-"),
-        ("rank processes watched", str(len(killed["ranks"]))),
-        ("rank processes left at driver exit", str(len(left["at_exit"]))),
+        (
+            "processes watched",
+            f"{len(killed['processes'])}, {len(killed['ranks'])} of them ranks",
+        ),
+        ("processes left at driver exit", describe(left["at_exit"], killed["ranks"])),
         (
             f"all gone within {AFTER_EXIT_S:.0f} s",
             f"yes, at +{left['gone_s']:.2f} s"
             if left["gone_s"] is not None
-            else f"no: pids {left['remaining']}",
+            else f"no: {describe(left['remaining'], killed['ranks'])}",
         ),
     ]
     if args.device == "cuda":
@@ -278,7 +343,7 @@ def table_rows(args, clean: dict, killed: dict, rerun: dict, left: dict, gpu_bef
             (f"GPU MiB in use {AFTER_EXIT_S:.0f} s after", left["gpu_later"]),
         ]
     rows += [
-        ("rerun (resume: auto)", f"exit {rerun['returncode']}, {rerun['wall_s']:.1f} s"),
+        ("rerun (resume: auto)", ended(rerun)),
         ("resumed at step", str(at) if at is not None else "from scratch"),
         (
             "steps after resume equal, bitwise",
@@ -310,7 +375,11 @@ def main() -> int:
         help="hf_infer's decode mode (cuda_graph: no 2-minute compile at each run's start)",
     )
     parser.add_argument(
-        "--run-timeout", type=float, default=900, help="seconds a run may take before it is stopped"
+        "--run-timeout",
+        type=float,
+        default=240,
+        help="seconds a run may take before it is stopped (a driver that never exits is a "
+        "finding: the table says so)",
     )
     parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
     args = parser.parse_args()
