@@ -1,8 +1,9 @@
-"""Shared fixtures of the core tests. Keep each fixture small; other test files add their own."""
+"""Shared fixtures of the core tests. Keep each fixture small; other test files add their own.
+hf_infer's engine in the test process (``hf_infer_worker``, ...) is tests/conftest.py's: the
+hf_infer tests take it too."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import textwrap
 
@@ -11,7 +12,6 @@ import pytest
 
 from posttrain import ScoringOptions, hookimpl
 from posttrain.host.strategy import Capabilities, StrategySpec
-from posttrain_hf_infer.engine import HFInferState
 
 CONTRACT_FAKE_TRAIN = "contract_fake_train"
 
@@ -84,67 +84,3 @@ def write_workflow(tmp_path):
         return str(path)
 
     return write
-
-
-def load_hf_infer_worker(model_path: str, device: str = "cpu", dtype: str = "fp32", **config):
-    """hf_infer's engine on ``model_path`` in ``dtype`` (``model_args.dtype``), ``config`` its
-    ``strategy_config``."""
-    from posttrain.config.sections import ModelArgs
-    from posttrain.launch.worker import WorkerContext
-    from posttrain_hf_infer import engine as hf_infer
-    from posttrain_hf_infer.plugin import HFInferConfig
-
-    worker = WorkerContext(
-        role="actor_infer",
-        strategy_name="hf_infer",
-        config=HFInferConfig(**config),
-        model_args=ModelArgs(model_name_or_path=model_path, dtype=dtype),
-        device=device,
-    )
-    worker.model = hf_infer.load_model(worker)
-    return worker
-
-
-@pytest.fixture(scope="session")
-def hf_infer_loader():
-    """:func:`load_hf_infer_worker`, for tests that load the engine on a model of their own."""
-    return load_hf_infer_worker
-
-
-def settings_of(worker):
-    """A context manager over ``worker``: it applies ``changes`` to the worker's strategy
-    config (a test may change it further inside), yields the worker, and on the way out puts
-    the config back and drops the decoders kept for the changed settings, so the tests that
-    follow find the engine as loaded."""
-
-    @contextlib.contextmanager
-    def settings(**changes):
-        original = worker.config
-        worker.config = attrs.evolve(original, **changes)
-        try:
-            yield worker
-        finally:
-            worker.config = original
-            worker.engine_state(HFInferState).decoders = None
-
-    return settings
-
-
-@pytest.fixture(scope="session")
-def hf_infer_worker(tiny_model_path):
-    """hf_infer's rollout engine on preset:tiny-qwen2, loaded in this process once: for tests
-    that call the engine's functions directly."""
-    return load_hf_infer_worker(tiny_model_path)
-
-
-@pytest.fixture(scope="session")
-def hf_infer_settings(hf_infer_worker):
-    """:func:`settings_of` the session's hf_infer engine. Session-scoped, for module-scoped
-    fixtures too."""
-    return settings_of(hf_infer_worker)
-
-
-@pytest.fixture(scope="session")
-def hf_infer_cuda_settings(tiny_model_path):
-    """:func:`settings_of` the same engine on a CUDA GPU (for tests marked ``gpu``)."""
-    return settings_of(load_hf_infer_worker(tiny_model_path, "cuda"))

@@ -3,7 +3,7 @@ heads shared natively) where they serve, and either by the rows, equal to float6
 the grouped SDPA they replace is, and a compiled bf16 decode through each scoring what a forward
 pass scores. Skipped without a GPU.
 
-Run on the GPU machine: ``python -m pytest -m gpu tests/core/test_decode_attention_gpu.py``.
+Run on the GPU machine: ``python -m pytest -m gpu tests/hf_infer/test_decode_attention_gpu.py``.
 """
 
 import pytest

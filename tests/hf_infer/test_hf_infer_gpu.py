@@ -2,7 +2,7 @@
 transformers forward, before and after weights are imported (the kit generates before the import
 too: a CUDA graph captured then replays the new weights, copied in place). Skipped without a GPU.
 
-Run on the GPU machine: ``python -m pytest -m gpu tests/core/test_hf_infer_gpu.py``.
+Run on the GPU machine: ``python -m pytest -m gpu tests/hf_infer/test_hf_infer_gpu.py``.
 """
 
 import pytest

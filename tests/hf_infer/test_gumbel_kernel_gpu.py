@@ -2,7 +2,7 @@
 reports the temperature-1 log-probability of what it drew; a seed fixes its samples. Skipped
 without a GPU.
 
-Run on the GPU machine: ``python -m pytest -m gpu tests/core/test_gumbel_kernel_gpu.py``.
+Run on the GPU machine: ``python -m pytest -m gpu tests/hf_infer/test_gumbel_kernel_gpu.py``.
 """
 
 import pytest
