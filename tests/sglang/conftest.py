@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("sglang")
+# A module of the engine itself: with tests/ on sys.path (its conftest), a bare "sglang" would
+# also import this folder as an empty namespace package where sglang is not installed.
+pytest.importorskip("sglang.version")
 pytest.importorskip("posttrain_sglang")
 
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("vllm")
+# A module of the engine itself: with tests/ on sys.path (its conftest), a bare "vllm" would
+# also import this folder as an empty namespace package where vllm is not installed.
+pytest.importorskip("vllm.version")
 pytest.importorskip("posttrain_vllm")
 
 
