@@ -200,8 +200,13 @@ class Run:
             try:
                 returncode = proc.wait(timeout=self.timeout_s)
             except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                returncode, timed_out = proc.wait(), True
+                returncode, timed_out = None, True
+            finally:
+                # Stopped here too when this script is (SIGTERM from `timeout`, Ctrl-C): the run
+                # is in a session of its own, which no signal to this one reaches.
+                if proc.poll() is None:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    returncode = proc.wait()
         exited = time.time()
         watch.done.set()
         watch.join()
@@ -387,6 +392,9 @@ def main() -> int:
         parser.error(f"--kill-at {args.kill_at} is not a step of the run (1..{args.steps})")
     args.workload = args.workload or ("tiny" if args.shape == "tiny" else "short")
     args.gpus = 2  # hybrid on 2 devices: 2 rank processes, each hosting every role
+    # A SIGTERM (`timeout`) unwinds like Ctrl-C: the run under way is stopped, the temporary
+    # directory removed.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit("rank_kill.py: terminated"))
 
     with tempfile.TemporaryDirectory() as tmp:
         tmp_path = Path(tmp)
