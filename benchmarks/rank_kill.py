@@ -310,7 +310,7 @@ def ended(run: dict) -> str:
 
 def table_rows(args, clean: dict, killed: dict, rerun: dict, left: dict, gpu_before) -> list:
     run_dir = args.run_dir
-    killed_at = kill_time(run_dir, killed["kill_seen"])
+    killed_at = killed["killed_at"]
     # The driver's own error lines (the rest of its output echoes rank 1's last words, which
     # name it anyway).
     errors = [line.strip() for line in killed["stderr"].splitlines() if line.startswith("error")]
@@ -416,6 +416,8 @@ def main() -> int:
         gpu_before = gpu_memory_mib(args.device)
         run = Run(path, args.run_dir, overrides, args.run_timeout)
         killed = run(faults=f"kill_rank:{args.kill_at}/rank=1")
+        # Read before the rerun, which writes to the same rank logs.
+        killed["killed_at"] = kill_time(args.run_dir, killed["kill_seen"])
         left = after_exit(killed, args.run_dir, args.device)
         rerun = run()
         rows = table_rows(args, clean, killed, rerun, left, gpu_before)
