@@ -122,6 +122,7 @@ class TestDeepSpeedRefusesAtStart:
     group_timeout_s = 120.0
     device = "cpu"
     lora = StrategyContract.lora
+    plugins = StrategyContract.plugins
     spec_and_config = StrategyContract.spec_and_config
     start = StrategyContract.start
     group_spec = classmethod(StrategyContract.group_spec.__func__)

@@ -149,6 +149,7 @@ class TestDeepSpeedBesideDeepSpeed:
     group_timeout_s = StrategyContract.group_timeout_s
     device = "cpu"
     lora = StrategyContract.lora
+    plugins = StrategyContract.plugins
     spec_and_config = StrategyContract.spec_and_config
     start = StrategyContract.start
     group_spec = classmethod(StrategyContract.group_spec.__func__)
