@@ -17,11 +17,25 @@ from posttrain.weight_sync.verify import (
 )
 
 
-def test_byte_sums_are_the_sums_of_the_bytes():
-    a = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)
+def test_byte_sums_are_the_sums_of_the_words_or_bytes():
+    a = torch.tensor([1.5, -2.0], dtype=torch.bfloat16)  # 4 bytes: one int32 word
     b = torch.arange(6, dtype=torch.int32).reshape(2, 3)
-    assert byte_sums([a, b]) == [sum(a.view(torch.uint8).tolist()), sum(range(6))]
+    c = torch.tensor([7, 8, 9], dtype=torch.uint8)  # 3 bytes: summed byte by byte
+    assert byte_sums([a, b, c]) == [int(a.view(torch.int32)), sum(range(6)), 24]
     assert byte_sums([]) == []
+
+
+def test_byte_sums_do_not_depend_on_where_a_tensor_sits():
+    """A received tensor may sit at any offset of its bucket's buffer; its sum must be the
+    sender's (the choice of words or bytes follows the size alone)."""
+    sent = torch.randn(6, dtype=torch.bfloat16)
+    buffer = torch.zeros(20, dtype=torch.uint8)
+    received = buffer[2:14].view(torch.bfloat16)  # 2 bytes in: not on a word boundary
+    received.copy_(sent)
+    assert byte_sums([received]) == byte_sums([sent])
+    flipped = received.clone()
+    flipped.view(torch.uint8)[5] ^= 1
+    assert byte_sums([flipped]) != byte_sums([sent])
 
 
 def buckets(n: int) -> list[WeightBucket]:
