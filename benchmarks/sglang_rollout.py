@@ -64,11 +64,12 @@ def make_worker(model_path: str, base_dir: str, infer_batch_size: int, kv_tokens
 def rollout_rates(runtime, args) -> tuple[float, float]:
     from posttrain import GenerationRequest, SamplingParams
     from posttrain_sglang import engine
+    from posttrain_sglang.state import SGLangState
 
     prompts = [[1, 4 + i % 10, 14, 4 + (i * 7) % 10, 17] for i in range(args.prompts)]
     sampling = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0)
     request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=11)
-    sglang_engine = runtime.ctx.state["sglang_engine"]
+    sglang_engine = runtime.ctx.engine_state(SGLangState).engine
     # The plugin's translation of the settings, without its per-sample seeds.
     params = engine.sampling_params(runtime.ctx, sampling)
 

@@ -53,11 +53,12 @@ def rollout_rates(runtime, args) -> tuple[float, float]:
 
     from posttrain import GenerationRequest, SamplingParams
     from posttrain_vllm import engine
+    from posttrain_vllm.engine import VLLMState
 
     prompts = [[1, 4 + i % 10, 14, 4 + (i * 7) % 10, 17] for i in range(args.prompts)]
     sampling = SamplingParams(n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0)
     request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=11)
-    llm = runtime.ctx.state["vllm_engine"]
+    llm = runtime.ctx.engine_state(VLLMState).engine
 
     def plugin() -> int:
         out = runtime.generate(request)
