@@ -31,6 +31,18 @@ _PUBLIC = {
     "shifted_values": "posttrain.scoring.modeling",
     "sequence_scores": "posttrain.scoring.modeling",
     "lr_lambda": "posttrain.training.lr_schedule",
+    # Routing replay of mixture-of-experts models (algorithm.routing_replay)
+    "ROUTING_KEY": "posttrain.training.routing_replay",
+    "moe_routers": "posttrain.training.routing_replay",
+    "routing_geometry": "posttrain.training.routing_replay",
+    "routing_dtype": "posttrain.training.routing_replay",
+    "record_routing": "posttrain.training.routing_replay",
+    "replay_routing": "posttrain.training.routing_replay",
+    "RoutingRecord": "posttrain.training.routing_replay",
+    "RoutingReplay": "posttrain.training.routing_replay",
+    "pad_routing": "posttrain.training.routing_replay",
+    "model_experts": "posttrain.training.routing_replay",
+    "routing_replay_problem": "posttrain.training.routing_replay",
     # Models and tokenizers
     "DTYPES": "posttrain.backends.models",
     "HEAD_WEIGHT": "posttrain.backends.models",
@@ -202,4 +214,17 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         score_rows,
         score_sequences,
         score_values,
+    )
+    from posttrain.training.routing_replay import (
+        ROUTING_KEY,
+        RoutingRecord,
+        RoutingReplay,
+        model_experts,
+        moe_routers,
+        pad_routing,
+        record_routing,
+        replay_routing,
+        routing_dtype,
+        routing_geometry,
+        routing_replay_problem,
     )

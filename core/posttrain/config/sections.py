@@ -146,6 +146,11 @@ class RoleConfig:
         return self.world_size or len(self.device_mapping)
 
 
+def _off_if_false(value: str | bool) -> str | bool:
+    """``off``, however YAML spelled it (a bare ``off`` is the boolean false in YAML 1.1)."""
+    return "off" if value is False else value
+
+
 @attrs.frozen(kw_only=True)
 class AlgorithmConfig:
     """The RL algorithm: a preset and its pieces (advantage estimator, policy loss)."""
@@ -214,6 +219,15 @@ class AlgorithmConfig:
     partial_rollout: bool = False
     # null: a quarter of actor_infer.generating_args.max_new_tokens.
     partial_rollout_segment_tokens: int | None = attrs.field(default=None, validator=at_least(1))
+    # Routing replay for mixture-of-experts models (R3, arXiv 2510.11370): the experts each
+    # token was routed to are replayed in the trainer's forward passes, so trainer and rollout
+    # score with the same experts. "rollout": the rollout engine's routing (the old-policy,
+    # reference and update passes); "old_policy": the trainer's own old-policy pass's (the
+    # update only); off: every pass routes by itself. The router still learns through the
+    # replayed experts' gate probabilities. (YAML reads a bare off as false: both mean off.)
+    routing_replay: Literal["off", "rollout", "old_policy", False] = attrs.field(
+        default="off", converter=_off_if_false
+    )
 
     def old_logprobs_source(self) -> str:
         if self.old_logprobs != "auto":

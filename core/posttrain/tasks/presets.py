@@ -30,7 +30,7 @@ SPECIAL_TOKENS = ["<pad>", "<bos>", "<eos>", "<unk>"]
 
 @attrs.frozen(kw_only=True)
 class Preset:
-    # HF model_type: qwen2, qwen3 or llama (see _ARCHS).
+    # HF model_type: qwen2, qwen3, qwen3_moe or llama (see _ARCHS).
     arch: str = "qwen2"
     hidden_size: int
     num_hidden_layers: int
@@ -39,6 +39,11 @@ class Preset:
     intermediate_size: int | None = None
     max_position_embeddings: int = 128
     tie_word_embeddings: bool = True
+    # Mixture of experts (arch qwen3_moe): experts per MoE layer, experts each token is routed
+    # to, and each expert's MLP width (every layer is an MoE layer).
+    num_experts: int = 0
+    num_experts_per_tok: int = 2
+    moe_intermediate_size: int | None = None
     seed: int = 0
     # "lm": a causal LM; "score": a sequence classifier with one label (a reward model).
     head: str = "lm"
@@ -88,6 +93,19 @@ PRESETS: dict[str, Preset] = {
         num_hidden_layers=2,
         tie_word_embeddings=False,
         description="Qwen3 (q/k norms), hidden 64, 2 layers, arithmetic alphabet",
+    ),
+    # Qwen3-MoE's sparse blocks (a router's top-2 of 8 experts, renormalised, as Qwen3-30B-A3B
+    # renormalises its top-8 of 128) in both layers: routing replay's CPU tests and
+    # examples/quickstart_moe.yaml.
+    "tiny-qwen3-moe": Preset(
+        arch="qwen3_moe",
+        hidden_size=64,
+        num_hidden_layers=2,
+        tie_word_embeddings=False,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        description="Qwen3-MoE, hidden 64, 2 layers of 8 experts (top-2), arithmetic alphabet",
     ),
     # Two layers: copying the calculator's result digit by digit takes an induction-like circuit,
     # which one layer learns far more slowly. A GRPO step of 16 prompts x 8 samples is cheap on CPU.
@@ -228,16 +246,25 @@ def build_tokenizer(added_tokens: tuple[str, ...] = ()) -> PreTrainedTokenizerFa
 _ARCHS = {
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "llama": ("LlamaConfig", "LlamaForCausalLM"),
 }
 
 
-def _arch_kwargs(preset: Preset) -> dict[str, int]:
+def _arch_kwargs(preset: Preset) -> dict[str, int | bool]:
     """Config fields only some families have."""
-    if preset.arch == "qwen3":
-        # Qwen3's default head_dim is 128, not hidden / heads.
-        return {"head_dim": preset.hidden_size // preset.num_attention_heads}
-    return {}
+    if preset.arch not in ("qwen3", "qwen3_moe"):
+        return {}
+    # Qwen3's default head_dim is 128, not hidden / heads.
+    kwargs: dict[str, int | bool] = {"head_dim": preset.hidden_size // preset.num_attention_heads}
+    if preset.arch == "qwen3_moe":
+        kwargs.update(
+            num_experts=preset.num_experts,
+            num_experts_per_tok=preset.num_experts_per_tok,
+            moe_intermediate_size=preset.moe_intermediate_size or preset.hidden_size,
+            norm_topk_prob=True,
+        )
+    return kwargs
 
 
 def build_preset(preset: Preset, out_dir: str) -> None:

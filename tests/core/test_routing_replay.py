@@ -1,0 +1,141 @@
+"""Routing replay over transformers' MoE routers (posttrain.training.routing_replay): replaying
+the recorded experts reproduces the forward bitwise, other ids change it and are the experts
+used, and the router still learns."""
+
+from __future__ import annotations
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+from posttrain.backend import (  # noqa: E402
+    model_experts,
+    moe_routers,
+    record_routing,
+    replay_routing,
+)
+from posttrain.errors import UserError  # noqa: E402
+
+SIZES = dict(
+    vocab_size=64,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=64,
+)
+
+
+def _qwen3_moe():
+    torch.manual_seed(0)
+    config = transformers.Qwen3MoeConfig(
+        **SIZES,
+        head_dim=8,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        num_experts=8,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+    )
+    return transformers.Qwen3MoeForCausalLM(config).eval()
+
+
+def _mixtral():
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        **SIZES, intermediate_size=32, num_local_experts=4, num_experts_per_tok=2
+    )
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "mixtral"])
+def model(request):
+    return _qwen3_moe() if request.param == "qwen3_moe" else _mixtral()
+
+
+@pytest.fixture(scope="module")
+def ids():
+    return torch.randint(0, SIZES["vocab_size"], (3, 7), generator=torch.Generator().manual_seed(1))
+
+
+def _experts_used(model):
+    """Per MoE layer, the top-k ids its experts module is called with."""
+    used = []
+    handles = [
+        r_parent.experts.register_forward_pre_hook(lambda m, args: used.append(args[1].clone()))
+        for r_parent in model.modules()
+        if hasattr(r_parent, "experts") and hasattr(r_parent, "gate")
+    ]
+    return used, handles
+
+
+def test_replaying_the_recorded_routing_is_bitwise_the_same_forward(model, ids):
+    with torch.no_grad(), record_routing(model) as record:
+        want = model(input_ids=ids).logits
+    routing = record.take()
+    layers = len(moe_routers(model))
+    assert routing.dtype == torch.uint8
+    assert routing.shape == (ids.numel(), layers, 2)
+    with torch.no_grad(), replay_routing(model, routing):
+        got = model(input_ids=ids).logits
+    assert torch.equal(got, want)
+
+
+def test_replayed_ids_are_the_experts_used_and_change_the_output(model, ids):
+    with torch.no_grad(), record_routing(model) as record:
+        want = model(input_ids=ids).logits
+    routing = record.take()
+    experts = moe_routers(model)[0].num_experts
+    other = ((routing.long() + 1) % experts).to(routing.dtype)  # distinct ids, all different
+    used, handles = _experts_used(model)
+    try:
+        with torch.no_grad(), replay_routing(model, other):
+            got = model(input_ids=ids).logits
+    finally:
+        for handle in handles:
+            handle.remove()
+    assert not torch.allclose(got, want)
+    assert len(used) == other.shape[1]
+    for layer, chosen in enumerate(used):
+        assert torch.equal(chosen, other[:, layer].long())
+
+
+def test_the_router_learns_through_the_replayed_gates(model, ids):
+    with torch.no_grad(), record_routing(model) as record:
+        model(input_ids=ids)
+    routing = record.take()
+    model.zero_grad(set_to_none=True)
+    with replay_routing(model, routing.reshape(*ids.shape, *routing.shape[1:])):
+        model(input_ids=ids).logits.square().mean().backward()
+    for router in moe_routers(model):
+        assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+    model.zero_grad(set_to_none=True)
+
+
+def test_replay_changes_between_calls_and_checks_shapes(model, ids):
+    with torch.no_grad(), record_routing(model) as record:
+        model(input_ids=ids[:1])
+        model(input_ids=ids[1:])
+    routing = record.take()
+    assert routing.shape[0] == ids.numel()  # two calls, in order
+    with torch.no_grad(), replay_routing(model) as replay:
+        replay.use(routing[: ids.shape[1]])
+        model(input_ids=ids[:1])
+        with pytest.raises(RuntimeError, match="tokens of routing"):
+            model(input_ids=ids)
+
+
+def test_a_dense_model_is_refused():
+    from tiny_models import tiny_qwen2
+
+    with pytest.raises(UserError, match="no mixture-of-experts"), record_routing(tiny_qwen2()):
+        pass
+
+
+def test_experts_are_read_from_config_without_loading(tmp_path):
+    assert model_experts("preset:tiny-qwen3-moe") == 8
+    assert model_experts("preset:tiny-qwen2") == 0
+    (tmp_path / "config.json").write_text('{"model_type": "mixtral", "num_local_experts": 8}')
+    assert model_experts(str(tmp_path)) == 8
+    assert model_experts(str(tmp_path / "nowhere")) is None
