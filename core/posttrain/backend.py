@@ -40,7 +40,6 @@ _PUBLIC = {
     "replay_routing": "posttrain.training.routing_replay",
     "RoutingRecord": "posttrain.training.routing_replay",
     "RoutingReplay": "posttrain.training.routing_replay",
-    "pad_routing": "posttrain.training.routing_replay",
     "model_experts": "posttrain.training.routing_replay",
     "routing_replay_problem": "posttrain.training.routing_replay",
     # Models and tokenizers
@@ -221,7 +220,6 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         RoutingReplay,
         model_experts,
         moe_routers,
-        pad_routing,
         record_routing,
         replay_routing,
         routing_dtype,

@@ -50,6 +50,8 @@ class GenerationRequest:
     sampling: SamplingParams
     # Seed for this request on this rank: makes rollouts reproducible across resumes.
     seed: int | None = None
+    # Return each sample's routing (RolloutSamples.routing): mixture-of-experts models only.
+    return_routing: bool = False
 
 
 @attrs.define(kw_only=True)
@@ -65,6 +67,10 @@ class RolloutSamples:
     # Per response token: the policy version that sampled it (partial rollouts, whose samples
     # may span weight syncs; see posttrain.rollout.partial). None: not recorded.
     policy_versions: list[list[int]] | None = None
+    # Mixture-of-experts models, for routing replay (algorithm.routing_replay): per sample, the
+    # experts each token (prompt then response) was routed to, [tokens, moe_layers, k] in
+    # uint8 (int16 past 256 experts). None: not recorded.
+    routing: list[torch.Tensor] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -84,6 +90,7 @@ class RolloutSamples:
             policy_versions=(
                 None if self.policy_versions is None else [self.policy_versions[r] for r in rows]
             ),
+            routing=None if self.routing is None else [self.routing[r] for r in rows],
         )
 
     @classmethod
@@ -92,6 +99,9 @@ class RolloutSamples:
         masked = any(part.loss_mask is not None for part in parts)
         # Every part of a step comes from the same kind of rollout: versions in all, or none.
         versions = [part.policy_versions for part in parts]
+        # Routing is kept when every part holding samples has it (a rank with no prompts
+        # returns none).
+        routed = [part.routing for part in parts if len(part)]
         return cls(
             prompt_ids=[p for part in parts for p in part.prompt_ids],
             response_ids=[r for part in parts for r in part.response_ids],
@@ -102,12 +112,18 @@ class RolloutSamples:
                 if parts and None not in versions
                 else None
             ),
+            routing=(
+                [r for rows in routed if rows is not None for r in rows]
+                if routed and None not in routed
+                else None
+            ),
         )
 
 
 @attrs.define
 class SequenceBatch:
-    """A padded batch of token sequences with per-token tensors ([B, T]) and per-sample ones ([B]).
+    """A padded batch of token sequences with per-token tensors ([B, T], or [B, T, ...] such as
+    ``routing``'s [B, T, moe_layers, k]) and per-sample ones ([B]).
 
     Required keys: ``input_ids``, ``attention_mask``, ``response_mask`` (1 on the response
     tokens the policy sampled; 0 on the prompt, padding and tokens an environment inserted).
@@ -161,7 +177,7 @@ class SequenceBatch:
         """Drop trailing columns that are padding in every row."""
         width = int(self.attention_mask.sum(dim=1).max().item())
         return SequenceBatch(
-            {k: (v[:, :width] if v.dim() == 2 else v) for k, v in self.tensors.items()},
+            {k: (v[:, :width] if v.dim() >= 2 else v) for k, v in self.tensors.items()},
             dict(self.meta),
         )
 
@@ -175,8 +191,9 @@ class SequenceBatch:
             columns = []
             for b in batches:
                 t = b.tensors[key]
-                if t.dim() == 2 and t.shape[1] < width:
-                    t = torch.nn.functional.pad(t, (0, width - t.shape[1]))
+                if t.dim() >= 2 and t.shape[1] < width:
+                    # Pads dimension 1 (F.pad lists the last dimension first).
+                    t = torch.nn.functional.pad(t, (0, 0) * (t.dim() - 2) + (0, width - t.shape[1]))
                 columns.append(t)
             out[key] = torch.cat(columns, dim=0)
         return cls(out, dict(batches[0].meta))
@@ -198,6 +215,7 @@ def build_sequence_batch(
     loss_mask: list[list[int]] | None = None,
     turn_rewards: list[list[float]] | None = None,
     policy_versions: list[list[int]] | None = None,
+    routing: list[torch.Tensor] | None = None,
 ) -> SequenceBatch:
     """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`.
 
@@ -209,6 +227,8 @@ def build_sequence_batch(
     become the ``turn_rewards`` tensor that token-level advantage estimators read.
     ``policy_versions`` (partial rollouts: the version that sampled each response token)
     become the ``policy_version`` tensor, for losses and plugins that weigh tokens by age.
+    ``routing`` (:attr:`RolloutSamples.routing`) becomes the ``routing`` tensor
+    ``[B, T, moe_layers, k]`` (zeros on the padding), which routing replay replays.
     """
     import torch
 
@@ -233,7 +253,23 @@ def build_sequence_batch(
         tensors["turn_rewards"] = _response_tensor(prompt_ids, turn_rewards, width)
     if policy_versions is not None:
         tensors["policy_version"] = _response_tensor(prompt_ids, policy_versions, width)
+    if routing is not None:
+        tensors["routing"] = _routing_tensor(routing, lengths, width)
     return SequenceBatch(tensors)
+
+
+def _routing_tensor(rows: list[torch.Tensor], lengths: list[int], width: int) -> torch.Tensor:
+    """Per-sample ``[tokens, moe_layers, k]`` routing in one right-padded
+    ``[rows, width, moe_layers, k]`` tensor (its dtype kept)."""
+    import torch
+
+    first = rows[0]
+    out = torch.zeros((len(rows), width, *first.shape[1:]), dtype=first.dtype)
+    for i, (row, length) in enumerate(zip(rows, lengths)):
+        if row.shape[0] != length:
+            raise ValueError(f"routing of sample {i}: {row.shape[0]} tokens for {length}")
+        out[i, :length] = row
+    return out
 
 
 def _response_tensor(

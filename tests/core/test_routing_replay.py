@@ -139,3 +139,31 @@ def test_experts_are_read_from_config_without_loading(tmp_path):
     (tmp_path / "config.json").write_text('{"model_type": "mixtral", "num_local_experts": 8}')
     assert model_experts(str(tmp_path)) == 8
     assert model_experts(str(tmp_path / "nowhere")) is None
+
+
+def test_routing_travels_with_samples_and_batches():
+    from posttrain.protocol import RolloutSamples, SequenceBatch, build_sequence_batch
+
+    def routed(prompt, response, expert):
+        return torch.full((len(prompt) + len(response), 2, 2), expert, dtype=torch.uint8)
+
+    a = RolloutSamples(
+        prompt_ids=[[1, 2], [3]],
+        response_ids=[[4], [5, 6, 7]],
+        response_logprobs=[[0.0], [0.0] * 3],
+        routing=[routed([1, 2], [4], 1), routed([3], [5, 6, 7], 2)],
+    )
+    empty = RolloutSamples(prompt_ids=[], response_ids=[], response_logprobs=[])
+    samples = RolloutSamples.concat([a, empty]).select([1, 0])
+    assert [r.shape[0] for r in samples.routing] == [4, 3]
+    batch = build_sequence_batch(
+        samples.prompt_ids, samples.response_ids, 0, routing=samples.routing
+    )
+    routing = batch["routing"]
+    assert routing.shape == (2, 4, 2, 2) and routing.dtype == torch.uint8
+    assert routing[0].eq(2).all() and routing[1, :3].eq(1).all() and not routing[1, 3].any()
+    short = batch.select([1]).trimmed()
+    assert short["routing"].shape == (1, 3, 2, 2)
+    joined = SequenceBatch.concat([short, batch.select([0])])
+    assert joined["routing"].shape == (2, 4, 2, 2)
+    assert torch.equal(joined["routing"][1], routing[0])

@@ -233,18 +233,6 @@ def replay_routing(
             handle.remove()
 
 
-def pad_routing(rows: list[torch.Tensor], width: int) -> torch.Tensor:
-    """``[B, width, moe_layers, k]`` of per-sample ``[tokens, moe_layers, k]`` routing, each
-    right-padded with zeros (padding's experts: any, they score nothing)."""
-    import torch
-
-    first = rows[0]
-    out = torch.zeros((len(rows), width, *first.shape[1:]), dtype=first.dtype)
-    for i, row in enumerate(rows):
-        out[i, : row.shape[0]] = row
-    return out
-
-
 # --------------------------------------------------------------------------------------------
 # Validation (no torch): does the model have experts routing replay can replay?
 # --------------------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ as vLLM and SGLang report them by default, so they compare directly with a train
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from collections.abc import Callable, Iterable, Iterator
@@ -37,12 +38,14 @@ from posttrain.backend import (
     logprob_forward,
     memory_tags,
     no_hf_progress_bars,
+    record_routing,
     sequence_scores,
     shifted_token_logprobs,
     unshare_storage,
 )
 from posttrain_hf_infer.decode_loop import DynamicDecode, StaticDecode, sample_rows
 from posttrain_hf_infer.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
+from posttrain_hf_infer.routing import RoutedDecode
 from posttrain_hf_infer.static_decode import DecodeSettings, StaticDecoders, supports_static
 from posttrain_hf_infer.token_sampling import draw, gumbel_draw, is_plain
 
@@ -151,19 +154,44 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     if len(prompts) <= pool:
         order = list(range(len(prompts)))
     mode = decode_mode(worker)
-    decode = _decode(worker, mode, prompts, pool, sampling.max_new_tokens, tokenizer.pad_token_id)
-    responses, logprobs = sample_rows(
-        decode,
-        prompts,
-        order,
-        pool,
-        sampling,
-        stop_ids,
-        tokenizer,
-        _drawer(mode, sampling, generator),
-        refill=worker.config.continuous_batching,
+    routed = _returns_routing(worker, request)
+    if routed and mode != "dynamic":
+        log_once(
+            LOG,
+            f"hf_infer: routing is recorded by the dynamic decode: decode {mode!r} falls back "
+            "to it while routing replay needs the rollout's routing",
+            logging.WARNING,
+        )
+        mode = "dynamic"
+    pad_id = tokenizer.pad_token_id
+    with record_routing(worker.model) if routed else contextlib.nullcontext() as record:
+        decode = (
+            RoutedDecode(worker.model, pad_id, worker.device, record)
+            if record is not None
+            else _decode(worker, mode, prompts, pool, sampling.max_new_tokens, pad_id)
+        )
+        responses, logprobs = sample_rows(
+            decode,
+            prompts,
+            order,
+            pool,
+            sampling,
+            stop_ids,
+            tokenizer,
+            _drawer(mode, sampling, generator),
+            refill=worker.config.continuous_batching,
+        )
+    routing = decode.routing(order, pool, responses) if isinstance(decode, RoutedDecode) else None
+    return RolloutSamples(
+        prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs, routing=routing
     )
-    return RolloutSamples(prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs)
+
+
+def _returns_routing(worker: WorkerContext, request: GenerationRequest) -> bool:
+    """Whether the samples carry their routing: the request asks, or the workflow replays the
+    rollout's routing (``algorithm.routing_replay: rollout``)."""
+    replay = getattr(worker.algorithm, "routing_replay", "off")
+    return request.return_routing or replay == "rollout"
 
 
 def decode_mode(worker: WorkerContext) -> str:
