@@ -54,6 +54,7 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from posttrain import WorkerContext
+    from posttrain_hf_infer.background_compile import BackgroundCompile
     from posttrain_hf_infer.token_sampling import Draw
 
 LOG = logging.getLogger(__name__)
@@ -70,6 +71,10 @@ class HFInferState:
     decoders: StaticDecoders | None = None
     # Page-locked host buffers the weights wait in while released, kept for the next release.
     pinned: dict[str, torch.Tensor] = attrs.field(factory=dict)
+    # decode auto: the compiled step being built in the background (background_compile).
+    compile_job: BackgroundCompile | None = None
+    # The decode mode that served the latest generation (auto resolved).
+    decode_served: str = ""
 
 
 def _state(worker: WorkerContext) -> HFInferState:
@@ -153,7 +158,7 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     if len(prompts) <= pool:
         order = list(range(len(prompts)))
-    mode = decode_mode(worker)
+    mode = _state(worker).decode_served = decode_mode(worker)
     routed = _returns_routing(worker, request)
     if routed and mode != "dynamic":
         log_once(
@@ -162,7 +167,7 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
             "to it while routing replay needs the rollout's routing",
             logging.WARNING,
         )
-        mode = "dynamic"
+        mode = _state(worker).decode_served = "dynamic"
     pad_id = tokenizer.pad_token_id
     with record_routing(worker.model) if routed else contextlib.nullcontext() as record:
         decode = (
@@ -195,8 +200,10 @@ def _returns_routing(worker: WorkerContext, request: GenerationRequest) -> bool:
 
 
 def decode_mode(worker: WorkerContext) -> str:
-    """``strategy_config.decode`` resolved: ``auto`` is ``compiled`` on a GPU, ``dynamic``
-    on the CPU; a model with other than full-attention layers decodes dynamically."""
+    """``strategy_config.decode`` resolved: ``auto`` is ``dynamic`` on the CPU, and on a GPU
+    ``cuda_graph`` until the compiled step built in the background is ready, then
+    ``compiled`` (:func:`auto_mode`); a model with other than full-attention layers decodes
+    dynamically."""
     mode = worker.config.decode
     on_gpu = is_cuda(worker)
     if _sharded(worker):
@@ -209,7 +216,7 @@ def decode_mode(worker: WorkerContext) -> str:
             )
         return "dynamic"
     if mode == "auto":
-        mode = "compiled" if on_gpu else "dynamic"
+        mode = auto_mode(worker)
     if mode == "cuda_graph" and not on_gpu:
         mode = "static"  # CUDA graphs need a GPU; the same fixed-shape step runs eagerly
     if mode != "dynamic" and not supports_static(worker.model):
@@ -221,6 +228,26 @@ def decode_mode(worker: WorkerContext) -> str:
         )
         mode = "dynamic"
     return mode
+
+
+# Devices where decode auto compiles in the background (on the CPU: static, then compiled); the
+# CPU tests add "cpu".
+BACKGROUND_COMPILE_DEVICES = ("cuda",)
+
+
+def auto_mode(worker: WorkerContext) -> str:
+    if torch.device(worker.device).type not in BACKGROUND_COMPILE_DEVICES:
+        return "dynamic"
+    job = _state(worker).compile_job
+    if job is None or not job.ready:
+        return "cuda_graph"
+    log_once(
+        LOG,
+        f"hf_infer: the compiled decode step is ready ({job.seconds:.0f} s in the background): "
+        "generations decode with it from now on",
+        logging.INFO,
+    )
+    return "compiled"
 
 
 def _drawer(mode: str, sampling: SamplingParams, generator: torch.Generator) -> Draw:
@@ -257,6 +284,12 @@ def _decode(
     width = max(len(p) for p in prompts)
     rows = min(pool, len(prompts))
     decoder = decoders.get(worker.model, rows, width + new_tokens, worker.device)
+    if worker.config.decode == "auto" and mode != "compiled" and state.compile_job is None:
+        from posttrain_hf_infer.background_compile import BackgroundCompile
+
+        state.compile_job = BackgroundCompile(
+            worker.model, settings, decoders.groups, worker.device
+        )
     return StaticDecode(decoder, pad_id, worker.device)
 
 
@@ -388,8 +421,14 @@ def release_memory(worker: WorkerContext, tags: list[str]) -> bool:
     config says so (``param_offload``; the memory plan resolves ``auto`` before the run)."""
     if worker.config.param_offload is True and "weights" in memory_tags(tags):
         # Captured decode graphs point at the weights' device memory, which the move frees;
-        # stacked projections would keep a device copy (they are stacked again after).
-        _state(worker).decoders = None
+        # stacked projections would keep a device copy (they are stacked again after). A
+        # compile in the background must not run its step on weights being moved: it stops,
+        # and the next generation starts another (a finished one stays: its code serves).
+        state = _state(worker)
+        if state.compile_job is not None and not state.compile_job.ready:
+            state.compile_job.stop()
+            state.compile_job = None
+        state.decoders = None
         unfuse_sibling_linears(worker.model)
         if is_cuda(worker):
             weights_to_host(worker.model, _state(worker).pinned)
@@ -444,6 +483,8 @@ def weights_to_device(model: torch.nn.Module, device: str | torch.device) -> Non
 
 def shutdown_worker(worker: WorkerContext) -> bool:
     state = _state(worker)
+    if state.compile_job is not None:
+        state.compile_job.stop()  # a daemon thread: the process's exit does not wait for it
     if state.tp_mesh is not None:
         state.tp_mesh = None
         end_process_group()

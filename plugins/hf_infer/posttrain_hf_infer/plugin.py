@@ -48,7 +48,10 @@ class HFInferConfig(ScoringOptions):
     # (static, with the step captured in a CUDA graph once per shape bucket and replayed;
     # static where there is no GPU), "compiled" (cuda_graph with the step through
     # torch.compile first and plain sampling fused: the fastest, after a compile at the first
-    # generation, 2 minutes at 1.5B). "auto": compiled on a GPU, dynamic on the CPU.
+    # generation, 2 minutes at 1.5B, which that generation waits for). "auto": on a GPU,
+    # cuda_graph while the compiled step is built on a background thread, then compiled from
+    # the generation after it is ready (the first rollout waits for no compile); dynamic on
+    # the CPU.
     decode: Literal["auto", "dynamic", "static", "cuda_graph", "compiled"] = "auto"
     # In the fixed-shape modes (static, cuda_graph, compiled), a row whose sample ended takes
     # the next prompt while the others go on (continuous batching); off, or with "dynamic",

@@ -36,15 +36,26 @@ finds most of it in torch's compile caches (49 s instead of 124). Compiling one 
 for all (``torch.compiler.nested_compile_region``) took 56 s, but the cache write inside the
 region made the rows static (torch 2.11-2.13): each rows bucket compiled again. The prefill, a
 new shape at every generation, stays eager.
+
+The compiled step runs on a view of the model (:func:`step_view`): its own module objects over
+the same parameters, its own config (the step's attention set once) and its own stacked
+projections, always active. The uncompiled paths switch the model's attention and projections
+inside a block (:func:`attention_of`, ``stacked_projections``): shared Python state that a
+compile on another thread (:mod:`~posttrain_hf_infer.background_compile`, what ``decode: auto``
+does on a GPU) would read half switched, and trace into its graph. Dynamo does not guard on the
+module objects: a view built later (after an offload) runs the same compiled code.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import functools
 import importlib.util
 import inspect
 import logging
+import threading
+import types
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -379,14 +390,93 @@ def decode_forward(
 StepForward = Callable[..., torch.Tensor]
 _compiled_forward: StepForward | None = None
 
+# The compiler backend behind the compiled step (the CPU tests take "eager": Dynamo's tracing,
+# guards and threads as on a GPU, without Inductor's minutes).
+STEP_BACKEND = "inductor"
+
+# Held while a graph is captured (by the thread deciding, :meth:`StaticDecoder._capture`) and
+# while a background compile's step runs on the device (:func:`gated_backend`), so the two
+# never overlap: that run autotunes Triton kernels (their benchmarking synchronises the
+# device), which a capture on another stream must not see. Reentrant: a compiled step is
+# captured while the lock is held. The compile's tracing and code generation, minutes on the
+# host, run without it.
+DEVICE_WORK = threading.RLock()
+# The background compile the current thread runs (background_compile.BackgroundCompile), if any.
+background = threading.local()
+
+
+def gated_backend(backend: str) -> Callable[..., Any]:
+    """The compiler backend ``backend``; the runs of what it compiles on a background compile's
+    thread are made by that compile (``BackgroundCompile.on_device``: under
+    :data:`DEVICE_WORK`, unless stopped), elsewhere they run as they are."""
+    from torch._dynamo import lookup_backend
+
+    def compile_graph(graph: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        compiled = lookup_backend(backend)(graph, example_inputs)
+
+        def run(*args: Any) -> Any:
+            job = getattr(background, "job", None)
+            if job is None:
+                return compiled(*args)
+            return job.on_device(compiled, args)
+
+        # The calling convention Dynamo uses (the arguments as one list, or spread) is the
+        # compiled function's: keep it.
+        run._boxed_call = getattr(compiled, "_boxed_call", False)  # type: ignore[attr-defined]
+        return run
+
+    return compile_graph
+
 
 def compiled_forward() -> StepForward:
     """:func:`decode_forward` through ``torch.compile``, shape-generic: one compiled function
-    for every decoder and window."""
+    for every decoder and window, on any thread."""
     global _compiled_forward
     if _compiled_forward is None:
-        _compiled_forward = torch.compile(decode_forward, fullgraph=True, dynamic=True)
+        _compiled_forward = torch.compile(
+            decode_forward, fullgraph=True, dynamic=True, backend=gated_backend(STEP_BACKEND)
+        )
     return _compiled_forward
+
+
+def step_view(model: PreTrainedModel, attention: str, groups: list[LinearGroup]) -> Any:
+    """A view of ``model`` for the compiled step (see the module docstring): a copy of each
+    module sharing its parameters and buffers (weight syncs and moves reach it), a copy of the
+    config with attention ``attention``, and copies of the stacked projections ``groups``
+    (their stacked weights shared), always active."""
+    from transformers import PretrainedConfig
+
+    _register_attention()  # the config's setter accepts registered names only
+    copied: dict[int, Any] = {}  # the config and its sub-configs, by the original's id
+    config = copy.deepcopy(model.config, copied)
+    config._attn_implementation = attention
+    views: dict[int, torch.nn.Module] = {}
+    own_groups: dict[int, LinearGroup] = {}
+
+    def view(module: torch.nn.Module) -> torch.nn.Module:
+        if id(module) in views:  # a module held twice stays one
+            return views[id(module)]
+        new = views[id(module)] = copy.copy(module)
+        new._parameters = dict(module._parameters)
+        new._buffers = dict(module._buffers)
+        new._modules = {
+            name: None if child is None else view(child) for name, child in module._modules.items()
+        }
+        for name, value in vars(module).items():
+            if isinstance(value, PretrainedConfig) and id(value) in copied:
+                setattr(new, name, copied[id(value)])
+            elif isinstance(value, types.MethodType) and value.__self__ is module:
+                # A forward set on the instance (a grouped projection's): bound to the copy.
+                setattr(new, name, types.MethodType(value.__func__, new))
+        group = getattr(module, "posttrain_group", None)
+        if group is not None:
+            if id(group) not in own_groups:
+                own = own_groups[id(group)] = LinearGroup(group.weight, group.bias, group.sizes)
+                own.active = True
+            new.posttrain_group = own_groups[id(group)]
+        return new
+
+    return view(model)
 
 
 _row_slot_layer: type[StaticLayer] | None = None
@@ -479,6 +569,8 @@ class StaticDecoder:
         self.groups = groups
         self.use_graph = settings.graph
         self.step_forward: StepForward = compiled_forward() if settings.compiled else decode_forward
+        # What the compiled step runs on (its own view, see the module docstring).
+        self.step_model = step_view(model, self.attention, groups) if settings.compiled else model
         # On the host: the latest query slot among the running rows, or later (exact after
         # :meth:`observe`): it picks the window without waiting for the GPU.
         self.latest_slot = 0
@@ -591,17 +683,38 @@ class StaticDecoder:
         """The first step of a window runs eagerly on a side stream (CUDA graphs' warm-up:
         libraries initialise lazily), then the same step is captured; capturing runs nothing,
         so the cache is as the eager step left it."""
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            logits = self._step_forward(window)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        # thread_local: work other threads of the process queue meanwhile is not an error.
-        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            output = self._step_forward(window)
+        if not DEVICE_WORK.acquire(blocking=False):
+            # A background compile's step is on the device: this step runs ungraphed, and the
+            # window is captured at a later step.
+            return self._step_forward(window)
+        try:
+            stream = torch.cuda.Stream()
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                logits = self._step_forward(window)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: work other threads of the process queue meanwhile (a background
+            # compile's tracing and code generation) is not an error.
+            with torch.cuda.graph(graph, capture_error_mode="thread_local"):
+                output = self._step_forward(window)
+        finally:
+            DEVICE_WORK.release()
         self.graphs[window] = (graph, output)
         return logits
+
+    def compiled_step(self, window: int) -> torch.Tensor:
+        """The one-token step through the compiled function, on the model's view."""
+        return self.step_forward(
+            self.step_model,
+            {self.cache_argument: self.cache},
+            self.visible,
+            self.slots,
+            self.token,
+            self.position,
+            self.current,
+            window,
+        )
 
     def _step_forward(self, window: int) -> torch.Tensor:
         args = self.token, self.position, self.current, window
@@ -610,7 +723,7 @@ class StaticDecoder:
         from torch._dynamo.exc import TorchDynamoException
 
         try:
-            return self._forward(*args, self.step_forward)
+            return self.compiled_step(window)
         except TorchDynamoException as error:
             # A model torch.compile cannot take whole (custom code it cannot trace): the same
             # step, uncompiled, still runs in the graph. Nothing ran before the failure.

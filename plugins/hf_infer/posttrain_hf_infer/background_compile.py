@@ -1,0 +1,157 @@
+"""``decode: auto`` on a GPU: the first generations decode with ``cuda_graph`` (graphs capture in
+seconds) while the compiled step (:func:`~posttrain_hf_infer.static_decode.compiled_forward`,
+2 minutes at 1.5B on an H200, cold) is built on a daemon thread; the generation that starts
+after it is ready decodes ``compiled`` (never a switch inside a generation). ``decode:
+compiled`` still compiles at its first generation, which waits.
+
+The thread compiles the one function every compiled decoder shares (shape-generic,
+``dynamic=True``) by running it on a small decoder of its own (its own cache and inputs, on the
+model's weights) for two windows: one shorter than the cache, one the whole cache (Dynamo
+specialises a slice that covers its whole tensor apart; with both traced, every later rows,
+cache length and window ran the same code). Nothing it computes is read.
+
+The thread and the generations share the device, the weights and Dynamo:
+
+- A capture (the generating thread's) and the thread's runs of the compiled step never
+  overlap (:data:`~posttrain_hf_infer.static_decode.DEVICE_WORK`): the first runs autotune
+  Triton kernels, whose benchmarking synchronises the device. A capture does not wait for the
+  lock: the step runs ungraphed and its window is captured at a later step. The compile's
+  tracing and code generation (the minutes, on the host) run beside captures; captures use
+  ``capture_error_mode="thread_local"``, under which another thread's CUDA calls do not fail
+  them (the default, ``global``, forbids them process-wide). The runs use a stream of their
+  own, synchronised before the lock is let go.
+- A weight sync copies into the weights in place between generations: a run of the thread's
+  step meanwhile reads half-synced weights, which is harmless (its output is discarded).
+- An offload moves the weights, under a run's feet: :meth:`BackgroundCompile.stop` (the
+  engine's ``release_memory`` calls it) waits for a run on the device, if one is in flight
+  (seconds), and no run starts after it; a compile in progress runs on to its end on the host
+  and is dropped (the next generation starts another, which finds the first's code in torch's
+  caches). Nothing waits for the compile itself: the thread is a daemon, and ``shutdown``
+  only stops it.
+- Dynamo compiles under a process-wide lock: another function compiled meanwhile (on the
+  generating thread) waits for this compile.
+
+A compile that fails is logged once, as a warning: the generations go on with ``cuda_graph``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import attrs
+import torch
+
+from posttrain_hf_infer import static_decode
+from posttrain_hf_infer.static_decode import DEVICE_WORK, LENGTH_BUCKET, ROWS_BUCKET, StaticDecoder
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from posttrain_hf_infer.fused_linears import LinearGroup
+    from posttrain_hf_infer.static_decode import DecodeSettings
+
+LOG = logging.getLogger(__name__)
+
+# The thread's decoder: rows and cache slots all different (Dynamo would make equal sizes one
+# symbol, and the compiled code would serve only shapes where they are equal).
+WARM_ROWS = ROWS_BUCKET
+WARM_LENGTH = 2 * LENGTH_BUCKET
+
+
+class Stopped(Exception):
+    """The compile was stopped (:meth:`BackgroundCompile.stop`) before its step ran."""
+
+
+class BackgroundCompile:
+    """The compiled step built on a daemon thread (see the module docstring), started at once.
+    ``settings``: those of the compiled decoders to come (the thread's decoder runs them
+    ungraphed); ``groups``: the model's stacked projections."""
+
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        settings: DecodeSettings,
+        groups: list[LinearGroup],
+        device: torch.device | str,
+    ) -> None:
+        self.model, self.groups, self.device = model, groups, torch.device(device)
+        self.settings = attrs.evolve(settings, graph=False, compiled=True)
+        self.started = time.monotonic()
+        self.seconds: float | None = None  # the compile's wall time, once it is ready
+        self.error: BaseException | None = None
+        self._stopped = False
+        self._finished = threading.Event()
+        self._thread = threading.Thread(
+            target=self._run, name="hf_infer-decode-compile", daemon=True
+        )
+        self._thread.start()
+
+    @property
+    def ready(self) -> bool:
+        """Whether the compiled step is built (and ran)."""
+        return self.seconds is not None
+
+    @property
+    def finished(self) -> bool:
+        """Whether the thread is done: ready, failed or stopped."""
+        return self._finished.is_set()
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Wait for the thread to finish, at most ``timeout`` seconds; whether it did."""
+        return self._finished.wait(timeout)
+
+    def stop(self) -> None:
+        """No run of the step on the device after this (it waits for one in flight)."""
+        with DEVICE_WORK:
+            self._stopped = True
+
+    def on_device(self, compiled: Callable[..., Any], args: tuple[Any, ...]) -> Any:
+        """Run the compiled step (on the thread): under the device lock, unless stopped, and
+        finished on the device before the lock is let go."""
+        with DEVICE_WORK:
+            if self._stopped:
+                raise Stopped
+            out = compiled(*args)
+            if self.device.type == "cuda":
+                torch.cuda.current_stream().synchronize()
+            return out
+
+    def _run(self) -> None:
+        static_decode.background.job = self
+        try:
+            with torch.no_grad(), self._stream():
+                with DEVICE_WORK:  # its cache's allocations, out of any capture's way
+                    if self._stopped:
+                        return
+                    decoder = StaticDecoder(
+                        self.model, WARM_ROWS, WARM_LENGTH, self.device, self.settings, self.groups
+                    )
+                for window in (WARM_LENGTH // 2, WARM_LENGTH):
+                    decoder.compiled_step(window)
+            self.seconds = time.monotonic() - self.started
+        except Stopped:
+            LOG.debug("hf_infer: the background compile of the decode step was stopped")
+        except Exception as error:  # a failure anywhere in torch.compile: the run goes on
+            self.error = error
+            LOG.warning(
+                "hf_infer: the decode step did not compile in the background (%s: %s): "
+                "generations go on decoding with cuda_graph",
+                type(error).__name__,
+                error,
+            )
+        finally:
+            static_decode.background.job = None
+            self._finished.set()
+
+    def _stream(self) -> Any:
+        """The thread's device and a stream of its own (its runs queue beside the
+        generation's, not behind them), or nothing on the CPU."""
+        if self.device.type != "cuda":
+            return contextlib.nullcontext()
+        torch.cuda.set_device(self.device)
+        return torch.cuda.stream(torch.cuda.Stream(self.device))

@@ -1,0 +1,155 @@
+"""hf_infer's ``decode: auto`` on a GPU (background_compile): generations decode uncompiled while
+the compiled step is built on a thread, then compiled. On the CPU, with the CPU let in
+(``BACKGROUND_COMPILE_DEVICES``): the static step (the graphed one's code) while a real
+``torch.compile`` (Dynamo, with the ``eager`` backend in place of Inductor) runs on the thread."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import threading
+
+import pytest
+import torch
+
+from posttrain.protocol import GenerationRequest, SamplingParams
+from posttrain.testing.batches import PROMPTS
+
+
+@pytest.fixture
+def auto_on_cpu(hf_infer_settings, monkeypatch):
+    """The session's engine with ``decode: auto`` compiling in the background on the CPU, a
+    compiled function of its own (eager backend: its own entries in Dynamo's cache) and the
+    main thread's compiled steps counted; the job dropped at the end."""
+    from posttrain_hf_infer import engine, static_decode
+    from posttrain_hf_infer.engine import HFInferState
+
+    monkeypatch.setattr(engine, "BACKGROUND_COMPILE_DEVICES", ("cpu",))
+    monkeypatch.setattr(static_decode, "STEP_BACKEND", "eager")
+    monkeypatch.setattr(static_decode, "_compiled_forward", None)
+    main_steps: list[int] = []
+    compiled_step = static_decode.StaticDecoder.compiled_step
+
+    def counted(self, window):
+        if threading.current_thread() is threading.main_thread():
+            main_steps.append(window)
+        return compiled_step(self, window)
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "compiled_step", counted)
+    with hf_infer_settings(decode="auto") as worker:
+        state = worker.engine_state(HFInferState)
+        try:
+            yield worker, state, main_steps
+        finally:
+            if state.compile_job is not None:
+                state.compile_job.stop()
+                state.compile_job.wait(30)
+            state.compile_job = None
+
+
+def generate(worker, sampling, seed=3):
+    from posttrain_hf_infer import engine
+
+    request = GenerationRequest(prompt_ids=PROMPTS[:3], sampling=sampling, seed=seed)
+    return engine.generate(worker, request)
+
+
+# Sampled (top-k: the general sampling in every mode, so the same seed draws alike).
+SAMPLING = SamplingParams(n=2, max_new_tokens=9, temperature=1.0, top_k=20)
+
+
+def test_auto_decodes_uncompiled_then_compiled_once_the_compile_is_done(auto_on_cpu):
+    worker, state, main_steps = auto_on_cpu
+    first = generate(worker, SAMPLING)
+    assert state.decode_served == "static"  # cuda_graph on a GPU
+    assert main_steps == []
+    job = state.compile_job
+    assert job is not None and job.wait(60)
+    assert job.ready and job.error is None and job.seconds > 0
+    second = generate(worker, SAMPLING)
+    assert state.decode_served == "compiled"
+    assert main_steps  # the steps ran the compiled function, on the generating thread
+    assert second.response_ids == first.response_ids
+    for x, y in zip(second.response_logprobs, first.response_logprobs):
+        assert x == pytest.approx(y, abs=1e-5)
+
+
+def test_a_compile_that_fails_leaves_the_engine_decoding(auto_on_cpu, monkeypatch, caplog):
+    from posttrain_hf_infer import static_decode
+
+    def broken(*args):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr(static_decode, "compiled_forward", lambda: broken)
+    worker, state, _ = auto_on_cpu
+    with caplog.at_level(logging.WARNING):
+        first = generate(worker, SAMPLING)
+        assert state.compile_job is not None and state.compile_job.wait(30)
+        second = generate(worker, SAMPLING)
+    assert state.compile_job.error is not None and not state.compile_job.ready
+    assert state.decode_served == "static"
+    assert second == first
+    warnings = [r for r in caplog.records if "did not compile in the background" in r.message]
+    assert len(warnings) == 1 and "no compiler here" in warnings[0].message
+
+
+def test_a_stopped_compile_runs_nothing(auto_on_cpu, monkeypatch):
+    """release_memory's path: stopped while compiling, the thread runs nothing on the device."""
+    from posttrain_hf_infer import background_compile, static_decode
+
+    worker, state, _ = auto_on_cpu
+    hold = threading.Event()
+    step = static_decode.StaticDecoder.compiled_step
+
+    def held(self, window):
+        if threading.current_thread() is not threading.main_thread():
+            hold.wait(30)
+        return step(self, window)
+
+    monkeypatch.setattr(static_decode.StaticDecoder, "compiled_step", held)
+    ran: list[str] = []
+    monkeypatch.setattr(
+        background_compile.BackgroundCompile, "on_device", _record(ran, background_compile)
+    )
+    generate(worker, SAMPLING)
+    job = state.compile_job
+    job.stop()
+    hold.set()
+    assert job.wait(30) and not job.ready and job.error is None
+    assert ran == ["stopped"]
+
+
+def _record(ran: list[str], module):
+    on_device = module.BackgroundCompile.on_device
+
+    def record(self, compiled, args):
+        with contextlib.suppress(module.Stopped):
+            return on_device(self, compiled, args)
+        ran.append("stopped")
+        raise module.Stopped
+
+    return record
+
+
+def test_the_step_view_shares_the_weights_not_the_switches(hf_infer_settings):
+    """The compiled step's view: the model's parameters, its own attention and projections."""
+    from posttrain_hf_infer import static_decode
+    from posttrain_hf_infer.fused_linears import fuse_sibling_linears, stacked_projections
+
+    with hf_infer_settings() as worker:
+        model = worker.model
+        groups = fuse_sibling_linears(model)
+        view = static_decode.step_view(model, static_decode.ATTENTION, groups)
+        assert view is not model and view.config is not model.config
+        assert view.config._attn_implementation == static_decode.ATTENTION
+        assert model.config._attn_implementation != static_decode.ATTENTION
+        ours = dict(model.named_parameters())
+        assert all(p is ours[name] for name, p in view.named_parameters())
+        assert all(not g.active for g in groups)
+        ids = torch.tensor([PROMPTS[0]])
+        with torch.no_grad():
+            ran = view(input_ids=ids).logits
+            attention = static_decode.attention_of(model, static_decode.ATTENTION)
+            with attention, stacked_projections(groups):
+                switched = model(input_ids=ids).logits
+        assert torch.equal(ran, switched)
