@@ -8,7 +8,8 @@ The thread compiles the one function every compiled decoder shares (shape-generi
 ``dynamic=True``) by running it on a small decoder of its own (its own cache and inputs, on the
 model's weights) for two windows: one shorter than the cache, one the whole cache (Dynamo
 specialises a slice that covers its whole tensor apart; with both traced, every later rows,
-cache length and window ran the same code). Nothing it computes is read.
+cache length and window ran the same code). On a GPU it then builds the compiled decode's fused
+sampling kernel (``gumbel_draw``, Triton) too. Nothing it computes is read.
 
 The thread and the generations share the device, the weights and Dynamo:
 
@@ -132,7 +133,9 @@ class BackgroundCompile:
                         self.model, WARM_ROWS, WARM_LENGTH, self.device, self.settings, self.groups
                     )
                 for window in (WARM_LENGTH // 2, WARM_LENGTH):
-                    decoder.compiled_step(window)
+                    logits = decoder.compiled_step(window)
+                if self.device.type == "cuda":
+                    self._warm_sampling(logits)
             self.seconds = time.monotonic() - self.started
         except Stopped:
             LOG.debug("hf_infer: the background compile of the decode step was stopped")
@@ -147,6 +150,17 @@ class BackgroundCompile:
         finally:
             static_decode.background.job = None
             self._finished.set()
+
+    def _warm_sampling(self, logits: torch.Tensor) -> None:
+        """The compiled decode's fused sampling on a GPU (``gumbel_draw``: a Triton kernel, built
+        at its first call), built here rather than in the generation that switches."""
+        from posttrain_hf_infer.token_sampling import gumbel_draw
+
+        with DEVICE_WORK:
+            if self._stopped:
+                raise Stopped
+            gumbel_draw(logits, 1.0, torch.Generator(self.device))
+            torch.cuda.current_stream().synchronize()
 
     def _stream(self) -> Any:
         """The thread's device and a stream of its own (its runs queue beside the
