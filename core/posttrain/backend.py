@@ -42,6 +42,9 @@ _PUBLIC = {
     "RoutingReplay": "posttrain.training.routing_replay",
     "model_experts": "posttrain.training.routing_replay",
     "routing_replay_problem": "posttrain.training.routing_replay",
+    "OldPolicyRouting": "posttrain.training.routing_replay",
+    "scoring_forward": "posttrain.training.routing_replay",
+    "update_forward": "posttrain.training.routing_replay",
     # Models and tokenizers
     "DTYPES": "posttrain.backends.models",
     "HEAD_WEIGHT": "posttrain.backends.models",
@@ -216,6 +219,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     )
     from posttrain.training.routing_replay import (
         ROUTING_KEY,
+        OldPolicyRouting,
         RoutingRecord,
         RoutingReplay,
         model_experts,
@@ -225,4 +229,6 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         routing_dtype,
         routing_geometry,
         routing_replay_problem,
+        scoring_forward,
+        update_forward,
     )

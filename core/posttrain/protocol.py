@@ -254,11 +254,11 @@ def build_sequence_batch(
     if policy_versions is not None:
         tensors["policy_version"] = _response_tensor(prompt_ids, policy_versions, width)
     if routing is not None:
-        tensors["routing"] = _routing_tensor(routing, lengths, width)
+        tensors["routing"] = routing_tensor(routing, lengths, width)
     return SequenceBatch(tensors)
 
 
-def _routing_tensor(rows: list[torch.Tensor], lengths: list[int], width: int) -> torch.Tensor:
+def routing_tensor(rows: list[torch.Tensor], lengths: list[int], width: int) -> torch.Tensor:
     """Per-sample ``[tokens, moe_layers, k]`` routing in one right-padded
     ``[rows, width, moe_layers, k]`` tensor (its dtype kept)."""
     import torch

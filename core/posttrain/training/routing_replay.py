@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     import torch
 
     from posttrain.config.sections import Workflow
+    from posttrain.launch.worker import WorkerContext
     from posttrain.protocol import SequenceBatch
 
 # The SequenceBatch tensor of each token's routing: [B, T, moe_layers, k].
@@ -231,6 +232,132 @@ def replay_routing(
     finally:
         for handle in handles:
             handle.remove()
+
+
+# --------------------------------------------------------------------------------------------
+# The passes of an HF trainer (fsdp2_train, deepspeed_train) under algorithm.routing_replay
+# --------------------------------------------------------------------------------------------
+
+
+def replay_mode(worker: WorkerContext) -> str:
+    """The workflow's ``algorithm.routing_replay`` as this rank sees it (off without one)."""
+    return getattr(worker.algorithm, "routing_replay", "off") if worker.algorithm else "off"
+
+
+class OldPolicyRouting:
+    """``routing_replay: old_policy``: the routing the trainer's old-policy pass recorded, by
+    each row's tokens, until the update replays it. By tokens, not by row: the update's
+    mini-batches may give a rank rows another rank scored (then the ranks pool theirs)."""
+
+    def __init__(self) -> None:
+        self.rows: dict[bytes, torch.Tensor] = {}
+
+    @contextlib.contextmanager
+    def recording(
+        self, model: torch.nn.Module, forward: Callable[[SequenceBatch], Any]
+    ) -> Iterator[Callable[[SequenceBatch], Any]]:
+        """``forward`` recording each real row's routing (this pass's replaces the last's)."""
+        self.rows = {}
+        with record_routing(model) as record:
+
+            def recorded(mb: SequenceBatch) -> Any:
+                out = forward(mb)
+                taken = record.take().cpu()
+                routing = taken.view(*mb.input_ids.shape, *taken.shape[1:])
+                lengths = mb.attention_mask.sum(dim=1).tolist()
+                for row, length in enumerate(lengths):
+                    self.rows[_row_key(mb.input_ids[row, : int(length)])] = routing[
+                        row, : int(length)
+                    ]
+                return out
+
+            yield recorded
+
+    def attach(self, batch: SequenceBatch, device: torch.device | str) -> SequenceBatch:
+        """``batch`` with the recorded ``routing`` of its rows (pooled over the default group's
+        ranks when one of them lacks a row)."""
+        from posttrain.backends.distributed import agree_max
+
+        keys = [_row_key(ids) for ids in _rows(batch)]
+        if agree_max(int(any(k not in self.rows for k in keys)), device):
+            import torch.distributed as dist
+
+            pooled: list[dict[bytes, torch.Tensor]] = [{}] * dist.get_world_size()
+            dist.all_gather_object(pooled, self.rows)
+            for rows in pooled:
+                self.rows.update(rows)
+        missing = sum(k not in self.rows for k in keys)
+        if missing:
+            raise RuntimeError(
+                f"routing replay (old_policy): {missing} of {len(keys)} rows of the update were "
+                "not scored by the old-policy pass"
+            )
+        from posttrain.protocol import routing_tensor
+
+        lengths = batch.attention_mask.sum(dim=1).tolist()
+        routing = routing_tensor([self.rows[k] for k in keys], lengths, batch.input_ids.shape[1])
+        return batch.with_tensors(**{ROUTING_KEY: routing})
+
+
+def _rows(batch: SequenceBatch) -> list[torch.Tensor]:
+    lengths = batch.attention_mask.sum(dim=1).tolist()
+    return [batch.input_ids[i, : int(n)] for i, n in enumerate(lengths)]
+
+
+def _row_key(ids: torch.Tensor) -> bytes:
+    import torch
+
+    return ids.to(device="cpu", dtype=torch.int64).numpy().tobytes()
+
+
+@contextlib.contextmanager
+def scoring_forward(
+    worker: WorkerContext,
+    model: torch.nn.Module,
+    forward: Callable[[SequenceBatch], Any],
+    old_policy: OldPolicyRouting | None = None,
+) -> Iterator[Callable[[SequenceBatch], Any]]:
+    """The forward of a log-prob pass under the workflow's routing replay: ``rollout``
+    replays the batch's routing (the old-policy and reference passes); ``old_policy`` records
+    it into ``old_policy`` (the trainer's old-policy pass; None for other roles); else
+    ``forward`` as it is."""
+    mode = replay_mode(worker)
+    if mode == "rollout":
+        with replay_routing(model) as replay:
+            yield replay.forward(forward)
+    elif mode == "old_policy" and old_policy is not None:
+        with old_policy.recording(model, forward) as recorded:
+            yield recorded
+    else:
+        yield forward
+
+
+@contextlib.contextmanager
+def update_forward(
+    worker: WorkerContext,
+    model: torch.nn.Module,
+    batch: SequenceBatch,
+    forward: Callable[[SequenceBatch], Any],
+    old_policy: OldPolicyRouting,
+    device: torch.device | str,
+) -> Iterator[tuple[SequenceBatch, Callable[[SequenceBatch], Any]]]:
+    """The update's batch and forward under the workflow's routing replay (keep it open
+    through the backward passes): ``rollout`` replays the batch's routing, ``old_policy`` the
+    old-policy pass's (none when the old log-probs come from the rollout: the update's first
+    forward is the old policy's, routing alike)."""
+    mode = replay_mode(worker)
+    algorithm = worker.algorithm
+    if mode == "off" or (
+        mode == "old_policy"
+        and algorithm is not None
+        and algorithm.old_logprobs_source() == "rollout"
+    ):
+        yield batch, forward
+        return
+    if mode == "old_policy":
+        batch = old_policy.attach(batch, device)
+    with replay_routing(model) as replay:
+        yield batch, replay.forward(forward)
 
 
 # --------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ from posttrain import PosttrainError, SequenceBatch, WeightBucket, bucketize
 from posttrain.backend import (
     LORA_RECORD,
     HashingStream,
+    OldPolicyRouting,
     accumulate_gradients,
     adamw,
     check_lora_record,
@@ -67,9 +68,11 @@ from posttrain.backend import (
     score_rows,
     score_sequences,
     score_values,
+    scoring_forward,
     sequence_scores,
     settle_cuda,
     torch_dtype,
+    update_forward,
     write_lora_adapter,
 )
 from posttrain_fsdp import lora
@@ -103,6 +106,8 @@ class FSDPState:
     checkpoint_buffers: HostBuffers | None = None
     checkpoint_group: dist.ProcessGroup | None = None
     background_save: BackgroundSave | None = None
+    # routing_replay: old_policy: the old-policy pass's routing, until the update replays it.
+    old_routing: OldPolicyRouting = attrs.field(factory=OldPolicyRouting)
 
 
 # --------------------------------------------------------------------------------------------
@@ -230,13 +235,20 @@ def train_step(
     if optimizer is None or scheduler is None:
         raise PosttrainError(f"fsdp: role {worker.role} ({worker.strategy_name}) does not train")
     model.train()
-    metrics = accumulate_gradients(
-        worker,
+    forward = logprob_forward(worker, model, train=True)
+    device = rank_device(worker)
+    # Open through the backward passes: checkpointed layers replay the routing again.
+    with update_forward(worker, model, batch, forward, state.old_routing, device) as (
         batch,
-        forward=logprob_forward(worker, model, train=True),
-        backward=lambda loss: loss.backward(),
-        loss_fn=loss_fn,
-    )
+        forward,
+    ):
+        metrics = accumulate_gradients(
+            worker,
+            batch,
+            forward=forward,
+            backward=lambda loss: loss.backward(),
+            loss_fn=loss_fn,
+        )
 
     grad_norm = _clip_grad_norm(model, worker.require_training_args().max_grad_norm)
     lr = float(scheduler.get_last_lr()[0])
@@ -278,12 +290,17 @@ def _score(
 
 
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
-    actor = worker.engine_state(FSDPState).lender
-    forward = logprob_forward(worker, worker.model, train=False)
-    if actor is None:
-        return _score(worker, batch, score_logprobs, forward)
-    with _resident(actor), worker.model.disable_adapter():
-        return _score(worker, batch, score_logprobs, forward)
+    state = worker.engine_state(FSDPState)
+    actor = state.lender
+    model = worker.model
+    forward = logprob_forward(worker, model, train=False)
+    # The trainer's own pass is the old policy's (routing_replay: old_policy records it).
+    old_policy = state.old_routing if worker.strategy_name == TRAIN else None
+    with scoring_forward(worker, model, forward, old_policy) as forward:
+        if actor is None:
+            return _score(worker, batch, score_logprobs, forward)
+        with _resident(actor), model.disable_adapter():
+            return _score(worker, batch, score_logprobs, forward)
 
 
 @contextlib.contextmanager

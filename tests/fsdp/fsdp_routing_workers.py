@@ -1,0 +1,187 @@
+"""Rank function of the routing-replay test (tests/fsdp/test_fsdp_routing_replay.py), run in a
+spawned process: fsdp2_train and hf_infer on the tiny MoE preset, in one process as in the
+hybrid engine, weights synced in process."""
+
+from __future__ import annotations
+
+import os
+
+MOE = "preset:tiny-qwen3-moe"
+
+
+def _runtimes(rank: int, world_size: int, dtype: str, infer_dtype: str):
+    import attrs
+    from fsdp_workers import hook_relay
+
+    import posttrain_hf_infer.plugin
+    from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
+    from posttrain.launch.worker import WorkerContext, WorkerRuntime
+    from posttrain.testing.groups import engine_hook_relay
+    from posttrain_fsdp.plugin import FSDP2TrainConfig
+    from posttrain_hf_infer.plugin import HFInferConfig
+
+    model_args = ModelArgs(model_name_or_path=MOE, dtype=dtype)
+    algorithm = AlgorithmConfig(routing_replay="rollout", old_logprobs="recompute")
+    train = WorkerContext(
+        role="actor_train",
+        strategy_name="fsdp2_train",
+        # One scoring pass over the whole batch (its rows in order: they are equally long).
+        config=FSDP2TrainConfig(micro_batch_size=8, logprob_micro_batch_size=64),
+        model_args=model_args,
+        training_args=TrainingArgs(learning_rate=1e-2, max_steps=10),
+        rank=rank,
+        world_size=world_size,
+        algorithm=algorithm,
+        hook=hook_relay(),
+    )
+    infer = WorkerContext(
+        role="actor_infer",
+        strategy_name="hf_infer",
+        config=HFInferConfig(),
+        model_args=attrs.evolve(model_args, dtype=infer_dtype),
+        rank=rank,
+        world_size=world_size,
+        algorithm=algorithm,
+        hook=engine_hook_relay(posttrain_hf_infer.plugin.plugin, "hf_infer"),
+    )
+    runtimes = []
+    for ctx in (train, infer):
+        runtime = WorkerRuntime(ctx)
+        runtime.setup()
+        runtimes.append(runtime)
+    return runtimes
+
+
+def _rollout(infer, seed: int):
+    import torch
+
+    from posttrain import GenerationRequest, SamplingParams
+    from posttrain.protocol import build_sequence_batch
+    from posttrain.testing.batches import PROMPTS
+
+    # Equal prompt lengths and ignore_eos: every row is as long, one micro-batch in order.
+    sampling = SamplingParams(n=4, max_new_tokens=3, ignore_eos=True)
+    samples = infer.generate(GenerationRequest(prompt_ids=PROMPTS, sampling=sampling, seed=seed))
+    batch = build_sequence_batch(
+        samples.prompt_ids,
+        samples.response_ids,
+        0,
+        samples.response_logprobs,
+        routing=samples.routing,
+    )
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(len(batch), 1, generator=g).expand_as(batch.response_mask)
+    batch = batch.with_tensors(
+        advantages=adv * batch.response_mask, old_logprobs=batch["rollout_logprobs"]
+    )
+    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=len(batch))
+    return batch
+
+
+def _gap(trainer, rollout, mask) -> dict[str, float]:
+    diff = (trainer - rollout).abs() * mask
+    return {"mean": float(diff.sum() / mask.sum()), "max": float(diff.max())}
+
+
+def _experts_used(model):
+    """Per MoE layer, the ids its experts were called with (pre-hooks; remove the handles)."""
+    used: list = []
+    blocks = [m for m in model.modules() if hasattr(m, "experts") and hasattr(m, "gate")]
+    handles = [
+        block.experts.register_forward_pre_hook(lambda m, args: used.append(args[1].clone()))
+        for block in blocks
+    ]
+    return used, handles
+
+
+def _routers(model):
+    from posttrain.backend import moe_routers
+
+    return moe_routers(model)
+
+
+def scenario_replay(
+    rank: int,
+    world_size: int,
+    out_dir: str,
+    dtype: str = "fp32",
+    infer_dtype: str = "fp32",
+):
+    """fsdp2_train in ``dtype`` and hf_infer in ``infer_dtype``: the log-prob gap without and
+    with replay; in fp32 also the update's replay and old_policy."""
+    import attrs
+    import torch
+
+    from posttrain.backend import record_routing
+    from posttrain_fsdp.engine import FSDPState
+
+    train, infer = _runtimes(rank, world_size, dtype, infer_dtype)
+    ctx = train.ctx
+    # A first step on the rollout's routing moves the weights away from the preset's; the sync
+    # gives them to the rollout engine.
+    train.train_step(_rollout(infer, seed=1))
+    train.export_begin(bucket_bytes=1 << 20)
+    buckets = []
+    while (bucket := train.export_next()) is not None:
+        buckets.append(bucket)
+    infer.import_weights(buckets)
+
+    batch = _rollout(infer, seed=2)
+    mask = batch.response_mask
+    out: dict = {"routing_dtype": str(batch["routing"].dtype)}
+    ctx.algorithm = attrs.evolve(ctx.algorithm, routing_replay="off")
+    out["gap_off"] = _gap(train.compute_logprobs(batch), batch["rollout_logprobs"], mask)
+    with torch.no_grad(), record_routing(ctx.model) as record:
+        ctx.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    own = record.take().view(*batch.input_ids.shape, *batch["routing"].shape[2:])
+    # The last token's routing is not the rollout's (never fed back): compare the others.
+    out["own_agreement"] = float(
+        (own[:, :-1].sort(-1).values == batch["routing"][:, :-1].long().sort(-1).values)
+        .all(-1)
+        .float()
+        .mean()
+    )
+
+    ctx.algorithm = attrs.evolve(ctx.algorithm, routing_replay="rollout")
+    used, handles = _experts_used(ctx.model)
+    logprobs = train.compute_logprobs(batch)
+    for handle in handles:
+        handle.remove()
+    out["gap_rollout"] = _gap(logprobs, batch["rollout_logprobs"], mask)
+    flat = batch["routing"].reshape(-1, *batch["routing"].shape[2:]).long()
+    out["trainer_used_recorded"] = len(used) == flat.shape[1] and all(
+        torch.equal(ids, flat[:, layer]) for layer, ids in enumerate(used)
+    )
+    if infer_dtype != "fp32":
+        torch.save(out, os.path.join(out_dir, f"replay_{dtype}_{infer_dtype}.pt"))
+        return
+    # Other ids replayed change the log-probs: the trainer's forward takes them.
+    shifted = (batch["routing"].long() + 1) % 8
+    other = train.compute_logprobs(batch.with_tensors(routing=shifted.to(torch.uint8)))
+    out["gap_shifted"] = _gap(other, batch["rollout_logprobs"], mask)
+
+    # The update replays too (gradient checkpointing recomputes the layers in backward).
+    routers = [
+        m.weight.detach().clone()
+        for m in ctx.model.modules()
+        if type(m).__name__.endswith("TopKRouter")
+    ]
+    out["update_rollout"] = train.train_step(batch)
+    after = [m.weight for m in ctx.model.modules() if type(m).__name__.endswith("TopKRouter")]
+    out["routers_moved"] = all(not torch.equal(a, b) for a, b in zip(after, routers))
+
+    # old_policy: the trainer's old-policy pass records, the update replays it.
+    ctx.algorithm = attrs.evolve(ctx.algorithm, routing_replay="old_policy")
+    plain = batch.with_tensors()
+    del plain.tensors["routing"]
+    old = train.compute_logprobs(plain)
+    recorded = ctx.engine_state(FSDPState).old_routing
+    out["old_policy_rows"] = len(recorded.rows)
+    attached = recorded.attach(plain, "cpu")["routing"]
+    with torch.no_grad(), record_routing(ctx.model) as record:
+        ctx.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    own = record.take().view(*batch.input_ids.shape, *batch["routing"].shape[2:])
+    out["old_policy_attached_own"] = bool(torch.equal(attached.long(), own))
+    out["update_old_policy"] = train.train_step(plain.with_tensors(old_logprobs=old))
+    if rank == 0:
+        torch.save(out, os.path.join(out_dir, f"replay_{dtype}_{infer_dtype}.pt"))
