@@ -9,6 +9,7 @@ import contextlib
 import logging
 import threading
 
+import attrs
 import pytest
 import torch
 
@@ -93,9 +94,9 @@ def test_a_compile_that_fails_leaves_the_engine_decoding(auto_on_cpu, monkeypatc
     assert len(warnings) == 1 and "no compiler here" in warnings[0].message
 
 
-def test_a_stopped_compile_runs_nothing(auto_on_cpu, monkeypatch):
-    """release_memory's path: stopped while compiling, the thread runs nothing on the device."""
-    from posttrain_hf_infer import background_compile, static_decode
+def test_an_offload_stops_the_compile_before_it_runs_anything(auto_on_cpu, monkeypatch):
+    """An offload while compiling stops the thread: it runs nothing on the device."""
+    from posttrain_hf_infer import background_compile, engine, static_decode
 
     worker, state, _ = auto_on_cpu
     hold = threading.Event()
@@ -113,7 +114,10 @@ def test_a_stopped_compile_runs_nothing(auto_on_cpu, monkeypatch):
     )
     generate(worker, SAMPLING)
     job = state.compile_job
-    job.stop()
+    worker.config = attrs.evolve(worker.config, param_offload=True)
+    engine.release_memory(worker, ["weights"])  # on the CPU the weights stay where they are
+    engine.resume_memory(worker, ["weights"])
+    assert state.compile_job is None  # the next generation starts another
     hold.set()
     assert job.wait(30) and not job.ready and job.error is None
     assert ran == ["stopped"]

@@ -32,6 +32,13 @@ The thread and the generations share the device, the weights and Dynamo:
 - Dynamo compiles under a process-wide lock: another function compiled meanwhile (on the
   generating thread) waits for this compile.
 
+- SDPA's backends are process-wide flags: a step whose attention is cuDNN's by
+  ``sdpa_kernel`` (``decode_attention: cudnn``, or ``auto`` where only cuDNN serves) switches
+  them while Dynamo traces it, under a generation's SDPA calls. Such a step does not compile in
+  the background (:func:`compiles_in_background`): ``auto`` compiles it first, as
+  ``compiled``. The default on Hopper, the attention chosen by the rows, runs the Triton kernel
+  in the thread (:func:`~posttrain_hf_infer.static_decode.decode_attention_by_rows`).
+
 A compile that fails is logged once, as a warning: the generations go on with ``cuda_graph``.
 """
 
@@ -48,7 +55,14 @@ import attrs
 import torch
 
 from posttrain_hf_infer import static_decode
-from posttrain_hf_infer.static_decode import DEVICE_WORK, LENGTH_BUCKET, ROWS_BUCKET, StaticDecoder
+from posttrain_hf_infer.static_decode import (
+    CUDNN_ATTENTION,
+    DEVICE_WORK,
+    LENGTH_BUCKET,
+    ROWS_BUCKET,
+    StaticDecoder,
+    step_attention,
+)
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -62,6 +76,12 @@ LOG = logging.getLogger(__name__)
 # symbol, and the compiled code would serve only shapes where they are equal).
 WARM_ROWS = ROWS_BUCKET
 WARM_LENGTH = 2 * LENGTH_BUCKET
+
+
+def compiles_in_background(model: PreTrainedModel, attention: str, device: torch.device) -> bool:
+    """Whether the step of ``decode_attention: attention`` compiles in the background (see the
+    module docstring: not where its attention switches SDPA's backends)."""
+    return step_attention(attention, model, device) != CUDNN_ATTENTION
 
 
 class Stopped(Exception):
@@ -80,7 +100,11 @@ class BackgroundCompile:
         groups: list[LinearGroup],
         device: torch.device | str,
     ) -> None:
-        self.model, self.groups, self.device = model, groups, torch.device(device)
+        device = torch.device(device)
+        if device.type == "cuda" and device.index is None:
+            # The thread's current device is its own: it sets this one (an index).
+            device = torch.device("cuda", torch.cuda.current_device())
+        self.model, self.groups, self.device = model, groups, device
         self.settings = attrs.evolve(settings, graph=False, compiled=True)
         self.started = time.monotonic()
         self.seconds: float | None = None  # the compile's wall time, once it is ready
@@ -140,6 +164,9 @@ class BackgroundCompile:
         except Stopped:
             LOG.debug("hf_infer: the background compile of the decode step was stopped")
         except Exception as error:  # a failure anywhere in torch.compile: the run goes on
+            if self._stopped:  # the weights moved under the tracing: the engine dropped it
+                LOG.debug("hf_infer: a stopped background compile failed: %s", error)
+                return
             self.error = error
             LOG.warning(
                 "hf_infer: the decode step did not compile in the background (%s: %s): "

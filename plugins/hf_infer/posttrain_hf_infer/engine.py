@@ -43,6 +43,7 @@ from posttrain.backend import (
     shifted_token_logprobs,
     unshare_storage,
 )
+from posttrain_hf_infer.background_compile import BackgroundCompile, compiles_in_background
 from posttrain_hf_infer.decode_loop import DynamicDecode, StaticDecode, sample_rows
 from posttrain_hf_infer.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
 from posttrain_hf_infer.routing import RoutedDecode
@@ -54,7 +55,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
     from posttrain import WorkerContext
-    from posttrain_hf_infer.background_compile import BackgroundCompile
     from posttrain_hf_infer.token_sampling import Draw
 
 LOG = logging.getLogger(__name__)
@@ -239,6 +239,10 @@ def auto_mode(worker: WorkerContext) -> str:
     if torch.device(worker.device).type not in BACKGROUND_COMPILE_DEVICES:
         return "dynamic"
     job = _state(worker).compile_job
+    if job is None and not compiles_in_background(
+        worker.model, worker.config.decode_attention, torch.device(worker.device)
+    ):
+        return "compiled"
     if job is None or not job.ready:
         return "cuda_graph"
     log_once(
@@ -285,8 +289,6 @@ def _decode(
     rows = min(pool, len(prompts))
     decoder = decoders.get(worker.model, rows, width + new_tokens, worker.device)
     if worker.config.decode == "auto" and mode != "compiled" and state.compile_job is None:
-        from posttrain_hf_infer.background_compile import BackgroundCompile
-
         state.compile_job = BackgroundCompile(
             worker.model, settings, decoders.groups, worker.device
         )

@@ -218,8 +218,11 @@ def decode_attention_by_rows(
     """:func:`decode_by_rows`'s choice as an operator, made at each call (a graphed step's: at
     its capture), not in the compiled step: a choice made there is one of the compiled graph's
     guards, and a decoder with the other kernel (a later request with fewer rows) compiled the
-    step again (2 minutes at 1.5B on an H200)."""
-    if triton_prefers(query.shape[0], key.shape[1], query.device):
+    step again (2 minutes at 1.5B on an H200). A background compile's runs take the Triton
+    kernel: cuDNN's is chosen by switching SDPA's backends, process-wide flags that the
+    generating thread's SDPA calls read meanwhile (their output is not read: either serves)."""
+    on_background = getattr(background, "job", None) is not None
+    if on_background or triton_prefers(query.shape[0], key.shape[1], query.device):
         from posttrain_hf_infer.decode_attention_kernel import decode_attention
 
         return decode_attention(query, key, value, mask, scale)
