@@ -10,7 +10,7 @@ import torch
 
 
 def _run(tmp_path_factory, infer_dtype: str) -> dict:
-    from fsdp_routing_workers import MOE
+    from routing_replay_workers import MOE
 
     from posttrain.tasks.presets import preset_path
     from posttrain.testing.spawn import run_ranks
@@ -18,13 +18,13 @@ def _run(tmp_path_factory, infer_dtype: str) -> dict:
     preset_path(MOE)  # built once, before the rank starts
     out = tmp_path_factory.mktemp("fsdp-routing")
     run_ranks(
-        "fsdp_routing_workers:scenario_replay",
+        "routing_replay_workers:scenario_replay",
         1,
         str(out),
         timeout=240.0,
         infer_dtype=infer_dtype,
     )
-    return torch.load(out / f"replay_fp32_{infer_dtype}.pt", weights_only=False)
+    return torch.load(out / f"replay_fsdp2_train_{infer_dtype}.pt", weights_only=False)
 
 
 @pytest.fixture(scope="module")
@@ -74,3 +74,21 @@ def test_old_policy_replays_the_old_policy_pass(replay):
     assert replay["old_policy_rows"] >= 1
     assert replay["old_policy_attached_own"]
     assert replay["update_old_policy"]["actor/grad_norm"] > 0
+
+
+@pytest.mark.parametrize(
+    ("model", "errors"), [("preset:tiny-qwen2", 1), ("preset:tiny-qwen3-moe", 0)]
+)
+def test_validate_refuses_replay_on_a_dense_model(model, errors):
+    from pathlib import Path
+
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.loading.workflow import load_workflow
+
+    quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    overrides = {"model_args.model_name_or_path": model, "algorithm.routing_replay": "rollout"}
+    _, report = load_workflow(str(quickstart), create_plugin_host(), overrides)
+    found = [e for e in report.errors if e.path == "algorithm.routing_replay"]
+    assert len(found) == errors, report.errors
+    if errors:
+        assert "has none" in found[0].render()

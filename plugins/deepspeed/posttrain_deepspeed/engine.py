@@ -29,6 +29,7 @@ import torch.distributed as dist
 from posttrain import CheckpointError, SequenceBatch, UserError, WeightBucket, bucketize
 from posttrain.backend import (
     LORA_RECORD,
+    OldPolicyRouting,
     accumulate_gradients,
     adamw,
     backend_for,
@@ -61,7 +62,9 @@ from posttrain.backend import (
     save_tokenizer_beside,
     score_logprobs,
     score_rows,
+    scoring_forward,
     settle_cuda,
+    update_forward,
     wrap_lora,
     write_lora_adapter,
 )
@@ -100,6 +103,8 @@ class DeepSpeedState:
     # What the last release_memory moved to the host: the ZeRO optimizer's buffers
     # ("states") or the module itself ("module"); None: nothing.
     released: Literal["states", "module"] | None = None
+    # routing_replay: old_policy: the old-policy pass's routing, until the update replays it.
+    old_routing: OldPolicyRouting = attrs.field(factory=OldPolicyRouting)
 
 
 # --------------------------------------------------------------------------------------------
@@ -426,14 +431,22 @@ def train_step(
     state = worker.engine_state(DeepSpeedState)
     scheduler = state.scheduler
     engine.train()
-    metrics = accumulate_gradients(
-        worker,
+    forward = _logprob_forward(worker, train=True)
+    device = rank_device(worker)
+    # Open through the backward passes: checkpointed layers replay the routing again.
+    with update_forward(worker, engine.module, batch, forward, state.old_routing, device) as (
         batch,
-        forward=_logprob_forward(worker, train=True),
-        # The core's loss is already normalised over the whole step: no 1/accumulation scaling.
-        backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
-        loss_fn=loss_fn,
-    )
+        forward,
+    ):
+        metrics = accumulate_gradients(
+            worker,
+            batch,
+            forward=forward,
+            # The core's loss is already normalised over the whole step: no 1/accumulation
+            # scaling.
+            backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
+            loss_fn=loss_fn,
+        )
 
     lr = float(scheduler.get_last_lr()[0]) if scheduler is not None else float("nan")
     engine.step()  # reduce (ZeRO-1) / finalize (ZeRO-2/3), clip, update, scheduler step
@@ -451,7 +464,10 @@ def train_step(
 def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
     train = worker.strategy_name == TRAIN
     forward = _logprob_forward(worker, train=False)
-    return score_rows(worker, batch, worker.model, score_logprobs, forward, train)
+    # The trainer's own pass is the old policy's (routing_replay: old_policy records it).
+    old_policy = worker.engine_state(DeepSpeedState).old_routing if train else None
+    with scoring_forward(worker, worker.model.module, forward, old_policy) as forward:
+        return score_rows(worker, batch, worker.model, score_logprobs, forward, train)
 
 
 def _logprob_forward(worker: WorkerContext, train: bool) -> Callable[[SequenceBatch], Any]:

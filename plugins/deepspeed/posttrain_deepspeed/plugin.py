@@ -62,6 +62,7 @@ class DeepSpeedPlugin(EngineHooks):
     def posttrain_validate_workflow(
         self, workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
     ) -> None:
+        from posttrain.backend import routing_replay_problem
         from posttrain_deepspeed.checks import check_role
 
         for name, role in workflow.roles().items():
@@ -69,6 +70,11 @@ class DeepSpeedPlugin(EngineHooks):
             if role.strategy_args.strategy_name not in STRATEGIES or isinstance(config, dict):
                 continue
             check_role(name, config, report)
+            if name == "actor_train" and "algorithm" not in report.failed_sections:
+                # routing_replay on a model without experts (config.json, no torch).
+                problem = routing_replay_problem(workflow)
+                if problem is not None:
+                    report.error(*problem)
 
     @hookimpl
     def posttrain_environment_checks(self) -> list[EnvCheck]:

@@ -22,10 +22,11 @@ from posttrain.backend import (
     hf_trainer_phases,
     logit_bytes,
     release_knobs,
+    routing_replay_problem,
 )
 
 if TYPE_CHECKING:
-    from posttrain import TrainEngine
+    from posttrain import ErrorReport, TrainEngine, Workflow
     from posttrain_fsdp import engine
 
     _ENGINE: TrainEngine = engine  # mypy: the engine defines every function it must, typed
@@ -115,6 +116,19 @@ class FSDPPlugin(EngineHooks):
                 description="log-probs (reference) or reward-model scores, FSDP2-sharded",
             ),
         ]
+
+    @hookimpl
+    def posttrain_validate_workflow(self, workflow: Workflow, report: ErrorReport) -> None:
+        """``algorithm.routing_replay`` on for an fsdp2_train actor whose model has no experts
+        (read from its config.json, without torch)."""
+        actor = workflow.roles().get("actor_train")
+        if actor is None or actor.strategy_args.strategy_name != TRAIN:
+            return
+        if "algorithm" in report.failed_sections:
+            return
+        problem = routing_replay_problem(workflow)
+        if problem is not None:
+            report.error(*problem)
 
     @hookimpl
     def posttrain_estimate_memory(self, query: MemoryQuery) -> RoleMemory | None:

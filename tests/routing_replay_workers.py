@@ -1,38 +1,56 @@
-"""Rank function of the routing-replay test (tests/fsdp/test_fsdp_routing_replay.py), run in a
-spawned process: fsdp2_train and hf_infer on the tiny MoE preset, in one process as in the
-hybrid engine, weights synced in process."""
+"""Rank function of the routing-replay tests of the HF trainers (tests/fsdp and tests/deepspeed,
+``test_*_routing_replay.py``), run in a spawned process: the trainer and hf_infer on the tiny MoE
+preset, in one process as in the hybrid engine, weights synced in process."""
 
 from __future__ import annotations
 
 import os
 
 MOE = "preset:tiny-qwen3-moe"
+EXPERTS = 8  # the preset's, per MoE layer
 
 
-def _runtimes(rank: int, world_size: int, dtype: str, infer_dtype: str):
+def _trainer(name: str):
+    """The trainer's plugin, its strategy config (one scoring pass over the whole batch, the
+    rows in order: they are equally long) and its engine-state class."""
+    if name == "fsdp2_train":
+        import posttrain_fsdp.plugin
+        from posttrain_fsdp.engine import FSDPState
+
+        config = posttrain_fsdp.plugin.FSDP2TrainConfig(
+            micro_batch_size=8, logprob_micro_batch_size=64
+        )
+        return posttrain_fsdp.plugin.plugin, config, FSDPState
+    import posttrain_deepspeed.plugin
+    from posttrain_deepspeed.config import DeepSpeedTrainConfig
+    from posttrain_deepspeed.engine import DeepSpeedState
+
+    config = DeepSpeedTrainConfig(micro_batch_size=8, logprob_micro_batch_size=64)
+    return posttrain_deepspeed.plugin.plugin, config, DeepSpeedState
+
+
+def _runtimes(rank: int, world_size: int, trainer: str, dtype: str, infer_dtype: str):
     import attrs
-    from fsdp_workers import hook_relay
 
     import posttrain_hf_infer.plugin
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain.testing.groups import engine_hook_relay
-    from posttrain_fsdp.plugin import FSDP2TrainConfig
     from posttrain_hf_infer.plugin import HFInferConfig
 
+    plugin, config, _ = _trainer(trainer)
     model_args = ModelArgs(model_name_or_path=MOE, dtype=dtype)
     algorithm = AlgorithmConfig(routing_replay="rollout", old_logprobs="recompute")
     train = WorkerContext(
         role="actor_train",
-        strategy_name="fsdp2_train",
-        # One scoring pass over the whole batch (its rows in order: they are equally long).
-        config=FSDP2TrainConfig(micro_batch_size=8, logprob_micro_batch_size=64),
+        strategy_name=trainer,
+        config=config,
         model_args=model_args,
         training_args=TrainingArgs(learning_rate=1e-2, max_steps=10),
         rank=rank,
         world_size=world_size,
         algorithm=algorithm,
-        hook=hook_relay(),
+        hook=engine_hook_relay(plugin, trainer),
     )
     infer = WorkerContext(
         role="actor_infer",
@@ -94,28 +112,22 @@ def _experts_used(model):
     return used, handles
 
 
-def _routers(model):
-    from posttrain.backend import moe_routers
-
-    return moe_routers(model)
-
-
 def scenario_replay(
     rank: int,
     world_size: int,
     out_dir: str,
-    dtype: str = "fp32",
+    trainer: str = "fsdp2_train",
     infer_dtype: str = "fp32",
 ):
-    """fsdp2_train in ``dtype`` and hf_infer in ``infer_dtype``: the log-prob gap without and
-    with replay; in fp32 also the update's replay and old_policy."""
+    """``trainer`` in fp32 and hf_infer in ``infer_dtype``: the log-prob gap without and with
+    replay; with an fp32 rollout also the update's replay and old_policy."""
     import attrs
     import torch
 
-    from posttrain.backend import record_routing
-    from posttrain_fsdp.engine import FSDPState
+    from posttrain.backend import moe_routers, record_routing
 
-    train, infer = _runtimes(rank, world_size, dtype, infer_dtype)
+    _, _, state_class = _trainer(trainer)
+    train, infer = _runtimes(rank, world_size, trainer, "fp32", infer_dtype)
     ctx = train.ctx
     # A first step on the rollout's routing moves the weights away from the preset's; the sync
     # gives them to the rollout engine.
@@ -153,21 +165,17 @@ def scenario_replay(
         torch.equal(ids, flat[:, layer]) for layer, ids in enumerate(used)
     )
     if infer_dtype != "fp32":
-        torch.save(out, os.path.join(out_dir, f"replay_{dtype}_{infer_dtype}.pt"))
+        torch.save(out, os.path.join(out_dir, f"replay_{trainer}_{infer_dtype}.pt"))
         return
     # Other ids replayed change the log-probs: the trainer's forward takes them.
-    shifted = (batch["routing"].long() + 1) % 8
+    shifted = (batch["routing"].long() + 1) % EXPERTS
     other = train.compute_logprobs(batch.with_tensors(routing=shifted.to(torch.uint8)))
     out["gap_shifted"] = _gap(other, batch["rollout_logprobs"], mask)
 
     # The update replays too (gradient checkpointing recomputes the layers in backward).
-    routers = [
-        m.weight.detach().clone()
-        for m in ctx.model.modules()
-        if type(m).__name__.endswith("TopKRouter")
-    ]
+    routers = [router.weight.detach().clone() for router in moe_routers(ctx.model)]
     out["update_rollout"] = train.train_step(batch)
-    after = [m.weight for m in ctx.model.modules() if type(m).__name__.endswith("TopKRouter")]
+    after = [router.weight for router in moe_routers(ctx.model)]
     out["routers_moved"] = all(not torch.equal(a, b) for a, b in zip(after, routers))
 
     # old_policy: the trainer's old-policy pass records, the update replays it.
@@ -175,7 +183,7 @@ def scenario_replay(
     plain = batch.with_tensors()
     del plain.tensors["routing"]
     old = train.compute_logprobs(plain)
-    recorded = ctx.engine_state(FSDPState).old_routing
+    recorded = ctx.engine_state(state_class).old_routing
     out["old_policy_rows"] = len(recorded.rows)
     attached = recorded.attach(plain, "cpu")["routing"]
     with torch.no_grad(), record_routing(ctx.model) as record:
@@ -184,4 +192,4 @@ def scenario_replay(
     out["old_policy_attached_own"] = bool(torch.equal(attached.long(), own))
     out["update_old_policy"] = train.train_step(plain.with_tensors(old_logprobs=old))
     if rank == 0:
-        torch.save(out, os.path.join(out_dir, f"replay_{dtype}_{infer_dtype}.pt"))
+        torch.save(out, os.path.join(out_dir, f"replay_{trainer}_{infer_dtype}.pt"))
