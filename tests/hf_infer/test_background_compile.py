@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import sys
 import threading
 
 import attrs
@@ -61,12 +62,14 @@ SAMPLING = SamplingParams(n=2, max_new_tokens=9, temperature=1.0, top_k=20)
 
 def test_auto_decodes_uncompiled_then_compiled_once_the_compile_is_done(auto_on_cpu):
     worker, state, main_steps = auto_on_cpu
+    interval = sys.getswitchinterval()
     first = generate(worker, SAMPLING)
     assert state.decode_served == "static"  # cuda_graph on a GPU
     assert main_steps == []
     job = state.compile_job
     assert job is not None and job.wait(60)
     assert job.ready and job.error is None and job.seconds > 0
+    assert sys.getswitchinterval() == interval  # put back
     second = generate(worker, SAMPLING)
     assert state.decode_served == "compiled"
     assert main_steps  # the steps ran the compiled function, on the generating thread
