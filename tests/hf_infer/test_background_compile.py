@@ -153,6 +153,9 @@ def test_the_step_view_shares_the_weights_not_the_switches(hf_infer_settings):
         ours = dict(model.named_parameters())
         assert all(p is ours[name] for name, p in view.named_parameters())
         assert all(not g.active for g in groups)
+        hook = model.model.layers[0].register_forward_hook(lambda *args: None)
+        assert not view.model.layers[0]._forward_hooks  # a hook added later stays the model's
+        hook.remove()
         ids = torch.tensor([PROMPTS[0]])
         with torch.no_grad():
             ran = view(input_ids=ids).logits

@@ -466,7 +466,11 @@ def step_view(model: PreTrainedModel, attention: str, groups: list[LinearGroup])
             name: None if child is None else view(child) for name, child in module._modules.items()
         }
         for name, value in vars(module).items():
-            if isinstance(value, PretrainedConfig) and id(value) in copied:
+            if name.startswith("_") and "hooks" in name and isinstance(value, dict):
+                # Its own hooks: one added to the model later (routing capture) stays off the
+                # compiled step, which would otherwise trace it or compile again.
+                setattr(new, name, type(value)(value))
+            elif isinstance(value, PretrainedConfig) and id(value) in copied:
                 setattr(new, name, copied[id(value)])
             elif isinstance(value, types.MethodType) and value.__self__ is module:
                 # A forward set on the instance (a grouped projection's): bound to the copy.
