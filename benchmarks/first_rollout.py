@@ -15,7 +15,8 @@ the mode that served it, the step from which ``compiled`` served and the compile
 and the rollouts' new tokens/s in each mode (the first rollout of a mode left out: it captures
 its graphs).
 
-    python3 benchmarks/first_rollout.py --device cuda --shape qwen2-1.5b --modes auto compiled
+    python3 benchmarks/first_rollout.py --device cuda --shape qwen2-1.5b \
+        --modes auto compiled cuda_graph   # cuda_graph: its speed with no compile beside it
     python3 benchmarks/first_rollout.py --device cuda --shape qwen2.5-7b --modes auto
     python benchmarks/first_rollout.py --device cpu --shape tiny --batch 4 --new-tokens 8 \
         --modes auto --steps 2 --after 1 --backend eager --top-k 8  # its smallest setting
