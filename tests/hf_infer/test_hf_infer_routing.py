@@ -47,3 +47,31 @@ def test_no_routing_unless_asked(moe_worker):
 
     request = GenerationRequest(prompt_ids=PROMPTS[:1], sampling=SamplingParams(max_new_tokens=2))
     assert engine.generate(moe_worker, request).routing is None
+
+
+def test_a_reference_replays_the_rollouts_routing(moe_worker):
+    from posttrain.config.sections import AlgorithmConfig
+    from posttrain.protocol import build_sequence_batch
+    from posttrain_hf_infer import engine
+
+    sampling = SamplingParams(n=2, max_new_tokens=3, ignore_eos=True)
+    request = GenerationRequest(prompt_ids=PROMPTS, sampling=sampling, seed=5, return_routing=True)
+    samples = engine.generate(moe_worker, request)
+    batch = build_sequence_batch(
+        samples.prompt_ids,
+        samples.response_ids,
+        0,
+        samples.response_logprobs,
+        routing=samples.routing,
+    )
+    mask = batch.response_mask
+    moe_worker.algorithm = AlgorithmConfig(routing_replay="rollout")
+    try:
+        replayed = engine.compute_logprobs(moe_worker, batch) * mask
+        shifted = ((batch["routing"].long() + 1) % 8).to(torch.uint8)
+        other = engine.compute_logprobs(moe_worker, batch.with_tensors(routing=shifted)) * mask
+    finally:
+        moe_worker.algorithm = None
+    rollout = batch["rollout_logprobs"] * mask
+    assert (replayed - rollout).abs().max() < 1e-5
+    assert (other - rollout).abs().max() > 1e-2

@@ -318,11 +318,11 @@ def scoring_forward(
     old_policy: OldPolicyRouting | None = None,
 ) -> Iterator[Callable[[SequenceBatch], Any]]:
     """The forward of a log-prob pass under the workflow's routing replay: ``rollout``
-    replays the batch's routing (the old-policy and reference passes); ``old_policy`` records
-    it into ``old_policy`` (the trainer's old-policy pass; None for other roles); else
-    ``forward`` as it is."""
+    replays the batch's routing (the old-policy and reference passes; not in a reference
+    without experts); ``old_policy`` records it into ``old_policy`` (the trainer's old-policy
+    pass; None for other roles); else ``forward`` as it is."""
     mode = replay_mode(worker)
-    if mode == "rollout":
+    if mode == "rollout" and moe_routers(model):
         with replay_routing(model) as replay:
             yield replay.forward(forward)
     elif mode == "old_policy" and old_policy is not None:

@@ -26,6 +26,7 @@ from posttrain import (
     WeightBucket,
 )
 from posttrain.backend import (
+    ROUTING_KEY,
     TokenLogprobs,
     end_process_group,
     forward_logits,
@@ -39,6 +40,7 @@ from posttrain.backend import (
     memory_tags,
     no_hf_progress_bars,
     record_routing,
+    scoring_forward,
     sequence_scores,
     shifted_token_logprobs,
     unshare_storage,
@@ -321,14 +323,25 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
         else logprob_forward(worker, worker.model, train=False)
     )
 
-    def logprobs(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-        rows = SequenceBatch({"input_ids": ids, "attention_mask": mask})
-        out = forward(rows)
-        if isinstance(out, TokenLogprobs):
-            return out.logprobs * mask
-        return shifted_token_logprobs(out, ids) * mask
+    # A reference scoring the rollout's samples replays their routing (routing_replay:
+    # rollout); the chunks go in order, so the next one's rows start where this one's end.
+    routing = batch.tensors.get(ROUTING_KEY)
+    start = 0
 
-    return _in_chunks(worker, batch, logprobs)
+    with scoring_forward(worker, worker.model, forward) as routed:
+
+        def logprobs(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+            nonlocal start
+            tensors = {"input_ids": ids, "attention_mask": mask}
+            if routing is not None:
+                tensors[ROUTING_KEY] = routing[start : start + len(ids)]
+            start += len(ids)
+            out = routed(SequenceBatch(tensors))
+            if isinstance(out, TokenLogprobs):
+                return out.logprobs * mask
+            return shifted_token_logprobs(out, ids) * mask
+
+        return _in_chunks(worker, batch, logprobs)
 
 
 def compute_scores(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
