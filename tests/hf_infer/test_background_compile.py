@@ -21,13 +21,20 @@ from posttrain.testing.batches import PROMPTS
 @pytest.fixture
 def auto_on_cpu(hf_infer_settings, monkeypatch):
     """The session's engine with ``decode: auto`` compiling in the background on the CPU, a
-    compiled function of its own (eager backend: its own entries in Dynamo's cache) and the
-    main thread's compiled steps counted; the job dropped at the end."""
+    compiled function of its own (an eager backend: its own entries in Dynamo's cache), the
+    main thread's compiled steps and the compiles' threads recorded; the job dropped at the
+    end."""
     from posttrain_hf_infer import engine, static_decode
     from posttrain_hf_infer.engine import HFInferState
 
     monkeypatch.setattr(engine, "BACKGROUND_COMPILE_DEVICES", ("cpu",))
-    monkeypatch.setattr(static_decode, "STEP_BACKEND", "eager")
+    compiles: list[str] = []  # the thread of each compile
+
+    def eager(graph, example_inputs):
+        compiles.append(threading.current_thread().name)
+        return graph.forward
+
+    monkeypatch.setattr(static_decode, "STEP_BACKEND", eager)
     monkeypatch.setattr(static_decode, "_compiled_forward", None)
     main_steps: list[int] = []
     compiled_step = static_decode.StaticDecoder.compiled_step
@@ -41,7 +48,7 @@ def auto_on_cpu(hf_infer_settings, monkeypatch):
     with hf_infer_settings(decode="auto") as worker:
         state = worker.engine_state(HFInferState)
         try:
-            yield worker, state, main_steps
+            yield worker, state, main_steps, compiles
         finally:
             if state.compile_job is not None:
                 state.compile_job.stop()
@@ -61,7 +68,7 @@ SAMPLING = SamplingParams(n=2, max_new_tokens=9, temperature=1.0, top_k=20)
 
 
 def test_auto_decodes_uncompiled_then_compiled_once_the_compile_is_done(auto_on_cpu):
-    worker, state, main_steps = auto_on_cpu
+    worker, state, main_steps, compiles = auto_on_cpu
     interval = sys.getswitchinterval()
     first = generate(worker, SAMPLING)
     assert state.decode_served == "static"  # cuda_graph on a GPU
@@ -73,6 +80,9 @@ def test_auto_decodes_uncompiled_then_compiled_once_the_compile_is_done(auto_on_
     second = generate(worker, SAMPLING)
     assert state.decode_served == "compiled"
     assert main_steps  # the steps ran the compiled function, on the generating thread
+    # ... compiled by the thread alone: its two windows (shorter than the cache, and all of
+    # it) cover the generation's decoders.
+    assert compiles and set(compiles) == {"hf_infer-decode-compile"}
     assert second.response_ids == first.response_ids
     for x, y in zip(second.response_logprobs, first.response_logprobs):
         assert x == pytest.approx(y, abs=1e-5)
@@ -85,7 +95,7 @@ def test_a_compile_that_fails_leaves_the_engine_decoding(auto_on_cpu, monkeypatc
         raise RuntimeError("no compiler here")
 
     monkeypatch.setattr(static_decode, "compiled_forward", lambda: broken)
-    worker, state, _ = auto_on_cpu
+    worker, state, _, _ = auto_on_cpu
     with caplog.at_level(logging.WARNING):
         first = generate(worker, SAMPLING)
         assert state.compile_job is not None and state.compile_job.wait(30)
@@ -101,7 +111,7 @@ def test_an_offload_stops_the_compile_before_it_runs_anything(auto_on_cpu, monke
     """An offload while compiling stops the thread: it runs nothing on the device."""
     from posttrain_hf_infer import background_compile, engine, static_decode
 
-    worker, state, _ = auto_on_cpu
+    worker, state, _, _ = auto_on_cpu
     hold = threading.Event()
     step = static_decode.StaticDecoder.compiled_step
 
