@@ -258,6 +258,41 @@ def build_sequence_batch(
     return SequenceBatch(tensors)
 
 
+def routing_record(rows: list[torch.Tensor]) -> dict[str, Any]:
+    """:attr:`RolloutSamples.routing` as JSON-ready values (a driver checkpoint keeps the
+    batches made ahead as JSON): the samples' bytes in one base64 text, their shapes and dtype.
+    :func:`routing_from_record` gives it back bitwise."""
+    import base64
+
+    import torch
+
+    data = b"".join(row.contiguous().view(torch.uint8).numpy().tobytes() for row in rows)
+    return {
+        "dtype": str(rows[0].dtype).removeprefix("torch.") if rows else "uint8",
+        "shapes": [list(row.shape) for row in rows],
+        "data": base64.b64encode(data).decode("ascii"),
+    }
+
+
+def routing_from_record(record: dict[str, Any]) -> list[torch.Tensor]:
+    """The per-sample routing :func:`routing_record` wrote."""
+    import base64
+    import math
+
+    import torch
+
+    if not record["shapes"]:
+        return []
+    dtype = getattr(torch, record["dtype"])
+    flat = torch.frombuffer(bytearray(base64.b64decode(record["data"])), dtype=dtype)
+    rows, at = [], 0
+    for shape in record["shapes"]:
+        size = math.prod(shape)
+        rows.append(flat[at : at + size].view(*shape).clone())
+        at += size
+    return rows
+
+
 def routing_tensor(rows: list[torch.Tensor], lengths: list[int], width: int) -> torch.Tensor:
     """Per-sample ``[tokens, moe_layers, k]`` routing in one right-padded
     ``[rows, width, moe_layers, k]`` tensor (its dtype kept)."""

@@ -167,3 +167,15 @@ def test_routing_travels_with_samples_and_batches():
     joined = SequenceBatch.concat([short, batch.select([0])])
     assert joined["routing"].shape == (2, 4, 2, 2)
     assert torch.equal(joined["routing"][1], routing[0])
+
+
+@pytest.mark.parametrize("dtype", [torch.uint8, torch.int16])
+def test_routing_survives_a_json_record_bitwise(dtype):
+    import json
+
+    from posttrain.protocol import routing_from_record, routing_record
+
+    g = torch.Generator().manual_seed(0)
+    rows = [torch.randint(0, 200, (n, 3, 2), generator=g).to(dtype) for n in (5, 1, 7)]
+    back = routing_from_record(json.loads(json.dumps(routing_record(rows))))
+    assert all(b.dtype == dtype and torch.equal(a, b) for a, b in zip(rows, back, strict=True))
