@@ -26,9 +26,9 @@ The thread and the generations share the device, the weights and Dynamo:
 - An offload moves the weights, under a run's feet: :meth:`BackgroundCompile.stop` (the
   engine's ``release_memory`` calls it) waits for a run on the device, if one is in flight
   (seconds), and no run starts after it; a compile in progress runs on to its end on the host
-  and is dropped (the next generation starts another, which finds the first's code in torch's
-  caches). Nothing waits for the compile itself: the thread is a daemon, and ``shutdown``
-  only stops it.
+  and is dropped (the next generation starts another, which finds the first's code in
+  Dynamo's cache, or its kernels in torch's compile caches). Nothing waits for the compile
+  itself: the thread is a daemon, and ``shutdown`` only stops it.
 - Dynamo compiles under a process-wide lock: another function compiled meanwhile (on the
   generating thread) waits for this compile.
 - The compile is Python, holding the GIL most of the time. A generating thread that lets the
@@ -36,7 +36,9 @@ The thread and the generations share the device, the weights and Dynamo:
   Python's switch interval (5 ms by default: measured on a CPU, a loop of 8 small ops and a
   0.5 ms wait took 0.66 ms alone, 5.8 ms beside a busy thread; 1.2 ms at 0.5 ms, 0.8 ms at
   0.1 ms): while the thread runs, the interval is :data:`SWITCH_INTERVAL`.
-
+- The uncompiled paths switch the model's attention and stacked projections inside a block
+  (Python state): the compiled step runs on a view of its own
+  (:func:`~posttrain_hf_infer.static_decode.step_view`), which those switches never reach.
 - SDPA's backends are process-wide flags: a step whose attention is cuDNN's by
   ``sdpa_kernel`` (``decode_attention: cudnn``, or ``auto`` where only cuDNN serves) switches
   them while Dynamo traces it, under a generation's SDPA calls. Such a step does not compile in
@@ -78,8 +80,8 @@ if TYPE_CHECKING:
 
 LOG = logging.getLogger(__name__)
 
-# The thread's decoder: rows and cache slots all different (Dynamo would make equal sizes one
-# symbol, and the compiled code would serve only shapes where they are equal).
+# The thread's decoder: its rows, cache slots and first window all different (Dynamo makes
+# sizes equal when traced one symbol: the code would serve only shapes where they are equal).
 WARM_ROWS = ROWS_BUCKET
 WARM_LENGTH = 2 * LENGTH_BUCKET
 
@@ -143,23 +145,16 @@ class BackgroundCompile:
         self.error: BaseException | None = None
         self._stopped = False
         self._finished = threading.Event()
-        self._thread = threading.Thread(
-            target=self._run, name="hf_infer-decode-compile", daemon=True
-        )
-        self._thread.start()
+        threading.Thread(target=self._run, name="hf_infer-decode-compile", daemon=True).start()
 
     @property
     def ready(self) -> bool:
         """Whether the compiled step is built (and ran)."""
         return self.seconds is not None
 
-    @property
-    def finished(self) -> bool:
-        """Whether the thread is done: ready, failed or stopped."""
-        return self._finished.is_set()
-
     def wait(self, timeout: float | None = None) -> bool:
-        """Wait for the thread to finish, at most ``timeout`` seconds; whether it did."""
+        """Wait for the thread to finish (ready, failed or stopped), at most ``timeout``
+        seconds; whether it did."""
         return self._finished.wait(timeout)
 
     def stop(self) -> None:
