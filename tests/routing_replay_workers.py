@@ -193,3 +193,34 @@ def scenario_replay(
     out["update_old_policy"] = train.train_step(plain.with_tensors(old_logprobs=old))
     if rank == 0:
         torch.save(out, os.path.join(out_dir, f"replay_{trainer}_{infer_dtype}.pt"))
+
+
+def scenario_pool(rank: int, world_size: int, out_dir: str):
+    """old_policy's routing when the update gives a rank rows another rank scored: each rank
+    recorded its own half, the update's share mixes both; the ranks pool theirs."""
+    import torch
+    import torch.distributed as dist
+
+    from posttrain.backend import OldPolicyRouting, init_default_process_group
+    from posttrain.protocol import build_sequence_batch
+
+    init_default_process_group("cpu")
+    prompts = [[1, 2 + i] for i in range(4)]
+    responses = [[3] * (i + 1) for i in range(4)]
+    routing = [
+        torch.full((len(p) + len(r), 2, 2), i, dtype=torch.uint8)
+        for i, (p, r) in enumerate(zip(prompts, responses))
+    ]
+    batch = build_sequence_batch(prompts, responses, 0, routing=routing)
+    recorded = OldPolicyRouting()
+    mine = batch.split(world_size)[rank]  # the old-policy pass's share
+    for ids, rows in zip(mine.sequences(), mine["routing"]):
+        recorded.rows[torch.tensor(ids).numpy().tobytes()] = rows[: len(ids)]
+    # The update's share: one row of each rank's.
+    share = batch.select([rank, rank + 2])
+    attached = recorded.attach(share.with_tensors(), "cpu")
+    ok = torch.equal(attached["routing"], share["routing"])
+    found = [None] * world_size
+    dist.all_gather_object(found, ok)
+    if rank == 0:
+        torch.save(found, os.path.join(out_dir, "pool.pt"))

@@ -92,3 +92,11 @@ def test_validate_refuses_replay_on_a_dense_model(model, errors):
     assert len(found) == errors, report.errors
     if errors:
         assert "has none" in found[0].render()
+
+
+@pytest.mark.timeout(120)
+def test_old_policy_routing_is_pooled_over_ranks(tmp_path):
+    from posttrain.testing.spawn import run_ranks
+
+    run_ranks("routing_replay_workers:scenario_pool", 2, str(tmp_path), timeout=90.0)
+    assert torch.load(tmp_path / "pool.pt") == [True, True]
