@@ -30,9 +30,9 @@ before it is captured: the normalisations, rotary embeddings, activations and th
 become one fused kernel instead of several (at 1.5B and 256 rows on an H200 those unfused
 element-wise kernels were a fifth of the graphed step). It is compiled once, shape-generic
 (``dynamic=True``), at the first generation (``decode: compiled``) or on a background thread
-while the first generations run graphed (``decode: auto``, :mod:`~posttrain_hf_infer.
-background_compile`): 2 minutes at 1.5B on an H200, against 74 s for a
-compile of one shape that every new window, batch or cache length then compiled again (another
+while the first generations run graphed (``decode: auto``,
+:mod:`~posttrain_hf_infer.background_compile`): 2 minutes at 1.5B on an H200, against 74 s for
+a compile of one shape that every new window, batch or cache length then compiled again (another
 88 s each); the steps run as fast either way (61k decode tokens/s at 256 rows). A later process
 finds most of it in torch's compile caches (49 s instead of 124). Compiling one decoder layer
 for all (``torch.compiler.nested_compile_region``) took 56 s, but the cache write inside the
