@@ -100,3 +100,34 @@ def test_a_driver_that_returns_without_shutdown_stops_its_ranks(tiny_model_path,
     proc, pids = start_driver(tiny_model_path, tmp_path, "exit")
     assert proc.wait(timeout=30) == 0
     assert wait_gone(pids, 5) == []
+
+
+def _raised_in(filename: str, error: BaseException) -> tuple:
+    """``sys.exc_info()`` of ``error`` raised by code whose file is ``filename``."""
+    code = compile("raise error", filename, "exec")
+    try:
+        exec(code, {"error": error})
+    except BaseException:
+        return sys.exc_info()
+    raise AssertionError("not raised")
+
+
+def test_a_rank_dying_in_a_tensor_handover_prints_no_traceback(monkeypatch, capsys):
+    """multiprocessing's resource sharer reports a rank that went away mid-fetch through
+    sys.excepthook, from the driver's thread: that one is kept off the console, nothing else."""
+    from posttrain.launch import local
+
+    printed = []
+    monkeypatch.setattr(sys, "excepthook", lambda *info: printed.append(info[1]))
+    monkeypatch.setattr(local, "_quieted", [])
+    local._quiet_handover_errors()
+    local._quiet_handover_errors()  # (once a process: the second call changes nothing)
+    sharer = os.path.join(os.path.dirname(os.__file__), "multiprocessing", "resource_sharer.py")
+    reset = ConnectionResetError(104, "Connection reset by peer")
+    sys.excepthook(*_raised_in(sharer, reset))
+    assert printed == []
+    other = ConnectionResetError(104, "elsewhere")
+    sys.excepthook(*_raised_in(__file__, other))
+    wrong_kind = ValueError("a real bug in the sharer")
+    sys.excepthook(*_raised_in(sharer, wrong_kind))
+    assert printed == [other, wrong_kind]

@@ -9,10 +9,12 @@ its pipes, and a rank exits when its pipe closes.
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
 import multiprocessing.util
 import os
 import socket
+import sys
 import threading
 import time
 from collections.abc import Iterable
@@ -36,8 +38,10 @@ if TYPE_CHECKING:
     from multiprocessing.connection import Connection
     from multiprocessing.context import ForkServerContext, SpawnContext
     from multiprocessing.process import BaseProcess
+    from types import TracebackType
 
 STOP_CALL = -2
+LOG = logging.getLogger(__name__)
 
 
 # What every rank imports before anything else: a fork server imports it once, and ranks start as
@@ -97,6 +101,8 @@ class LocalProcesses:
 
     def __init__(self, specs: list[GroupSpec], timeout_s: float, start_timeout_s: float):
         import torch.multiprocessing  # noqa: F401  (tensor sharing over pipes)
+
+        _quiet_handover_errors()
 
         check_same_mapping(specs)
         self.roles = tuple(spec.role for spec in specs)
@@ -291,6 +297,42 @@ class LocalWorkerGroup(WorkerGroup):
 
     def shutdown(self) -> None:
         self.processes.shutdown()
+
+
+_SHARER = os.path.join("multiprocessing", "resource_sharer.py")
+_quieted: list[object] = []  # the hook, once installed in this process
+
+
+def _quiet_handover_errors() -> None:
+    """Keep a dead rank's half-done tensor handover off the console.
+
+    A CPU tensor sent over a pipe travels as a file descriptor that the receiving rank fetches
+    from multiprocessing's resource sharer, a thread of the driver that reports its errors
+    through ``sys.excepthook``. A rank killed in the middle of a fetch then printed a
+    ConnectionResetError's traceback above the run's own error, which names the rank and its
+    signal. Those errors go to the debug log; every other exception reaches the hook as before.
+    """
+    if _quieted:
+        return
+    previous = sys.excepthook
+
+    def hook(kind: type[BaseException], value: BaseException, tb: TracebackType | None) -> None:
+        if isinstance(value, ConnectionError | EOFError) and _through(tb, _SHARER):
+            LOG.debug("a rank went away while fetching a shared tensor: %r", value)
+            return
+        previous(kind, value, tb)
+
+    sys.excepthook = hook
+    _quieted.append(hook)
+
+
+def _through(tb: TracebackType | None, filename: str) -> bool:
+    """Whether a frame of the traceback ``tb`` runs code of ``filename``."""
+    while tb is not None:
+        if tb.tb_frame.f_code.co_filename.endswith(filename):
+            return True
+        tb = tb.tb_next
+    return False
 
 
 def _stop_ranks(conns: list[Connection], procs: list[BaseProcess]) -> None:
