@@ -34,7 +34,8 @@ def note_pid(config: dict, pid: int) -> None:
 class Countdown:
     """Answers every turn with ``observation`` and ``reward``; after ``turns`` turns it is done
     and hands over the prompt's answer (which reward.function then scores 1). ``turns: 0``:
-    never done."""
+    never done. ``reward: digits``: a turn's reward is the number of digits the model wrote in
+    it, so that samples differ and a run learns something."""
 
     def __init__(self, config: dict):
         note_pid(config, os.getpid())
@@ -49,9 +50,12 @@ class Countdown:
         return None
 
     def step(self, turn: ModelTurn) -> EnvStep:
+        reward = self.reward
+        if reward == "digits":
+            reward = float(sum(c.isdigit() for c in turn.text))
         if self.turns and turn.index + 1 == self.turns:
-            return EnvStep(reward=self.reward, done=True, answer=self.answer)
-        return EnvStep(observation=self.observation, reward=self.reward, tool_calls=1, role=None)
+            return EnvStep(reward=reward, done=True, answer=self.answer)
+        return EnvStep(observation=self.observation, reward=reward, tool_calls=1, role=None)
 
 
 class Broken(Countdown):

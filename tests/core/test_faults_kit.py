@@ -23,3 +23,10 @@ def test_faults_are_read_with_their_options():
 def test_a_malformed_fault_names_the_entry_and_the_kinds(entry):
     with pytest.raises(ValueError, match=f"entry '{entry}': expected KIND:N .* kill_rank"):
         parse_faults(entry)
+
+
+def test_a_kill_names_its_phase_and_a_wrong_phase_is_an_error():
+    (fault,) = parse_faults("kill_rank:2/rank=1/phase=sync/role=actor_infer/after_s=0.1")
+    assert fault.options == {"rank": "1", "phase": "sync", "role": "actor_infer", "after_s": "0.1"}
+    with pytest.raises(ValueError, match="phase 'gen' is not one of train, generate, sync, save"):
+        parse_faults("kill_rank:2/phase=gen")

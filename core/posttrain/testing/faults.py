@@ -12,8 +12,15 @@ counts the calls of the phase on that process (the first is 1):
 
 - ``delay_train:N/rank=R/seconds=S``: rank R (default 0) sleeps S seconds (default 3600) at
   the start of its N-th training step, as a rank stuck in a kernel or on a bad node would;
-- ``kill_rank:N/rank=R``: rank R SIGKILLs itself at the start of its N-th training step;
-- ``kill_driver:N``: the driver SIGKILLs itself once step N's metrics are logged;
+- ``kill_rank:N/rank=R/phase=P/role=X/after_s=S``: rank R SIGKILLs itself at the start of its
+  N-th call of phase P: ``train`` (a training step, the default), ``generate`` (a generation, or
+  one segment of a partial rollout: samples are in flight), ``sync`` (loading a weight sync's
+  buckets) or ``save`` (a checkpoint save; with ``after_s`` the kill lands while the background
+  write is under way, or after it). ``role`` restricts it to one role of a process that hosts
+  several (rank R of that role); ``after_s``: S seconds after the call returns instead, wherever
+  the process then is;
+- ``kill_driver:N/after_s=S``: the driver SIGKILLs itself once step N's metrics are logged (or
+  S seconds later: inside the next step, or the save the finaliser is completing);
 - ``enospc_save:N/rank=R``: rank R's N-th checkpoint save of ``actor_train`` fails with
   "No space left on device" (ENOSPC);
 - ``flip_saved_byte:N``: once the N-th checkpoint of the run is complete, one byte of its
@@ -33,6 +40,7 @@ import errno
 import functools
 import os
 import signal
+import threading
 import time
 from collections.abc import Generator, Iterable, Iterator
 from typing import TYPE_CHECKING, Any
@@ -44,7 +52,10 @@ from posttrain.markers import hookimpl
 if TYPE_CHECKING:
     from posttrain.checkpoint.manifest import Manifest
     from posttrain.launch.worker import WorkerContext
-    from posttrain.protocol import SequenceBatch, WeightBucket
+    from posttrain.protocol import GenerationRequest, RolloutSamples, SequenceBatch, WeightBucket
+
+# The phases kill_rank can kill in, and the hook each is counted by.
+KILL_PHASES = ("train", "generate", "sync", "save")
 
 KINDS = (
     "delay_train",
@@ -79,6 +90,11 @@ def parse_faults(text: str) -> list[Fault]:
                 f"{', '.join(KINDS)}"
             )
         pairs = dict(option.partition("=")[::2] for option in options)
+        if pairs.get("phase", "train") not in KILL_PHASES:
+            raise ValueError(
+                f"POSTTRAIN_FAULTS entry {entry!r}: phase {pairs['phase']!r} is not one of "
+                f"{', '.join(KILL_PHASES)}"
+            )
         faults.append(Fault(kind, int(at), pairs))
     return faults
 
@@ -110,11 +126,64 @@ def posttrain_train_step(
         if fault.at == call and fault.rank() == worker.rank:
             print(f"faults: rank {worker.rank} delayed at train step {call}", flush=True)
             time.sleep(float(fault.options.get("seconds", 3600)))
+    _kill_if_asked(worker, "train", call, started=True)
+    metrics = yield
+    _kill_if_asked(worker, "train", call, started=False)
+    return metrics
+
+
+def _kill_if_asked(worker: WorkerContext, phase: str, call: int, *, started: bool) -> None:
+    """SIGKILL this process for a ``kill_rank`` fault aimed at ``call`` of ``phase`` here: at
+    the call's start (``started``), or ``after_s`` seconds after it returned."""
     for fault in _faults("kill_rank"):
-        if fault.at == call and fault.rank() == worker.rank:
-            print(f"faults: rank {worker.rank} kills itself at train step {call}", flush=True)
-            os.kill(os.getpid(), signal.SIGKILL)
-    return (yield)
+        if (
+            fault.at != call
+            or fault.rank() != worker.rank
+            or fault.options.get("phase", "train") != phase
+            or fault.options.get("role", worker.role) != worker.role
+        ):
+            continue
+        where = f"rank {worker.rank} kills itself"
+        after = fault.options.get("after_s")
+        if started and after is None:
+            _kill(f"{where} at its {phase} call {call} ({worker.role})")
+        elif not started and after is not None:
+            _kill_later(
+                float(after), f"{where} {after} s after its {phase} call {call} ({worker.role})"
+            )
+
+
+def _kill(why: str) -> None:
+    print(f"faults: {why}", flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def _kill_later(seconds: float, why: str) -> None:
+    timer = threading.Timer(seconds, _kill, args=(why,))
+    timer.daemon = True
+    timer.start()
+
+
+@hookimpl(wrapper=True)
+def posttrain_generate(
+    worker: WorkerContext, request: GenerationRequest
+) -> Generator[None, RolloutSamples | None, RolloutSamples | None]:
+    call = _count(f"generate:{worker.role}")
+    _kill_if_asked(worker, "generate", call, started=True)
+    samples = yield
+    _kill_if_asked(worker, "generate", call, started=False)
+    return samples
+
+
+@hookimpl(wrapper=True)
+def posttrain_import_weights(
+    worker: WorkerContext, buckets: Iterable[WeightBucket]
+) -> Generator[None, bool | None, bool | None]:
+    call = _count(f"sync:{worker.role}")
+    _kill_if_asked(worker, "sync", call, started=True)
+    done = yield
+    _kill_if_asked(worker, "sync", call, started=False)
+    return done
 
 
 _saves: set[str] = set()
@@ -134,23 +203,44 @@ def _no_space(worker: WorkerContext, path: str) -> None:
 def posttrain_begin_checkpoint(
     worker: WorkerContext, path: str
 ) -> Generator[None, dict[str, Any] | None, dict[str, Any] | None]:
-    _no_space(worker, path)
-    return (yield)
+    return (yield from _saving(worker, path))
 
 
 @hookimpl(wrapper=True)
 def posttrain_save_checkpoint(
     worker: WorkerContext, path: str
 ) -> Generator[None, dict[str, Any] | None, dict[str, Any] | None]:
+    return (yield from _saving(worker, path))
+
+
+_saves_counted: dict[str, int] = {}
+
+
+def _saving(
+    worker: WorkerContext, path: str
+) -> Generator[None, dict[str, Any] | None, dict[str, Any] | None]:
+    """A save, background or not: ENOSPC and kills where asked. A save is counted once
+    (a background save that said no is then saved synchronously, at the same path)."""
     _no_space(worker, path)
-    return (yield)
+    if path not in _saves_counted:
+        _saves_counted[path] = _count(f"save:{worker.role}")
+    call = _saves_counted[path]
+    _kill_if_asked(worker, "save", call, started=True)
+    layout = yield
+    _kill_if_asked(worker, "save", call, started=False)
+    return layout
 
 
 @hookimpl
 def posttrain_log_metrics(step: int, metrics: dict[str, float], run_dir: str) -> None:
     for fault in _faults("kill_driver"):
-        if fault.at == step:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if fault.at != step:
+            continue
+        after = fault.options.get("after_s")
+        if after is None:
+            _kill(f"the driver kills itself once step {step} is logged")
+        else:
+            _kill_later(float(after), f"the driver kills itself {after} s after step {step}")
 
 
 @hookimpl
