@@ -116,6 +116,9 @@ def test_join_existing_cluster_and_leave_it_up(tmp_path, e2e_cache):
         shutil.rmtree(temp, ignore_errors=True)
 
 
+# In the default run, test_random_kills.py's chains kill at such points (extended: this one
+# kills at fixed points and checks more of what the console says).
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_killed_rank_fails_the_run_then_resume_finishes(tmp_path, e2e_cache):

@@ -66,6 +66,9 @@ def assert_same_run(resumed: Path, uninterrupted) -> None:
         assert torch.equal(weights[name], tensor), name
 
 
+# In the default run, test_random_kills.py's chains kill at such points (extended: this one
+# kills at fixed points and checks more of what the console says).
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_sigkill_between_checkpoints_then_resume(tmp_path, uninterrupted):
@@ -138,6 +141,9 @@ def resumed_at(stdout: str) -> int | None:
     return int(re.search(r"at\s+step\s+(\d+)", rest).group(1)) if found else None
 
 
+# In the default run, test_random_kills.py's chains kill at such points (extended: this one
+# kills at fixed points and checks more of what the console says).
+@pytest.mark.extended
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_sigkill_during_background_saves_then_resume(tmp_path, uninterrupted):
