@@ -344,13 +344,20 @@ def update_forward(
     """The update's batch and forward under the workflow's routing replay (keep it open
     through the backward passes): ``rollout`` replays the batch's routing, ``old_policy`` the
     old-policy pass's (none when the old log-probs come from the rollout: the update's first
-    forward is the old policy's, routing alike)."""
+    forward is the old policy's, routing alike). A critic, or a model without experts, routes
+    by itself (validation refuses routing replay for an actor without experts)."""
     mode = replay_mode(worker)
     algorithm = worker.algorithm
-    if mode == "off" or (
-        mode == "old_policy"
-        and algorithm is not None
-        and algorithm.old_logprobs_source() == "rollout"
+    if (
+        mode == "off"
+        or (
+            mode == "old_policy"
+            and algorithm is not None
+            and algorithm.old_logprobs_source() == "rollout"
+        )
+        # A critic (its values' passes replay nothing either), or a model without experts.
+        or worker.head != "lm"
+        or not moe_routers(model)
     ):
         yield batch, forward
         return
