@@ -17,16 +17,27 @@ import torch
 from posttrain.protocol import GenerationRequest, SamplingParams
 from posttrain.testing.batches import PROMPTS
 
+ON_GPU = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="no GPU")]
+
 
 @pytest.fixture
-def auto_on_cpu(hf_infer_settings, monkeypatch):
-    """The session's engine with ``decode: auto`` compiling in the background on the CPU, a
-    compiled function of its own (an eager backend: its own entries in Dynamo's cache), the
-    main thread's compiled steps and the compiles' threads recorded; the job dropped at the
-    end."""
+def device() -> str:
+    """The engine's device (a test may parametrize it)."""
+    return "cpu"
+
+
+@pytest.fixture
+def auto_on_cpu(request, device, monkeypatch):
+    """The session's engine (on ``device``) with ``decode: auto`` compiling in the background
+    (on the CPU too), a compiled function of its own (an eager backend: its own entries in
+    Dynamo's cache), the main thread's compiled steps and the compiles' threads recorded; the
+    job dropped at the end."""
     from posttrain_hf_infer import engine, static_decode
     from posttrain_hf_infer.engine import HFInferState
 
+    settings = request.getfixturevalue(
+        "hf_infer_settings" if device == "cpu" else "hf_infer_cuda_settings"
+    )
     monkeypatch.setattr(engine, "BACKGROUND_COMPILE_DEVICES", ("cpu",))
     compiles: list[str] = []  # the thread of each compile
 
@@ -45,7 +56,7 @@ def auto_on_cpu(hf_infer_settings, monkeypatch):
         return compiled_step(self, window)
 
     monkeypatch.setattr(static_decode.StaticDecoder, "compiled_step", counted)
-    with hf_infer_settings(decode="auto") as worker:
+    with settings(decode="auto") as worker:
         state = worker.engine_state(HFInferState)
         try:
             yield worker, state, main_steps, compiles
@@ -67,11 +78,13 @@ def generate(worker, sampling, seed=3):
 SAMPLING = SamplingParams(n=2, max_new_tokens=9, temperature=1.0, top_k=20)
 
 
-def test_auto_decodes_uncompiled_then_compiled_once_the_compile_is_done(auto_on_cpu):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=ON_GPU)])
+def test_auto_decodes_uncompiled_then_compiled_once_the_compile_is_done(auto_on_cpu, device):
+    """On a GPU: the first generation's graphs captured while the thread compiles."""
     worker, state, main_steps, compiles = auto_on_cpu
     interval = sys.getswitchinterval()
     first = generate(worker, SAMPLING)
-    assert state.decode_served == "static"  # cuda_graph on a GPU
+    assert state.decode_served == ("static" if device == "cpu" else "cuda_graph")
     assert main_steps == []
     job = state.compile_job
     assert job is not None and job.wait(60)
