@@ -23,8 +23,16 @@ import tempfile
 from pathlib import Path
 
 import yaml
-from common import SHAPES, device_name, print_table, run_workflow
-from rl_step import INFER_OF, PHASES, WORKLOADS, built_params, workflow, write_prompts
+from common import device_name, print_table, run_workflow
+from rl_step import (
+    PHASES,
+    WORKLOADS,
+    add_workload_arguments,
+    built_params,
+    default_workload,
+    workflow,
+    write_prompts,
+)
 
 # The step whose figures are the baseline, when the run has steps after it: the memory watch's
 # settling steps (5) are over, and so are the first steps' one-off allocations.
@@ -114,29 +122,15 @@ def memory_rows(metrics: list[dict]) -> list[dict]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    parser.add_argument("--shape", default="qwen2-1.5b", choices=sorted(SHAPES))
-    parser.add_argument(
-        "--workload",
-        choices=sorted(WORKLOADS),
-        help="rl_step.py's workload (default: tiny for the tiny shape, else short)",
-    )
-    parser.add_argument("--trainer", default="fsdp2_train", choices=sorted(INFER_OF))
+    add_workload_arguments(parser, shape="qwen2-1.5b")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument(
-        "--decode",
-        default="auto",
-        choices=("auto", "dynamic", "static", "cuda_graph", "compiled"),
-        help="hf_infer's decode mode (cuda_graph: no 2-minute compile at the first step)",
-    )
     parser.add_argument(
         "--workflow",
         help="run this workflow file (e.g. examples/quickstart.yaml) instead of the GRPO "
         "workload; --shape, --workload, --trainer and --decode are then unused",
     )
-    parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
     args = parser.parse_args()
-    args.workload = args.workload or ("tiny" if args.shape == "tiny" else "short")
+    args.workload = default_workload(args)
 
     overrides = [f"trainer.max_steps={args.steps}", f"cluster.device={args.device}", *args.set]
     with tempfile.TemporaryDirectory() as tmp:

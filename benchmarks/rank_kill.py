@@ -32,9 +32,9 @@ import threading
 import time
 from pathlib import Path
 
-from common import SHAPES, device_name, posttrain_run_command, print_table
+from common import device_name, posttrain_run_command, print_table
 from memory_flat import grpo_workflow
-from rl_step import INFER_OF, WORKLOADS
+from rl_step import add_workload_arguments, default_workload
 
 # Figures that are not the run's own: how long, how much memory, how many driver calls, and how
 # many buckets a sync's check summed (the first sync of each process sums all of them).
@@ -362,23 +362,10 @@ def table_rows(args, clean: dict, killed: dict, rerun: dict, left: dict, gpu_bef
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
-    parser.add_argument("--shape", default="qwen2-0.5b", choices=sorted(SHAPES))
-    parser.add_argument(
-        "--workload",
-        choices=sorted(WORKLOADS),
-        help="rl_step.py's workload (default: tiny for the tiny shape, else short)",
-    )
-    parser.add_argument("--trainer", default="fsdp2_train", choices=sorted(INFER_OF))
+    add_workload_arguments(parser, shape="qwen2-0.5b")
     parser.add_argument("--steps", type=int, default=8, help="steps of each run (K)")
     parser.add_argument("--kill-at", type=int, default=5, help="rank 1's training step killed (S)")
     parser.add_argument("--save-steps", type=int, default=2)
-    parser.add_argument(
-        "--decode",
-        default="auto",
-        choices=("auto", "dynamic", "static", "cuda_graph", "compiled"),
-        help="hf_infer's decode mode (cuda_graph: no 2-minute compile at each run's start)",
-    )
     parser.add_argument(
         "--run-timeout",
         type=float,
@@ -386,11 +373,10 @@ def main() -> int:
         help="seconds a run may take before it is stopped (a driver that never exits is a "
         "finding: the table says so)",
     )
-    parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
     args = parser.parse_args()
     if not 1 <= args.kill_at <= args.steps:
         parser.error(f"--kill-at {args.kill_at} is not a step of the run (1..{args.steps})")
-    args.workload = args.workload or ("tiny" if args.shape == "tiny" else "short")
+    args.workload = default_workload(args)
     args.gpus = 2  # hybrid on 2 devices: 2 rank processes, each hosting every role
     # A SIGTERM (`timeout`) unwinds like Ctrl-C: the run under way is stopped, the temporary
     # directory removed.

@@ -310,6 +310,30 @@ def print_plan(args, model: Path, tmp_path: Path) -> int:
     return subprocess.run(command, check=False).returncode
 
 
+def add_workload_arguments(parser: argparse.ArgumentParser, shape: str) -> None:
+    """The arguments of the scripts that run this workload over a whole run (memory_flat.py,
+    rank_kill.py): where, which shape, which workload, trainer and decode mode."""
+    parser.add_argument("--device", default="cuda", choices=["cpu", "cuda"])
+    parser.add_argument("--shape", default=shape, choices=sorted(SHAPES))
+    parser.add_argument(
+        "--workload",
+        choices=sorted(WORKLOADS),
+        help="the workload (default: tiny for the tiny shape, else short)",
+    )
+    parser.add_argument("--trainer", default="fsdp2_train", choices=sorted(INFER_OF))
+    parser.add_argument(
+        "--decode",
+        default="auto",
+        choices=("auto", "dynamic", "static", "cuda_graph", "compiled"),
+        help="hf_infer's decode mode (cuda_graph: no 2-minute compile at a run's start)",
+    )
+    parser.add_argument("--set", action="append", default=[], help="extra workflow overrides")
+
+
+def default_workload(args: argparse.Namespace) -> str:
+    return args.workload or ("tiny" if args.shape == "tiny" else "short")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
