@@ -111,6 +111,21 @@ def test_a_batch_made_ahead_reads_back_exactly():
     assert attrs.evolve(back, scored=None) == attrs.evolve(batch, scored=None)
 
 
+def test_a_batch_made_ahead_keeps_its_routing_bitwise():
+    """MoE routing replay: each sample's experts ([tokens, layers, k], uint8) survive the
+    checkpoint's JSON, so a resumed run replays what the rollout chose."""
+    batch = scored_batch(4)
+    routing = [torch.randint(0, 128, (3, 2, 8), dtype=torch.uint8) for _ in range(2)]
+    batch.scored.samples = attrs.evolve(batch.scored.samples, routing=routing)
+    back = batch_from_record(json.loads(json.dumps(batch_record(batch))))
+    assert back.scored.samples.routing is not None
+    for got, sent in zip(back.scored.samples.routing, routing, strict=True):
+        assert got.dtype == torch.uint8 and torch.equal(got, sent)
+    assert attrs.evolve(back.scored.samples, routing=None) == attrs.evolve(
+        batch.scored.samples, routing=None
+    )
+
+
 @pytest.mark.parametrize("asynchronous", [True, False])
 def test_batches_kept_by_a_checkpoint_come_first_then_the_producer_goes_on(asynchronous):
     """A run that resumes at step 2 with the batches of steps 3 and 4 made ahead."""

@@ -8,7 +8,7 @@ from typing import Any
 
 import attrs
 
-from posttrain.protocol import RolloutSamples
+from posttrain.protocol import RolloutSamples, routing_from_record, routing_record
 from posttrain.rollout.batches import ProducedBatch
 from posttrain.rollout.groups import ScoredGroups
 from posttrain.tasks.data import Prompt
@@ -24,7 +24,7 @@ def batch_record(batch: ProducedBatch) -> dict[str, Any]:
         "timings": batch.timings,
         "rank_stats": batch.rank_stats,
         "prompts": [attrs.asdict(p) for p in scored.prompts],
-        "samples": attrs.asdict(scored.samples),
+        "samples": _samples_record(scored.samples),
         "rewards": scored.rewards.tolist(),
         "rewards_dtype": str(scored.rewards.dtype).removeprefix("torch."),
         "reward_metrics": scored.reward_metrics,
@@ -38,7 +38,7 @@ def batch_from_record(record: dict[str, Any]) -> ProducedBatch:
     prompts = [Prompt(**{**p, "ids": tuple(p["ids"])}) for p in record["prompts"]]
     scored = ScoredGroups(
         prompts=prompts,
-        samples=RolloutSamples(**record["samples"]),
+        samples=_samples_from_record(record["samples"]),
         rewards=torch.tensor(record["rewards"], dtype=getattr(torch, record["rewards_dtype"])),
         reward_metrics=record["reward_metrics"],
         turn_rewards=record["turn_rewards"],
@@ -51,4 +51,20 @@ def batch_from_record(record: dict[str, Any]) -> ProducedBatch:
         policy_version=record["policy_version"],
         timings=record["timings"],
         rank_stats=record["rank_stats"],
+    )
+
+
+def _samples_record(samples: RolloutSamples) -> dict[str, Any]:
+    """The samples as JSON values; their routing (tensors, MoE routing replay) as base64."""
+    record = attrs.asdict(samples, filter=lambda field, _: field.name != "routing")
+    if samples.routing is not None:
+        record["routing"] = routing_record(samples.routing)
+    return record
+
+
+def _samples_from_record(record: dict[str, Any]) -> RolloutSamples:
+    routing = record.get("routing")
+    fields = {k: v for k, v in record.items() if k != "routing"}
+    return RolloutSamples(
+        **fields, routing=None if routing is None else routing_from_record(routing)
     )

@@ -402,6 +402,7 @@ class Trainer:
             loss_mask=samples.loss_mask,
             turn_rewards=scored.turn_rewards,
             policy_versions=samples.policy_versions,
+            routing=samples.routing,
         )
         with timer.phase("logprobs"):
             batch, kl_metrics = old_and_reference_logprobs(batch, algo, groups, self.sharing)
