@@ -179,3 +179,42 @@ def test_routing_survives_a_json_record_bitwise(dtype):
     rows = [torch.randint(0, 200, (n, 3, 2), generator=g).to(dtype) for n in (5, 1, 7)]
     back = routing_from_record(json.loads(json.dumps(routing_record(rows))))
     assert all(b.dtype == dtype and torch.equal(a, b) for a, b in zip(rows, back, strict=True))
+
+
+def test_validate_refuses_replay_where_a_strategy_or_the_samples_cannot_carry_it(
+    fake_train_host, model_dir, tmp_path
+):
+    """A trainer that does not replay, and (for rollout) samples made in segments or turns,
+    are refused together, each naming what to set instead."""
+    from posttrain.config.report import ErrorReport
+    from posttrain.loading.workflow import build_workflow
+
+    raw = {
+        "model_args": {"model_name_or_path": str(model_dir)},
+        "data": {"synthetic": {"task": "single_digit_addition"}},
+        "algorithm": {
+            "group_size": 4,
+            "rollout_batch_size": 8,
+            "routing_replay": "rollout",
+            "partial_rollout": True,
+            "max_staleness": 1,
+        },
+        "environment": {"name": "calculator"},
+        "actor_train": {
+            "strategy_args": {"strategy_name": "contract_fake_train"},
+            "device_mapping": [0],
+            "training_args": {"learning_rate": 1.0e-6},
+        },
+        "actor_infer": {
+            "strategy_args": {"strategy_name": "hf_infer"},
+            "device_mapping": [1],
+            "generating_args": {"max_new_tokens": 16},
+        },
+    }
+    _, report = build_workflow(raw, fake_train_host, ErrorReport(), base_dir=str(tmp_path))
+    found = [e.render() for e in report.errors if e.path == "algorithm.routing_replay"]
+    assert len(found) == 3, found
+    assert "actor_train's strategy 'contract_fake_train'" in found[0]
+    assert "'rollout' with algorithm.partial_rollout: true" in found[1]
+    assert "'rollout' with environment.name 'calculator'" in found[2]
+    assert all("routing_replay: old_policy" in e or "posttrain plugins" in e for e in found)

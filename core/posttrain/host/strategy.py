@@ -89,6 +89,11 @@ class Capabilities:
     # them, syncs merged weights and takes ``merge`` in posttrain_export_hf. Validation refuses
     # model_args.lora on an actor_train whose strategy does not.
     lora: bool = False
+    # Mixture-of-experts routing replay (algorithm.routing_replay): a rollout strategy returns
+    # each sample's routing when asked (GenerationRequest.return_routing); a trainer replays a
+    # batch's routing in its passes (posttrain.backend's scoring_forward / update_forward).
+    # Validation refuses routing_replay where actor_train's or actor_infer's strategy does not.
+    routing_replay: bool = False
 
 
 # The options core's helpers read from a strategy_config, by the base that declares them.

@@ -58,6 +58,7 @@ def posttrain_validate_workflow(
         _check_async_rollout(workflow, report)
     if not failed & {"algorithm", "actor_infer", "environment"}:
         _check_partial_rollout(workflow, report)
+        _check_routing_replay(workflow, strategies, report)
     if "cluster" not in failed:
         _check_cluster(workflow, report)
 
@@ -345,6 +346,43 @@ def _check_async_rollout(wf: Workflow, report: ErrorReport) -> None:
             "algorithm.max_staleness: 0",
         )
         return
+
+
+def _check_routing_replay(
+    wf: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
+) -> None:
+    """Routing replay needs a trainer that replays and, for ``rollout``, an engine that
+    returns the routing of every token, which segmented and multi-turn samples do not carry."""
+    mode = wf.algorithm.routing_replay
+    if mode == "off":
+        return
+    roles = wf.roles()
+    needed = ("actor_train", "actor_infer") if mode == "rollout" else ("actor_train",)
+    for name in needed:
+        role = roles.get(name)
+        spec = strategies.get(role.strategy_args.strategy_name) if role is not None else None
+        if spec is not None and not spec.capabilities.routing_replay:
+            does = "replays routing" if name == "actor_train" else "returns each token's routing"
+            report.error(
+                "algorithm.routing_replay",
+                f"{mode!r} with {name}'s strategy '{spec.name}', which does not say it {does}",
+                "set algorithm.routing_replay: off, or a strategy that supports it "
+                "(`posttrain plugins` lists them)",
+            )
+    if mode != "rollout":
+        return
+    for key, on in (
+        ("algorithm.partial_rollout: true", wf.algorithm.partial_rollout),
+        (f"environment.name {wf.environment.name!r}", bool(wf.environment.name)),
+    ):
+        if on:
+            report.error(
+                "algorithm.routing_replay",
+                f"'rollout' with {key}: segmented and multi-turn samples do not carry their "
+                "routing yet",
+                "set algorithm.routing_replay: old_policy (replays the old-policy pass's "
+                "routing) or off",
+            )
 
 
 def _check_partial_rollout(wf: Workflow, report: ErrorReport) -> None:

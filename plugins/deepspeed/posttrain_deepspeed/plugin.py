@@ -44,6 +44,7 @@ class DeepSpeedPlugin(EngineHooks):
                     computes_logprobs=True,
                     shares_process=True,
                     lora=True,
+                    routing_replay=True,
                 ),
                 description="training with DeepSpeed ZeRO-1/2/3 (optional CPU offload), "
                 "DeepSpeed checkpoints",

@@ -99,6 +99,7 @@ class HFInferPlugin(EngineHooks):
                     stop_strings=True,
                     shares_process=True,
                     heads=("lm", "score"),
+                    routing_replay=True,
                 ),
                 description="generation, log-probs and reward-model scores with plain "
                 "transformers (the reference backend)",
