@@ -93,21 +93,64 @@ class DynamicDecode:
 
 class StaticDecode:
     """Generations on a :class:`~posttrain_hf_infer.static_decode.StaticDecoder` (its rows past
-    those in flight decode padding, never read)."""
+    those in flight decode padding, never read). ``routing``: keep each sample's routing (a
+    mixture-of-experts model's, :mod:`~posttrain_hf_infer.moe_decode`), taken from its row's
+    slots when the row ends (before a refill overwrites them)."""
 
-    def __init__(self, decoder: StaticDecoder, pad_id: int, device: torch.device | str) -> None:
+    def __init__(
+        self,
+        decoder: StaticDecoder,
+        pad_id: int,
+        device: torch.device | str,
+        routing: bool = False,
+    ) -> None:
         self.decoder, self.pad_id, self.device = decoder, pad_id, device
         self.tokens = torch.full((decoder.rows,), pad_id, dtype=torch.long, device=device)
         self.running = torch.zeros(decoder.rows, dtype=torch.bool, device=device)
+        if routing and decoder.routing is None:
+            from posttrain.backend import routing_geometry
+
+            routing_geometry(decoder.model)  # the user error naming why this model has none
+        # Per sample (its prompt's place) once its row ended; per row, the slot its prompt
+        # starts at and the width it was left-padded to.
+        self.routing: dict[int, torch.Tensor] | None = {} if routing else None
+        self.prompt_start = [0] * decoder.rows
+        self.width = [0] * decoder.rows
 
     def start(self, prompts: list[list[int]]) -> torch.Tensor:
         input_ids, attention = left_padded(prompts, self.decoder.rows, self.pad_id, self.device)
         self.running.zero_()
+        self._placed(list(range(len(prompts))), prompts)
         return self.decoder.prefill(input_ids, attention)
 
     def refill(self, rows: list[int], prompts: list[list[int]]) -> torch.Tensor:
         input_ids, attention = left_padded(prompts, len(prompts), self.pad_id, self.device)
+        self._placed(rows, prompts)
         return self.decoder.refill(rows, input_ids, attention)
+
+    def _placed(self, rows: list[int], prompts: list[list[int]]) -> None:
+        width = max(len(p) for p in prompts)
+        for row, prompt in zip(rows, prompts):
+            self.prompt_start[row], self.width[row] = width - len(prompt), width
+
+    def keep_routing(self, rows: list[int], owners: list[int], drawn: list[int]) -> None:
+        """The routing of the samples of ``rows`` that ended (``drawn`` tokens each), kept for
+        their prompts' places ``owners``: the prompt's slots and those of the response tokens
+        fed back (all but the last)."""
+        if self.routing is None or self.decoder.routing is None:
+            return
+        starts = [self.prompt_start[row] for row in rows]
+        fed = [
+            self.width[row] - start + max(n - 1, 0) for row, start, n in zip(rows, starts, drawn)
+        ]
+        samples = self.decoder.routing.samples(rows, starts, fed, drawn)
+        self.routing.update(zip(owners, samples))
+
+    def routings(self, count: int) -> list[torch.Tensor]:
+        """The kept routing of samples ``0 .. count - 1`` (every row ended), on the host."""
+        if self.routing is None:
+            raise RuntimeError("hf_infer: this decode was not asked to keep routing")
+        return [self.routing[owner] for owner in range(count)]
 
     def step(self, token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         self.tokens[: len(token)] = token
@@ -154,8 +197,14 @@ class Rows:
         """Every row holding a prompt has drawn ``steps`` tokens: ended, without a look."""
         return self.recorded - self.youngest >= steps
 
-    def collect_ended(self, responses: list[list[int]], logprobs: list[list[float]]) -> list[int]:
-        """Hand the samples of the rows that ended to their prompts' places; the free rows."""
+    def collect_ended(
+        self,
+        responses: list[list[int]],
+        logprobs: list[list[float]],
+        decode: DynamicDecode | StaticDecode | None = None,
+    ) -> list[int]:
+        """Hand the samples of the rows that ended to their prompts' places (and a
+        :class:`StaticDecode` ``decode`` their routing, where it keeps it); the free rows."""
         ended = [
             (row, owner)
             for row, (live, owner) in enumerate(zip(self.running.tolist(), self.owner))
@@ -168,6 +217,8 @@ class Rows:
             for (row, owner), n, ids, lps in zip(ended, counts, tokens, logps):
                 responses[owner], logprobs[owner] = ids[:n], lps[:n]
                 self.owner[row] = None
+            if isinstance(decode, StaticDecode):
+                decode.keep_routing([row for row, _ in ended], [o for _, o in ended], counts)
             held = [at for at, owner in zip(self.filled_at, self.owner) if owner is not None]
             self.youngest = max(held, default=self.recorded)
         return [row for row, owner in enumerate(self.owner) if owner is None]
@@ -231,7 +282,7 @@ def sample_rows(
         if tick % every and not rows.all_ended_surely(steps):
             logits = decode.step(fed, rows.running)
             continue
-        free = rows.collect_ended(responses, logprobs)
+        free = rows.collect_ended(responses, logprobs, decode)
         if len(free) == len(rows):
             if not queue:
                 return responses, logprobs

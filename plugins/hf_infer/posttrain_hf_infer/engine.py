@@ -162,20 +162,15 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
         order = list(range(len(prompts)))
     mode = _state(worker).decode_served = decode_mode(worker)
     routed = _returns_routing(worker, request)
-    if routed and mode != "dynamic":
-        log_once(
-            LOG,
-            f"hf_infer: routing is recorded by the dynamic decode: decode {mode!r} falls back "
-            "to it while routing replay needs the rollout's routing",
-            logging.WARNING,
-        )
-        mode = _state(worker).decode_served = "dynamic"
     pad_id = tokenizer.pad_token_id
-    with record_routing(worker.model) if routed else contextlib.nullcontext() as record:
+    # The dynamic decode records routing with hooks; the fixed-shape steps write it into
+    # their decoder's slots (moe_decode).
+    hooked = routed and mode == "dynamic"
+    with record_routing(worker.model) if hooked else contextlib.nullcontext() as record:
         decode = (
             RoutedDecode(worker.model, pad_id, worker.device, record)
             if record is not None
-            else _decode(worker, mode, prompts, pool, sampling.max_new_tokens, pad_id)
+            else _decode(worker, mode, prompts, pool, sampling.max_new_tokens, pad_id, routed)
         )
         responses, logprobs = sample_rows(
             decode,
@@ -188,7 +183,11 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
             _drawer(mode, sampling, generator),
             refill=worker.config.continuous_batching,
         )
-    routing = decode.routing(order, pool, responses) if isinstance(decode, RoutedDecode) else None
+    routing = None
+    if isinstance(decode, RoutedDecode):
+        routing = decode.routing(order, pool, responses)
+    elif isinstance(decode, StaticDecode) and routed:
+        routing = decode.routings(len(prompts))
     return RolloutSamples(
         prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs, routing=routing
     )
@@ -271,6 +270,7 @@ def _decode(
     pool: int,
     new_tokens: int,
     pad_id: int,
+    routing: bool = False,
 ) -> DynamicDecode | StaticDecode:
     if mode == "dynamic":
         return DynamicDecode(worker.model, pad_id, worker.device)
@@ -294,7 +294,7 @@ def _decode(
         state.compile_job = BackgroundCompile(
             worker.model, settings, decoders.groups, worker.device
         )
-    return StaticDecode(decoder, pad_id, worker.device)
+    return StaticDecode(decoder, pad_id, worker.device, routing)
 
 
 @torch.no_grad()

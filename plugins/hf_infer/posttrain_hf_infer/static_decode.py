@@ -46,6 +46,11 @@ inside a block (:func:`attention_of`, ``stacked_projections``): shared Python st
 compile on another thread (:mod:`~posttrain_hf_infer.background_compile`, what ``decode: auto``
 does on a GPU) would read half switched, and trace into its graph. Dynamo does not guard on the
 module objects: a view built later (after an offload) runs the same compiled code.
+
+A mixture-of-experts model's forward passes here (prefill and steps, compiled or not) all run
+on such a view, whose experts run grouped GEMMs and whose routers write each token's experts
+into the decoder's routing slots (:mod:`~posttrain_hf_infer.moe_decode`): the routing that
+routing replay asks of the rollout, recorded inside the captured step.
 """
 
 from __future__ import annotations
@@ -66,7 +71,9 @@ import attrs
 import torch
 import torch.nn.functional as F
 
+from posttrain_hf_infer import moe_decode
 from posttrain_hf_infer.fused_linears import LinearGroup, stacked_projections
+from posttrain_hf_infer.moe_decode import RoutingSlots, is_moe
 
 if TYPE_CHECKING:
     from transformers import Cache, PreTrainedModel
@@ -578,8 +585,17 @@ class StaticDecoder:
         self.groups = groups
         self.use_graph = settings.graph
         self.step_forward: StepForward = compiled_forward() if settings.compiled else decode_forward
+        # A mixture-of-experts model's routing at each row's slots, written by the steps
+        # (moe_decode); its forward passes here all run on the view, which writes it.
+        self.routing: RoutingSlots | None = None
+        if is_moe(model):
+            self.routing = RoutingSlots(model, rows, length, self.current, self.advance)
         # What the compiled step runs on (its own view, see the module docstring).
-        self.step_model = step_view(model, self.attention, groups) if settings.compiled else model
+        self.step_model = model
+        if settings.compiled or self.routing is not None:
+            self.step_model = step_view(model, self.attention, groups)
+        if self.routing is not None:
+            moe_decode.install(self.step_model, self.routing)
         # On the host: the latest query slot among the running rows, or later (exact after
         # :meth:`observe`): it picks the window without waiting for the GPU.
         self.latest_slot = 0
@@ -598,17 +614,19 @@ class StaticDecoder:
         window: int,
         forward: StepForward,
     ) -> torch.Tensor:
+        args = (
+            {self.cache_argument: self.cache},
+            self.visible,
+            self.slots,
+            ids,
+            positions,
+            queries,
+            window,
+        )
+        if self.routing is not None:  # the view: its attention and projections are its own
+            return forward(self.step_model, *args)
         with attention_of(self.model, self.attention), stacked_projections(self.groups):
-            return forward(
-                self.model,
-                {self.cache_argument: self.cache},
-                self.visible,
-                self.slots,
-                ids,
-                positions,
-                queries,
-                window,
-            )
+            return forward(self.model, *args)
 
     def prefill(self, input_ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
         """Run the left-padded prompts ``[rows, width]`` into an emptied cache; the logits of
@@ -617,6 +635,8 @@ class StaticDecoder:
         self.cache.reset()
         positions = prompt_positions(attention)
         self._place(slice(None), attention, positions)
+        # Every row writes its routing (a one-token prompt's prefill writes as a step does).
+        self.advance.fill_(1)
         self.latest_slot = width - 1
         queries, window = self.slots[None, :width], self.window(width - 1)
         return self._forward(input_ids, positions, queries, window, decode_forward)
@@ -633,16 +653,20 @@ class StaticDecoder:
         width = input_ids.shape[1]
         own = DynamicCache(config=self.model.config)
         positions = prompt_positions(attention)
-        with stacked_projections(self.groups):
-            out = self.model(
-                input_ids=input_ids,
-                attention_mask=attention,
-                position_ids=positions,
-                use_cache=True,
-                logits_to_keep=1,
-                **{self.cache_argument: own},
-            )
         index = torch.tensor(rows, device=input_ids.device)
+
+        def run() -> Any:
+            with stacked_projections(self.groups):
+                return self.model(
+                    input_ids=input_ids,
+                    attention_mask=attention,
+                    position_ids=positions,
+                    use_cache=True,
+                    logits_to_keep=1,
+                    **{self.cache_argument: own},
+                )
+
+        out = run() if self.routing is None else self.routing.refilled(self.model, index, run)
         for layer, prefilled in zip(self.cache.layers, own.layers):
             layer.keys[index, :, :width] = prefilled.keys
             layer.values[index, :, :width] = prefilled.values
