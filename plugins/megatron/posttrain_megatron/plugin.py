@@ -111,6 +111,7 @@ class MegatronPlugin(EngineHooks):
                     computes_logprobs=True,
                     shares_process=True,
                     heads=("lm", "value"),
+                    routing_replay=True,
                 ),
                 description="training (actor or critic) with megatron-core (TP/PP/VPP/EP/SP, "
                 "distributed optimizer, dist checkpoints), HF weights through mbridge",
@@ -123,6 +124,7 @@ class MegatronPlugin(EngineHooks):
                     parallel_dims=_PARALLEL_DIMS,
                     computes_logprobs=True,
                     shares_process=True,
+                    routing_replay=True,
                 ),
                 description="log-probs (reference / old policy) with a megatron-core model",
             ),
@@ -156,6 +158,18 @@ class MegatronPlugin(EngineHooks):
                 continue
             shape = model_shape(role.model_args.model_name_or_path, workflow.base_dir)
             check_role(name, config, shape, report)
+        # algorithm.routing_replay on for a megatron_train actor whose model has no experts.
+        actor = workflow.roles().get("actor_train")
+        if (
+            actor is not None
+            and actor.strategy_args.strategy_name == TRAIN
+            and "algorithm" not in report.failed_sections
+        ):
+            from posttrain.backend import routing_replay_problem
+
+            problem = routing_replay_problem(workflow)
+            if problem is not None:
+                report.error(*problem)
 
     @hookimpl
     def posttrain_environment_checks(self) -> list[EnvCheck]:

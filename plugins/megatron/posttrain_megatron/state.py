@@ -12,7 +12,13 @@ if TYPE_CHECKING:
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
     from megatron.core.optimizer import MegatronOptimizer
 
-    from posttrain.backend import BackgroundSave, HostBuffers
+    from posttrain.backend import BackgroundSave, HostBuffers, OldPolicyRouting
+
+
+def _old_policy_routing() -> OldPolicyRouting:
+    from posttrain.backend import OldPolicyRouting
+
+    return OldPolicyRouting()
 
 
 @attrs.define(kw_only=True)
@@ -31,3 +37,5 @@ class MegatronState:
     # megatron's async request (whose finalisation is collective).
     checkpoint_buffers: HostBuffers | None = None
     background_save: tuple[BackgroundSave, AsyncRequest] | None = None
+    # routing_replay: old_policy: the old-policy pass's routing, until the update replays it.
+    old_routing: OldPolicyRouting = attrs.field(factory=_old_policy_routing)

@@ -11,6 +11,7 @@ the driver collects from the first rank of each data-parallel index.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterator
@@ -27,7 +28,7 @@ from posttrain.backend import (
     shifted_values,
     token_budget_micro_batches,
 )
-from posttrain_megatron import context_parallel, packing, token_scores
+from posttrain_megatron import context_parallel, packing, routing, token_scores
 from posttrain_megatron.checkpointing import advance_background_save
 from posttrain_megatron.model_builder import TRAIN
 from posttrain_megatron.state import MegatronState
@@ -154,8 +155,14 @@ def _loss_inputs(
 
 
 def _run_schedule(
-    worker: WorkerContext, items: list[MicroBatch], loss_for: LossFor, forward_only: bool
+    worker: WorkerContext,
+    items: list[MicroBatch],
+    loss_for: LossFor,
+    forward_only: bool,
+    routed: routing.Routing | None = None,
 ) -> list[Any]:
+    """One forward(-backward) schedule over ``items``; ``routed`` replays or records the MoE
+    routers' choices in its forward passes (and recomputes)."""
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
@@ -169,13 +176,23 @@ def _run_schedule(
         2 * cp if cp > 1 else 1
     )
 
+    slots = {id(mb): slot for slot, (_, mb) in enumerate(items)}
+
+    def routers(mb: SequenceBatch, width: int, packed: packing.Packed | None = None) -> Any:
+        """Around the model's forward: the routers replay or record ``mb``'s routing."""
+        if routed is None:
+            return contextlib.nullcontext()
+        positions = routing.token_positions(worker, len(mb), width, packed)
+        return routed.forward(slots[id(mb)], mb, positions, width)
+
     def forward_step(data_iterator: Iterator[MicroBatch], model: torch.nn.Module) -> ForwardOut:
         rows, mb = next(data_iterator)
         ids = mb.input_ids.to(dev)
         width = ids.shape[1]
         if cfg.pack_sequences:
-            return _packed_forward(worker, model, rows, mb, ids, multiple, loss_for)
+            return _packed_forward(worker, model, rows, mb, ids, multiple, loss_for, routers)
         padded = torch.nn.functional.pad(ids, (0, -width % multiple))
+        layout = padded.shape[1]
         positions = torch.arange(padded.shape[1], device=dev).unsqueeze(0).expand_as(padded)
         next_tokens = torch.nn.functional.pad(padded[:, 1:], (0, 1), value=token_scores.NO_TARGET)
         if cp > 1:  # this rank's chunks of the sequence (targets taken before the split)
@@ -185,12 +202,13 @@ def _run_schedule(
                 for t in (padded, positions, next_tokens)
             )
         # Right-padded rows under causal attention: padding never reaches a real token.
-        output = model(
-            input_ids=padded,
-            position_ids=positions,
-            attention_mask=None,
-            labels=_labels(worker, next_tokens),
-        )
+        with routers(mb, layout):
+            output = model(
+                input_ids=padded,
+                position_ids=positions,
+                attention_mask=None,
+                labels=_labels(worker, next_tokens),
+            )
 
         def loss_func(scores: torch.Tensor) -> LossResult:
             if cp > 1:  # the whole sequence on every CP rank: the loss sees whole rows
@@ -203,15 +221,16 @@ def _run_schedule(
 
     # One iterator per model chunk: each chunk's forward pulls the same micro-batch sequence.
     iterators = [iter(items) for _ in models]
-    return get_forward_backward_func()(
-        forward_step_func=forward_step,
-        data_iterator=iterators if len(models) > 1 else iterators[0],
-        model=models if len(models) > 1 else models[0],
-        num_microbatches=len(items),
-        seq_length=max(mb.input_ids.shape[1] for _, mb in items),
-        micro_batch_size=max(len(mb) for _, mb in items),
-        forward_only=forward_only,
-    )
+    with routed.installed() if routed is not None else contextlib.nullcontext():
+        return get_forward_backward_func()(
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(models) > 1 else iterators[0],
+            model=models if len(models) > 1 else models[0],
+            num_microbatches=len(items),
+            seq_length=max(mb.input_ids.shape[1] for _, mb in items),
+            micro_batch_size=max(len(mb) for _, mb in items),
+            forward_only=forward_only,
+        )
 
 
 def _packed_forward(
@@ -222,16 +241,18 @@ def _packed_forward(
     ids: torch.Tensor,
     multiple: int,
     loss_for: LossFor,
+    routers: Callable[[SequenceBatch, int, packing.Packed], Any],
 ) -> ForwardOut:
     """forward_step on one packed row (pack_sequences); results back in the padded layout."""
     packed = packing.pack(ids, mb.attention_mask.to(ids.device), multiple)
-    output = model(
-        input_ids=packed.input_ids,
-        position_ids=packed.position_ids,
-        attention_mask=None,
-        labels=_labels(worker, packed.labels),
-        packed_seq_params=packed.params,
-    )
+    with routers(mb, ids.shape[1], packed):
+        output = model(
+            input_ids=packed.input_ids,
+            position_ids=packed.position_ids,
+            attention_mask=None,
+            labels=_labels(worker, packed.labels),
+            packed_seq_params=packed.params,
+        )
 
     def loss_func(scores: torch.Tensor) -> LossResult:
         unpacked = packing.unpack(packed, scores)
@@ -270,6 +291,12 @@ def train_step(
         )
     cp = worker.config.context_parallel_size
     entropy_grad = bool(getattr(worker.algorithm, "entropy_coef", 0.0))
+    routed = None
+    if routing.wants(worker, models) and routing.update_replays(worker):
+        if routing.mode(worker) == "old_policy":
+            batch = state.old_routing.attach(batch, rank_device(worker))
+        # Kept for the backward pass: recomputed layers replay their micro-batch again.
+        routed = routing.Routing(worker, models, routing.REPLAY, backward=True)
     groups, count = plan(worker, batch, for_logprobs=False)
     items = _micro_batches(worker, batch, groups, count)
 
@@ -300,7 +327,7 @@ def train_step(
     lr = worker.require_training_args().learning_rate * lr_multiplier(step)
     for group in optimizer.param_groups:
         group["lr"] = lr
-    reduced = _run_schedule(worker, items, loss_for, forward_only=False)
+    reduced = _run_schedule(worker, items, loss_for, forward_only=False, routed=routed)
     updated, grad_norm, _ = optimizer.step()
     # Megatron's float16 optimizer keeps float32 copies of the gradients on its master weights
     # until its next zero_grad: 4 bytes a parameter (5.8 GiB at 1.5B) that would stay through
@@ -355,12 +382,45 @@ def _per_token(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
             out[torch.as_tensor(rows, dtype=torch.long), :width] = kept[:, :width].float().cpu()
         return outputs.new_zeros(()), {}
 
+    routed = _scoring_routing(worker)
     for model in worker.model:
         model.eval()
-    _run_schedule(worker, items, loss_for, forward_only=True)
+    _run_schedule(worker, items, loss_for, forward_only=True, routed=routed)
+    if routed is not None and routed.mode == routing.RECORD:
+        _keep_old_policy(worker, items, routed)
     for model in worker.model:
         model.train(worker.strategy_name == TRAIN)
     return _broadcast_tensor_from_last_stage(out, worker)
+
+
+def _scoring_routing(worker: WorkerContext) -> routing.Routing | None:
+    """A log-prob pass under routing replay: ``rollout`` replays the batch's routing (the
+    trainer's old-policy pass, a megatron reference with experts); ``old_policy`` records the
+    trainer's own pass for its update; else the routers choose."""
+    models = worker.model
+    if not routing.wants(worker, models):
+        return None
+    current = routing.mode(worker)
+    if current == "rollout":
+        return routing.Routing(worker, models, routing.REPLAY, backward=False)
+    if current == "old_policy" and worker.strategy_name == TRAIN:
+        return routing.Routing(worker, models, routing.RECORD, backward=False)
+    return None
+
+
+def _keep_old_policy(
+    worker: WorkerContext, items: list[MicroBatch], routed: routing.Routing
+) -> None:
+    """The old-policy pass's routing, whole (every shard and stage), by row until the update."""
+    old = worker.engine_state(MegatronState).old_routing
+    old.rows = {}
+    slots = [slot for slot, (rows, _) in enumerate(items) if rows is not None]
+    whole = routing.gather_records([routed.records[s] for s in slots], rank_device(worker))
+    experts = routing.experts_of(worker.model)
+    for slot, recorded in zip(slots, whole):
+        rows, mb = items[slot]
+        width = recorded.shape[0] // len(mb)
+        routing.keep_old_policy(old, mb, len(rows or ()), width, recorded, experts)
 
 
 def _broadcast_tensor_from_last_stage(tensor: torch.Tensor, worker: WorkerContext) -> torch.Tensor:
