@@ -36,6 +36,7 @@ _PUBLIC = {
     "SamplingParams": "posttrain.protocol",
     "GenerationRequest": "posttrain.protocol",
     "RolloutSamples": "posttrain.protocol",
+    "ImageInputs": "posttrain.protocol",
     "SequenceBatch": "posttrain.protocol",
     "WeightBucket": "posttrain.protocol",
     "bucketize": "posttrain.protocol",
@@ -121,6 +122,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain.protocol import (
         GenerationRequest,
+        ImageInputs,
         RolloutSamples,
         SamplingParams,
         SequenceBatch,

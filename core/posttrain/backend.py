@@ -63,6 +63,12 @@ _PUBLIC = {
     "log_once": "posttrain.backends.plumbing",
     "export_dtype": "posttrain.backends.plumbing",
     "forward_logits": "posttrain.backends.plumbing",
+    "model_inputs": "posttrain.backends.plumbing",
+    # Vision-language models: a batch's images as a model's forward takes them
+    "image_forward_inputs": "posttrain.protocol",
+    "image_tensors": "posttrain.protocol",
+    "shown_token": "posttrain.protocol",
+    "IMAGE_KEYS": "posttrain.protocol",
     "enable_gradient_checkpointing": "posttrain.backends.plumbing",
     "MEMORY_TAGS": "posttrain.backends.plumbing",
     "memory_tags": "posttrain.backends.plumbing",
@@ -170,6 +176,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         leads_replica,
         log_once,
         memory_tags,
+        model_inputs,
         move_optimizer_state,
         rank_device,
         restore_rng_state,
@@ -198,6 +205,7 @@ if TYPE_CHECKING:  # what type checkers see of the names above (a test keeps bot
         training_activation_bytes,
     )
     from posttrain.memory.geometry import ModelGeometry
+    from posttrain.protocol import IMAGE_KEYS, image_forward_inputs, image_tensors, shown_token
     from posttrain.scoring.logprob_head import TokenLogprobs, logprob_forward
     from posttrain.scoring.modeling import (
         sequence_scores,

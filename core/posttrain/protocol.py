@@ -45,6 +45,21 @@ def stop_string_start(text: str, stop: Iterable[str]) -> int | None:
 
 
 @attrs.frozen(kw_only=True)
+class ImageInputs:
+    """One prompt's images as the model's image processor made them, once, on the driver:
+    the rollout and the trainer feed these same tensors (Qwen2-VL style: the patches of all the
+    prompt's images in one ``[patches, dim]`` tensor, and each image's ``[t, h, w]`` grid)."""
+
+    pixel_values: torch.Tensor
+    image_grid_thw: torch.Tensor
+
+
+# Per-sample tensors of a SequenceBatch whose dimension 1 is not the token axis: trimming to the
+# tokens leaves them whole, and concatenation pads them to their own widest.
+IMAGE_KEYS = ("pixel_values", "image_grid_thw")
+
+
+@attrs.frozen(kw_only=True)
 class GenerationRequest:
     prompt_ids: list[list[int]]
     sampling: SamplingParams
@@ -52,6 +67,8 @@ class GenerationRequest:
     seed: int | None = None
     # Return each sample's routing (RolloutSamples.routing): mixture-of-experts models only.
     return_routing: bool = False
+    # Vision-language models: per prompt, its images (None: a prompt without one). None: none.
+    images: list[ImageInputs | None] | None = None
 
 
 @attrs.define(kw_only=True)
@@ -71,6 +88,8 @@ class RolloutSamples:
     # experts each token (prompt then response) was routed to, [tokens, moe_layers, k] in
     # uint8 (int16 past 256 experts). None: not recorded.
     routing: list[torch.Tensor] | None = None
+    # Vision-language models: per sample, its prompt's images (the request's, as they were).
+    images: list[ImageInputs | None] | None = None
 
     def __len__(self) -> int:
         return len(self.response_ids)
@@ -91,6 +110,7 @@ class RolloutSamples:
                 None if self.policy_versions is None else [self.policy_versions[r] for r in rows]
             ),
             routing=None if self.routing is None else [self.routing[r] for r in rows],
+            images=None if self.images is None else [self.images[r] for r in rows],
         )
 
     @classmethod
@@ -102,6 +122,7 @@ class RolloutSamples:
         # Routing is kept when every part holding samples has it (a rank with no prompts
         # returns none).
         routed = [part.routing for part in parts if len(part)]
+        imaged = [part.images for part in parts if len(part)]
         return cls(
             prompt_ids=[p for part in parts for p in part.prompt_ids],
             response_ids=[r for part in parts for r in part.response_ids],
@@ -115,6 +136,11 @@ class RolloutSamples:
             routing=(
                 [r for rows in routed if rows is not None for r in rows]
                 if routed and None not in routed
+                else None
+            ),
+            images=(
+                [i for rows in imaged if rows is not None for i in rows]
+                if imaged and None not in imaged
                 else None
             ),
         )
@@ -177,7 +203,10 @@ class SequenceBatch:
         """Drop trailing columns that are padding in every row."""
         width = int(self.attention_mask.sum(dim=1).max().item())
         return SequenceBatch(
-            {k: (v[:, :width] if v.dim() >= 2 else v) for k, v in self.tensors.items()},
+            {
+                k: (v[:, :width] if v.dim() >= 2 and k not in IMAGE_KEYS else v)
+                for k, v in self.tensors.items()
+            },
             dict(self.meta),
         )
 
@@ -185,9 +214,10 @@ class SequenceBatch:
     def concat(cls, batches: list[SequenceBatch]) -> SequenceBatch:
         import torch
 
-        width = max(b.input_ids.shape[1] for b in batches)
+        tokens = max(b.input_ids.shape[1] for b in batches)
         out: dict[str, torch.Tensor] = {}
         for key in batches[0].tensors:
+            width = max(b.tensors[key].shape[1] for b in batches) if key in IMAGE_KEYS else tokens
             columns = []
             for b in batches:
                 t = b.tensors[key]
@@ -216,6 +246,7 @@ def build_sequence_batch(
     turn_rewards: list[list[float]] | None = None,
     policy_versions: list[list[int]] | None = None,
     routing: list[torch.Tensor] | None = None,
+    images: list[ImageInputs | None] | None = None,
 ) -> SequenceBatch:
     """Pack prompt + response pairs into a right-padded :class:`SequenceBatch`.
 
@@ -229,6 +260,8 @@ def build_sequence_batch(
     become the ``policy_version`` tensor, for losses and plugins that weigh tokens by age.
     ``routing`` (:attr:`RolloutSamples.routing`) becomes the ``routing`` tensor
     ``[B, T, moe_layers, k]`` (zeros on the padding), which routing replay replays.
+    ``images`` (:attr:`RolloutSamples.images`) become the :data:`IMAGE_KEYS` tensors
+    (:func:`image_tensors`).
     """
     import torch
 
@@ -255,7 +288,75 @@ def build_sequence_batch(
         tensors["policy_version"] = _response_tensor(prompt_ids, policy_versions, width)
     if routing is not None:
         tensors["routing"] = routing_tensor(routing, lengths, width)
+    if images is not None:
+        tensors.update(image_tensors(images))
     return SequenceBatch(tensors)
+
+
+def image_tensors(images: Sequence[ImageInputs | None]) -> dict[str, torch.Tensor]:
+    """Per-sample images as two right-padded tensors: ``pixel_values`` ``[rows, patches, dim]``
+    (zeros past a row's patches) and ``image_grid_thw`` ``[rows, images, 3]`` (zero rows past
+    its images: a grid of 0 patches, which :func:`image_forward_inputs` skips)."""
+    import torch
+
+    present = [i for i in images if i is not None]
+    if not present:
+        raise ValueError("image_tensors: no sample has an image")
+    dim = present[0].pixel_values.shape[1]
+    patches = max((i.pixel_values.shape[0] for i in present), default=0)
+    count = max((i.image_grid_thw.shape[0] for i in present), default=0)
+    pixels = torch.zeros((len(images), patches, dim), dtype=present[0].pixel_values.dtype)
+    grids = torch.zeros((len(images), count, 3), dtype=torch.long)
+    for row, image in enumerate(images):
+        if image is not None:
+            pixels[row, : image.pixel_values.shape[0]] = image.pixel_values
+            grids[row, : image.image_grid_thw.shape[0]] = image.image_grid_thw
+    return {"pixel_values": pixels, "image_grid_thw": grids}
+
+
+def image_forward_inputs(
+    input_ids: torch.Tensor,
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor,
+    config: Any,
+) -> dict[str, torch.Tensor]:
+    """A Qwen2-VL style model's inputs for rows ``input_ids`` from the :func:`image_tensors` of
+    the same rows (``config``: the model's): every row's patches in one ``[patches, dim]``
+    tensor, its images' grids, ``mm_token_type_ids`` (1 on image tokens, from which the model
+    computes its multimodal rotary positions itself), and ``input_ids`` where an image token
+    past the row's images (one the policy sampled) is :func:`shown_token` as the rollout fed
+    it. A row whose ids hold no image token (a filler micro-batch cut short) shows no image."""
+    import torch
+
+    image_id = config.image_token_id
+    merge = config.vision_config.spatial_merge_size**2
+    ids = input_ids.clone()
+    pixels, grids = [], []
+    for row in range(len(ids)):
+        grid = image_grid_thw[row]
+        grid = grid[grid.prod(dim=-1) > 0]
+        at = (ids[row] == image_id).nonzero().flatten()
+        shown = int(grid.prod(dim=-1).sum()) // merge if len(at) else 0
+        ids[row, at[shown:]] = shown_token(image_id, config)
+        if shown:
+            pixels.append(pixel_values[row, : int(grid.prod(dim=-1).sum())])
+            grids.append(grid)
+    if not grids:
+        return {"input_ids": ids}
+    return {
+        "input_ids": ids,
+        "pixel_values": torch.cat(pixels),
+        "image_grid_thw": torch.cat(grids),
+        "mm_token_type_ids": (ids == image_id).int(),
+    }
+
+
+def shown_token(token: int, config: Any) -> int:
+    """What a vision-language model is fed for ``token`` in a response: an image placeholder
+    the policy sampled shows no image (its place would have no features), so it is fed as
+    ``<|vision_end|>``; any other token as itself. The rollout feeds and the trainer scores
+    alike."""
+    return int(config.vision_end_token_id) if token == config.image_token_id else token
 
 
 def routing_record(rows: list[torch.Tensor]) -> dict[str, Any]:

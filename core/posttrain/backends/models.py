@@ -101,9 +101,17 @@ def load_causal_lm(
     ``attn_implementation``) on ``device``, in eval mode as transformers returns it, loaded
     without progress bars (they would fill the rank logs). With ``tp_mesh`` (a 1-D device
     mesh), split over its ranks by the model's tensor-parallel plan (``tp_plan="auto"``)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = resolve_model_path(model_args.model_name_or_path, base_dir)
+    # A vision-language model (Qwen2-VL style) is no AutoModelForCausalLM in transformers 5: its
+    # image-text-to-text class, whose forward takes the images and returns the logits.
+    config = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    auto = (
+        AutoModelForImageTextToText
+        if getattr(config, "vision_config", None) is not None
+        else AutoModelForCausalLM
+    )
     kwargs = {
         "dtype": torch_dtype(model_args.dtype),
         "trust_remote_code": model_args.trust_remote_code,
@@ -113,7 +121,7 @@ def load_causal_lm(
     if tp_mesh is not None:
         kwargs |= {"tp_plan": "auto", "device_mesh": tp_mesh}
     with no_hf_progress_bars():
-        model = AutoModelForCausalLM.from_pretrained(path, **kwargs)
+        model = auto.from_pretrained(path, **kwargs)
     return model if tp_mesh is not None else model.to(device)
 
 

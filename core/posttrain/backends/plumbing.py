@@ -63,11 +63,28 @@ def export_dtype(worker: WorkerContext) -> torch.dtype:
 
 
 def forward_logits(model: Any, micro_batch: SequenceBatch) -> torch.Tensor:
-    """An HF causal LM's logits of a micro-batch (no KV cache)."""
+    """An HF causal LM's logits of a micro-batch (no KV cache); a vision-language model's
+    with the micro-batch's images (:func:`model_inputs`)."""
     out = model(
-        input_ids=micro_batch.input_ids, attention_mask=micro_batch.attention_mask, use_cache=False
+        **model_inputs(model, micro_batch),
+        attention_mask=micro_batch.attention_mask,
+        use_cache=False,
     )
     return out.logits
+
+
+def model_inputs(model: Any, micro_batch: SequenceBatch) -> dict[str, torch.Tensor]:
+    """``input_ids``, and for a vision-language model's batch with images their inputs
+    (:func:`posttrain.protocol.image_forward_inputs`). ``model`` may be a wrapper (a DeepSpeed
+    engine) whose ``module`` has the config."""
+    from posttrain.protocol import image_forward_inputs
+
+    if "pixel_values" not in micro_batch.tensors:
+        return {"input_ids": micro_batch.input_ids}
+    config = getattr(model, "config", None) or model.module.config
+    return image_forward_inputs(
+        micro_batch.input_ids, micro_batch["pixel_values"], micro_batch["image_grid_thw"], config
+    )
 
 
 def enable_gradient_checkpointing(model: Any) -> None:

@@ -10,6 +10,7 @@ from typing import Any, Literal
 
 import attrs
 
+from posttrain.config.image_rows import IMAGE_PAD, image_row_problems
 from posttrain.config.ranges import at_least, between, greater_than
 from posttrain.config.report import ErrorReport
 from posttrain.paths import display_path
@@ -17,8 +18,10 @@ from posttrain.paths import display_path
 
 @attrs.frozen(kw_only=True)
 class SyntheticData:
-    # multi_digit_arithmetic: "37*48=" or "512+347="; long_sum: "12+345+67+89+10=" (5-6 terms).
-    task: Literal["single_digit_addition", "multi_digit_arithmetic", "long_sum"] = (
+    # multi_digit_arithmetic: "37*48=" or "512+347="; long_sum: "12+345+67+89+10=" (5-6 terms);
+    # count_shapes: a 32x32 image of red and blue squares, "how many red?" (a digit; for
+    # vision-language models such as preset:tiny-qwen2-vl-count).
+    task: Literal["single_digit_addition", "multi_digit_arithmetic", "long_sum", "count_shapes"] = (
         "single_digit_addition"
     )
     max_sum: int = attrs.field(default=9, validator=at_least(0))
@@ -119,3 +122,11 @@ def check_prompt_source(data: DataConfig, base_dir: str, where: str, report: Err
             report.error(f"{where}.path", f"file not found: {display_path(local)}")
         elif not local.endswith((".jsonl", ".json", ".parquet")):
             report.error(f"{where}.path", "unsupported file type", "use .jsonl or .parquet")
+        else:
+            for row, problem in image_row_problems(local, data.prompt_key, os.path.dirname(local)):
+                report.error(
+                    f"{where}.path",
+                    f"row {row} of {display_path(local)}: {problem}",
+                    "give each image as a path relative to the data file, base64 text or "
+                    f"bytes, and one {IMAGE_PAD} in the prompt per image",
+                )

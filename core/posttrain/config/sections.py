@@ -69,6 +69,9 @@ class ModelArgs:
     flash_attn: str | None = None  # ROLL key, accepted for compatibility
     # Train low-rank adapters instead of every weight; null: full fine-tuning.
     lora: LoraArgs | None = None
+    # Vision-language models: the vision tower (and its merger) is not trained (true, the
+    # common default) or trained with the rest (false). Text models: no effect.
+    freeze_vision: bool = True
 
 
 @attrs.frozen(kw_only=True)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 import attrs
 
-from posttrain.protocol import GenerationRequest, RolloutSamples, SamplingParams
+from posttrain.errors import UserError
+from posttrain.protocol import GenerationRequest, ImageInputs, RolloutSamples, SamplingParams
 from posttrain.rollout.environments.registry import environment_specs
 from posttrain.rollout.environments.runner import EpisodeRunner
 from posttrain.rollout.groups import ScoredGroups
@@ -58,9 +59,14 @@ def rollout_seed(run_seed: int, index: int, round_: int) -> int:
 
 
 def generate(
-    infer: WorkerGroup, prompt_ids: list[list[int]], sampling: SamplingParams, seed: int
+    infer: WorkerGroup,
+    prompt_ids: list[list[int]],
+    sampling: SamplingParams,
+    seed: int,
+    images: list[ImageInputs | None] | None = None,
 ) -> RolloutSamples:
-    """``sampling.n`` samples of every prompt on the rollout role's data-parallel ranks."""
+    """``sampling.n`` samples of every prompt on the rollout role's data-parallel ranks;
+    ``images``: per prompt, its images (vision-language models)."""
     dp = infer.dp_size
     # Contiguous shares, the first len % dp one prompt longer (ROLL's 64 prompts over 12
     # engines); concatenated in order, sample i still belongs to prompt i // sampling.n.
@@ -68,7 +74,10 @@ def generate(
     bounds = [i * per + min(i, extra) for i in range(dp + 1)]
     requests = [
         GenerationRequest(
-            prompt_ids=prompt_ids[bounds[i] : bounds[i + 1]], sampling=sampling, seed=seed + i
+            prompt_ids=prompt_ids[bounds[i] : bounds[i + 1]],
+            sampling=sampling,
+            seed=seed + i,
+            images=None if images is None else images[bounds[i] : bounds[i + 1]],
         )
         for i in range(dp)
     ]
@@ -117,6 +126,11 @@ class Rollout:
         segment (asynchronous rollout with ``algorithm.partial_rollout``)."""
         picked = [self.prompts[i] for i in self.sampler.next(self.algorithm.rollout_batch_size)]
         seed = rollout_seed(self.seed, index, round_)
+        if (self.environment.name or engine_turn is not None) and any(p.images for p in picked):
+            raise UserError(
+                "prompts with images are rolled out in one piece without an environment for "
+                "now: unset environment.name and algorithm.partial_rollout"
+            )
         if self.environment.name:
             label = f"step {index}" + (f" round {round_}" if round_ else "")
             return self._episodes(picked, seed, label, timer)
@@ -126,8 +140,9 @@ class Rollout:
                 sampling_params(self.generating_args), n=self.algorithm.group_size
             )
             prompt_ids = [list(p.ids) for p in picked]
+            images = [p.images for p in picked] if any(p.images for p in picked) else None
             if engine_turn is None:
-                samples = generate(self.infer, prompt_ids, sampling, seed)
+                samples = generate(self.infer, prompt_ids, sampling, seed, images)
             else:
                 samples = generate_in_segments(
                     functools.partial(generate, self.infer),

@@ -113,6 +113,8 @@ def forward_token_logprobs(
     micro-batch with ``hf_model``'s output head (default: ``model``'s) computing log-probs
     ``chunk_tokens`` tokens at a time. Without ``with_entropy`` the entropy is zeros; without
     ``entropy_grad`` it carries no gradient."""
+    from posttrain.backends.plumbing import model_inputs
+
     head = (hf_model if hf_model is not None else model).get_output_embeddings()
     produced: list[torch.Tensor] = []
 
@@ -124,7 +126,7 @@ def forward_token_logprobs(
 
     with _swapped_forward(head, forward):
         out = model(
-            input_ids=micro_batch.input_ids,
+            **model_inputs(model, micro_batch),
             attention_mask=micro_batch.attention_mask,
             use_cache=False,
         )

@@ -11,10 +11,14 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 from posttrain.config.data_sections import DataConfig
+from posttrain.config.image_rows import decode_image, image_row_problem
 from posttrain.errors import UserError
+from posttrain.tasks.vision import count_shapes, load_image_processor, process_prompt
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
+
+    from posttrain.protocol import ImageInputs
 
 
 @attrs.frozen
@@ -22,6 +26,8 @@ class Prompt:
     text: str
     answer: str
     ids: tuple[int, ...]
+    # A vision-language prompt's images, processed once (posttrain.tasks.vision).
+    images: ImageInputs | None = attrs.field(default=None, eq=False)
 
 
 def synthetic_single_digit_addition(max_sum: int = 9) -> list[dict[str, str]]:
@@ -79,6 +85,8 @@ SYNTHETIC_TASKS = {
     "single_digit_addition": lambda synthetic: synthetic_single_digit_addition(synthetic.max_sum),
     "multi_digit_arithmetic": lambda synthetic: synthetic_multi_digit_arithmetic(),
     "long_sum": lambda synthetic: distinct_problems(long_sum_problem),
+    # Images drawn with PIL: how many red squares (posttrain.tasks.vision.count_shapes).
+    "count_shapes": lambda synthetic: count_shapes(),
 }
 
 
@@ -127,6 +135,14 @@ def read_records(cfg: DataConfig, base_dir: str) -> list[dict]:
     return records
 
 
+def data_dir(cfg: DataConfig, base_dir: str) -> str:
+    """The folder image paths of ``cfg``'s rows are relative to: the data file's."""
+    if cfg.path is None:
+        return base_dir
+    path = cfg.path if os.path.isabs(cfg.path) else os.path.join(base_dir, cfg.path)
+    return os.path.dirname(path)
+
+
 def load_prompts(
     cfg: DataConfig,
     base_dir: str,
@@ -142,6 +158,10 @@ def load_prompts(
     use_template = cfg.apply_chat_template == "always" or (
         cfg.apply_chat_template == "auto" and getattr(tokenizer, "chat_template", None)
     )
+    base = data_dir(cfg, base_dir)
+    image_processor = (
+        load_image_processor(tokenizer) if any(r.get("images") for r in records) else None
+    )
     prompts = []
     for index, record in enumerate(records):
         for key in (prompt_key, answer_key):
@@ -152,7 +172,17 @@ def load_prompts(
                     "data.answer_key"
                 )
         text = str(record[prompt_key])
-        if use_template:
+        images = None
+        if record.get("images"):
+            # check_image_rows found these rows sound before anything started; a file that
+            # changed since is caught here.
+            problem = image_row_problem(record, prompt_key, base)
+            if problem is not None:
+                raise UserError(f"data record {index}: {problem}")
+            assert image_processor is not None  # made above for data with images
+            pictures = [decode_image(value, base) for value in record["images"]]
+            ids, images = process_prompt(text, pictures, tokenizer, image_processor)
+        elif use_template:
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}],
                 tools=tools,
@@ -165,7 +195,9 @@ def load_prompts(
             ids = tokenizer(text, add_special_tokens=True)["input_ids"]
         if len(ids) > cfg.max_prompt_length:
             continue
-        prompts.append(Prompt(text=text, answer=str(record[answer_key]), ids=tuple(ids)))
+        prompts.append(
+            Prompt(text=text, answer=str(record[answer_key]), ids=tuple(ids), images=images)
+        )
     if not prompts:
         raise UserError(
             "no usable prompt in the data (all longer than "

@@ -17,6 +17,7 @@ import attrs
 
 from posttrain.errors import UserError
 from posttrain.hf_progress import no_hf_progress_bars
+from posttrain.tasks.vision import VISION_WARM_STEPS
 from posttrain.tasks.warm_start import RECIPES, TOOL_TAGS
 
 if TYPE_CHECKING:
@@ -53,6 +54,9 @@ class Preset:
     warm_start: str | None = attrs.field(
         default=None, validator=attrs.validators.optional(attrs.validators.in_(RECIPES))
     )
+    # Vision-language presets (arch qwen2_vl): supervised count_shapes steps after
+    # initialisation (posttrain.tasks.vision.warm_start_count_shapes); 0: none.
+    vision_warm_steps: int = 0
     description: str = ""
 
 
@@ -146,6 +150,30 @@ PRESETS: dict[str, Preset] = {
             "(for vLLM on CPU)"
         ),
     ),
+    # Qwen2-VL (a one-block vision tower of 8-pixel patches merged 2x2, mrope) on the
+    # arithmetic alphabet and the vision tokens, with its image processor saved beside it: the
+    # vision-language path's CPU tests (random weights).
+    "tiny-qwen2-vl": Preset(
+        arch="qwen2_vl",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        description="Qwen2-VL, hidden 64, 2 layers, one-block vision tower, 32x32 images",
+    ),
+    # tiny-qwen2-vl warm-started on count_shapes (examples/vision_quickstart.yaml).
+    "tiny-qwen2-vl-count": Preset(
+        arch="qwen2_vl",
+        hidden_size=64,
+        num_hidden_layers=2,
+        intermediate_size=128,
+        max_position_embeddings=256,
+        vision_warm_steps=VISION_WARM_STEPS,
+        description=(
+            "tiny-qwen2-vl warm-started on count_shapes (how many red squares) to a partial "
+            "accuracy"
+        ),
+    ),
 }
 _VERSION = "v2"  # bump when a preset's construction changes, so caches are rebuilt
 
@@ -186,6 +214,8 @@ def preset_path(name: str) -> str:
 
 
 def _building(preset: Preset) -> str:
+    if preset.vision_warm_steps:
+        return f"building it once: {preset.vision_warm_steps} warm-start steps, then cached"
     if preset.warm_start is None:
         return "building it once (a few seconds; no download), then it is cached"
     recipe = RECIPES[preset.warm_start]
@@ -271,6 +301,9 @@ def build_preset(preset: Preset, out_dir: str) -> None:
     import torch
     import transformers
 
+    if preset.arch == "qwen2_vl":
+        _build_vision_preset(preset, out_dir)
+        return
     config_name, model_name = _ARCHS[preset.arch]
     tokenizer = build_tokenizer(preset.added_tokens)
     config = getattr(transformers, config_name)(
@@ -303,7 +336,45 @@ def build_preset(preset: Preset, out_dir: str) -> None:
     with no_hf_progress_bars():
         model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)
-    # transformers 5 would otherwise load it as Qwen2Tokenizer from the model config.
+    _keep_tokenizer_class(out_dir)
+
+
+def _build_vision_preset(preset: Preset, out_dir: str) -> None:
+    """A Qwen2-VL preset: the arithmetic tokenizer with the vision tokens (special: one token
+    each), the model and its image processor."""
+    import torch
+
+    from posttrain.tasks.vision import VISION_TOKENS, build_vision_model, warm_start_count_shapes
+
+    tokenizer = build_tokenizer()
+    tokenizer.add_special_tokens({"additional_special_tokens": list(VISION_TOKENS)})
+    state = torch.random.get_rng_state()
+    torch.manual_seed(preset.seed)
+    try:
+        model, image_processor = build_vision_model(
+            tokenizer,
+            hidden_size=preset.hidden_size,
+            num_hidden_layers=preset.num_hidden_layers,
+            num_attention_heads=preset.num_attention_heads,
+            num_key_value_heads=preset.num_key_value_heads,
+            intermediate_size=preset.intermediate_size or 4 * preset.hidden_size,
+            max_position_embeddings=preset.max_position_embeddings,
+        )
+        model = model.to(torch.float32)
+        if preset.vision_warm_steps:
+            warm_start_count_shapes(model, tokenizer, image_processor, preset.vision_warm_steps)
+    finally:
+        torch.random.set_rng_state(state)
+    with no_hf_progress_bars():
+        model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)
+    image_processor.save_pretrained(out_dir)
+    _keep_tokenizer_class(out_dir)
+
+
+def _keep_tokenizer_class(out_dir: str) -> None:
+    """transformers 5 would otherwise load the tokenizer as Qwen2Tokenizer from the model
+    config."""
     import json
 
     cfg_path = os.path.join(out_dir, "tokenizer_config.json")

@@ -403,6 +403,7 @@ class Trainer:
             turn_rewards=scored.turn_rewards,
             policy_versions=samples.policy_versions,
             routing=samples.routing,
+            images=samples.images,
         )
         with timer.phase("logprobs"):
             batch, kl_metrics = old_and_reference_logprobs(batch, algo, groups, self.sharing)

@@ -189,6 +189,10 @@ def load_model(worker: WorkerContext) -> torch.nn.Module:
     model = load_model_with_head(model_args, worker.head, worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
         enable_gradient_checkpointing(model)
+    vision = getattr(getattr(model, "model", None), "visual", None)
+    if train and vision is not None and worker.model_args.freeze_vision:
+        # Frozen before the optimizer is built: the tower's weights take no optimizer state.
+        vision.requires_grad_(False)
     if lora_args(worker, TRAIN) is not None:  # before fully_shard: adapters shard with the layers
         model = lora.wrap(worker, model)
     param_dtype = cfg.param_dtype or worker.model_args.dtype

@@ -26,6 +26,7 @@ from posttrain import (
     WeightBucket,
 )
 from posttrain.backend import (
+    IMAGE_KEYS,
     ROUTING_KEY,
     TokenLogprobs,
     end_process_group,
@@ -51,6 +52,7 @@ from posttrain_hf_infer.fused_linears import fuse_sibling_linears, unfuse_siblin
 from posttrain_hf_infer.routing import RoutedDecode
 from posttrain_hf_infer.static_decode import DecodeSettings, StaticDecoders, supports_static
 from posttrain_hf_infer.token_sampling import draw, gumbel_draw, is_plain
+from posttrain_hf_infer.vision import VisionDecode
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -166,12 +168,28 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     # The dynamic decode records routing with hooks; the fixed-shape steps write it into
     # their decoder's slots (moe_decode).
     hooked = routed and mode == "dynamic"
-    with record_routing(worker.model) if hooked else contextlib.nullcontext() as record:
-        decode = (
-            RoutedDecode(worker.model, pad_id, worker.device, record)
-            if record is not None
-            else _decode(worker, mode, prompts, pool, sampling.max_new_tokens, pad_id, routed)
+    images = (
+        None
+        if request.images is None
+        else [image for image in request.images for _ in range(sampling.n)]
+    )
+    if images is not None and mode != "dynamic":
+        log_once(
+            LOG,
+            f"hf_infer: prompts with images decode with the dynamic cache: decode {mode!r} "
+            "has no prefill with images yet",
+            logging.WARNING,
         )
+        mode = _state(worker).decode_served = "dynamic"
+    with record_routing(worker.model) if hooked else contextlib.nullcontext() as record:
+        decode: DynamicDecode | StaticDecode
+        if record is not None:
+            decode = RoutedDecode(worker.model, pad_id, worker.device, record)
+        elif images is not None:
+            shown = {id(prompt): image for prompt, image in zip(prompts, images)}
+            decode = VisionDecode(worker.model, pad_id, worker.device, shown)
+        else:
+            decode = _decode(worker, mode, prompts, pool, sampling.max_new_tokens, pad_id, routed)
         responses, logprobs = sample_rows(
             decode,
             prompts,
@@ -189,7 +207,11 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
     elif isinstance(decode, StaticDecode) and routed:
         routing = decode.routings(len(prompts))
     return RolloutSamples(
-        prompt_ids=prompts, response_ids=responses, response_logprobs=logprobs, routing=routing
+        prompt_ids=prompts,
+        response_ids=responses,
+        response_logprobs=logprobs,
+        routing=routing,
+        images=images,
     )
 
 
@@ -335,6 +357,10 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
             tensors = {"input_ids": ids, "attention_mask": mask}
             if routing is not None:
                 tensors[ROUTING_KEY] = routing[start : start + len(ids)]
+            # A vision-language model's rows keep their images (the rollout's, as they came).
+            for key in IMAGE_KEYS:
+                if key in batch.tensors:
+                    tensors[key] = batch[key][start : start + len(ids)].to(ids.device)
             start += len(ids)
             out = routed(SequenceBatch(tensors))
             if isinstance(out, TokenLogprobs):

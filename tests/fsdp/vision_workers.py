@@ -1,0 +1,144 @@
+"""Rank function of the vision-language tests of fsdp2_train (``test_fsdp_vision.py``), run in a
+spawned process: the trainer and hf_infer on the tiny Qwen2-VL preset, in one process as in the
+hybrid engine, weights synced in process; prompts with images from the count_shapes task,
+processed once."""
+
+from __future__ import annotations
+
+import os
+
+VLM = "preset:tiny-qwen2-vl"
+
+
+def _runtimes(rank: int, world_size: int):
+    import posttrain_fsdp.plugin
+    import posttrain_hf_infer.plugin
+    from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
+    from posttrain.launch.worker import WorkerContext, WorkerRuntime
+    from posttrain.testing.groups import engine_hook_relay
+    from posttrain_hf_infer.plugin import HFInferConfig
+
+    model_args = ModelArgs(model_name_or_path=VLM, dtype="fp32")
+    algorithm = AlgorithmConfig(old_logprobs="recompute")
+    train = WorkerContext(
+        role="actor_train",
+        strategy_name="fsdp2_train",
+        # Two micro-batches of 4 rows: the images split with their rows.
+        config=posttrain_fsdp.plugin.FSDP2TrainConfig(
+            micro_batch_size=4, logprob_micro_batch_size=4
+        ),
+        model_args=model_args,
+        training_args=TrainingArgs(learning_rate=1e-2, max_steps=10),
+        rank=rank,
+        world_size=world_size,
+        algorithm=algorithm,
+        hook=engine_hook_relay(posttrain_fsdp.plugin.plugin, "fsdp2_train"),
+    )
+    infer = WorkerContext(
+        role="actor_infer",
+        strategy_name="hf_infer",
+        config=HFInferConfig(batch_size=2),
+        model_args=model_args,
+        rank=rank,
+        world_size=world_size,
+        algorithm=algorithm,
+        hook=engine_hook_relay(posttrain_hf_infer.plugin.plugin, "hf_infer"),
+    )
+    runtimes = []
+    for ctx in (train, infer):
+        runtime = WorkerRuntime(ctx)
+        runtime.setup()
+        runtimes.append(runtime)
+    return runtimes
+
+
+def _prompts(tokenizer, count: int):
+    """``count`` count_shapes prompts of different images; the last one twice, with text ids
+    of different lengths (padding differs by row)."""
+    from posttrain.tasks.vision import count_shapes, load_image_processor, process_prompt
+
+    processor = load_image_processor(tokenizer)
+    prompts = []
+    for index, record in enumerate(count_shapes(count)):
+        text = record["prompt"] if index % 2 else "1+2=" + record["prompt"]
+        prompts.append(process_prompt(text, record["images"], tokenizer, processor))
+    return prompts
+
+
+def _rollout(infer, tokenizer, seed: int):
+    import torch
+
+    from posttrain import GenerationRequest, SamplingParams
+    from posttrain.protocol import build_sequence_batch
+
+    prompts = _prompts(tokenizer, 4)
+    sampling = SamplingParams(n=2, max_new_tokens=4, ignore_eos=True)
+    request = GenerationRequest(
+        prompt_ids=[ids for ids, _ in prompts],
+        images=[images for _, images in prompts],
+        sampling=sampling,
+        seed=seed,
+    )
+    samples = infer.generate(request)
+    batch = build_sequence_batch(
+        samples.prompt_ids,
+        samples.response_ids,
+        tokenizer.pad_token_id,
+        samples.response_logprobs,
+        images=samples.images,
+    )
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(len(batch), 1, generator=g).expand_as(batch.response_mask)
+    batch = batch.with_tensors(
+        advantages=adv * batch.response_mask, old_logprobs=batch["rollout_logprobs"]
+    )
+    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=len(batch))
+    return batch
+
+
+def scenario_sync_parity(rank: int, world_size: int, out_dir: str) -> None:
+    """A training step (vision tower frozen), a weight sync of the whole model into hf_infer,
+    then the trainer's log-probs of a new rollout's samples against the rollout's; and the
+    same samples scored without their images, which must differ."""
+    import torch
+
+    from posttrain.backend import load_tokenizer
+
+    train, infer = _runtimes(rank, world_size)
+    ctx = train.ctx
+    tokenizer = load_tokenizer(ctx.model_args)
+    vision = ctx.model.model.visual
+    frozen_before = {k: v.detach().clone() for k, v in vision.state_dict().items()}
+    text_before = ctx.model.model.language_model.norm.weight.detach().clone()
+    metrics = train.train_step(_rollout(infer, tokenizer, seed=1))
+    train.export_begin(bucket_bytes=1 << 20)
+    buckets = []
+    while (bucket := train.export_next()) is not None:
+        buckets.append(bucket)
+    infer.import_weights(buckets)
+    synced = {name for bucket in buckets for name, _ in bucket.tensors}
+
+    batch = _rollout(infer, tokenizer, seed=2)
+    mask = batch.response_mask
+    trainer = train.compute_logprobs(batch)
+    reference = infer.compute_logprobs(batch)
+    text_only = {k: v for k, v in batch.tensors.items() if k not in ("pixel_values",)}
+    text_only["pixel_values"] = torch.zeros_like(batch["pixel_values"])
+    from posttrain.protocol import SequenceBatch
+
+    blind = train.compute_logprobs(SequenceBatch(text_only, dict(batch.meta)))
+    rollout = batch["rollout_logprobs"]
+    out = {
+        "gap": float(((trainer - rollout).abs() * mask).max()),
+        "reference_gap": float(((reference - rollout).abs() * mask).max()),
+        "blind_gap": float(((blind - rollout).abs() * mask).max()),
+        "grad_norm": float(metrics.get("actor/grad_norm", 0.0)),
+        "vision_frozen": all(
+            torch.equal(frozen_before[k], v) for k, v in vision.state_dict().items()
+        ),
+        "text_moved": not torch.equal(text_before, ctx.model.model.language_model.norm.weight),
+        "synced_vision": any(".visual." in name for name in synced),
+        "rows": len(batch),
+        "patches": tuple(batch["pixel_values"].shape),
+    }
+    torch.save(out, os.path.join(out_dir, "vision_parity.pt"))
