@@ -35,7 +35,9 @@ TINY_QUICKSTART = (
 )
 
 # Models the benchmarks build locally (random init, no download): Qwen2 unless ``arch`` says
-# ``llama``; the larger ones keep their real model's untied output layer (``tie``).
+# ``llama`` or ``qwen3_moe`` (mixture of experts: ``num_experts`` a layer, the top
+# ``num_experts_per_tok`` of them per token); the larger ones keep their real model's untied
+# output layer (``tie``).
 SHAPES = {
     "tiny": dict(
         hidden_size=64,
@@ -100,6 +102,40 @@ SHAPES = {
         vocab_size=152064,
         tie=False,
     ),
+    # Qwen3-MoE at CPU size: the MoE benchmarks' smoke tests (8 experts, top-2, renormalised).
+    "tiny-moe": dict(
+        arch="qwen3_moe",
+        hidden_size=64,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        num_experts=8,
+        num_experts_per_tok=2,
+        moe_intermediate_size=64,
+        norm_topk_prob=True,
+        vocab_size=1024,
+        tie=False,
+    ),
+    # Qwen3-30B-A3B's geometry with 12 of its 48 layers (every layer sparse: 128 experts, the
+    # top 8 renormalised): 8.1B parameters, 1.3B of them active per token (0.6B of those the
+    # embedding and the output layer).
+    "qwen3-30b-a3b-l12": dict(
+        arch="qwen3_moe",
+        hidden_size=2048,
+        intermediate_size=6144,
+        num_hidden_layers=12,
+        num_attention_heads=32,
+        num_key_value_heads=4,
+        head_dim=128,
+        num_experts=128,
+        num_experts_per_tok=8,
+        moe_intermediate_size=768,
+        norm_topk_prob=True,
+        vocab_size=151936,
+        tie=False,
+    ),
 }
 
 # Dense bf16 peak TFLOP/s of a GPU, by a part of its name (SXM parts).
@@ -160,6 +196,7 @@ def model_config(shape: str, max_positions: int = 4096, tie_word_embeddings: boo
     config_class, model_class = {
         "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
         "llama": ("LlamaConfig", "LlamaForCausalLM"),
+        "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     }[arch]
     config = getattr(transformers, config_class)(
         **geometry, max_position_embeddings=max_positions, tie_word_embeddings=tied
@@ -282,9 +319,25 @@ def peak_bf16_tflops(name: str) -> float | None:
 def flops_per_token(shape: str, params: int, seq: int, *, training: bool = True) -> float:
     """FLOPs per token of a Qwen2 of ``shape`` with ``params`` parameters over sequences of
     ``seq`` tokens: 2 * N for the forward matmuls (the tied embedding counted once: it is the
-    output layer's matmul; the lookup costs nothing) and 2 * L * h * s for causal attention
-    (QK^T and AV, 4 * s * h per token and layer, halved by the mask); training (forward and
-    backward) is 3 times the forward: 6 * N + 6 * L * h * s."""
+    output layer's matmul; the lookup costs nothing; N the active parameters of a mixture of
+    experts, :func:`active_params`) and 2 * L * h * s for causal attention (QK^T and AV,
+    4 * s * h per token and layer, halved by the mask; h the attention's width, heads x
+    head_dim where the shape sets head_dim); training (forward and backward) is 3 times the
+    forward: 6 * N + 6 * L * h * s."""
     cfg = SHAPES[shape]
-    per_pass = 2.0 * params + 2.0 * cfg["num_hidden_layers"] * cfg["hidden_size"] * seq
+    width = (
+        cfg["num_attention_heads"] * cfg["head_dim"] if "head_dim" in cfg else cfg["hidden_size"]
+    )
+    per_pass = 2.0 * active_params(shape, params) + 2.0 * cfg["num_hidden_layers"] * width * seq
     return 3 * per_pass if training else per_pass
+
+
+def active_params(shape: str, params: int) -> int:
+    """The parameters a token runs through: ``params`` less the experts a token is not routed
+    to (each a gated MLP, 3 x hidden x moe_intermediate_size) in every layer."""
+    cfg = SHAPES[shape]
+    if "num_experts" not in cfg:
+        return params
+    expert = 3 * cfg["hidden_size"] * cfg["moe_intermediate_size"]
+    idle = cfg["num_experts"] - cfg["num_experts_per_tok"]
+    return params - cfg["num_hidden_layers"] * idle * expert

@@ -30,6 +30,15 @@ off).
         --modes before dynamic compiled --attentions auto cudnn  # the decode attention's kernels
     python benchmarks/generation.py --shape tiny --device cpu --batches 4 --new-tokens 8
                                                                          # its smallest setting
+
+A mixture-of-experts shape (``qwen3-30b-a3b-l12``, ``tiny-moe``) runs the same modes: the
+fixed-shape ones with the experts' grouped GEMMs of :mod:`posttrain_hf_infer.moe_decode`. Its
+TFLOP/s count the active parameters (a token's experts); its weights GB/s all of them (at 64
+rows of top-8 of 128, a step hits about 98% of a layer's experts). ``--routing`` asks every
+generation for its routing (what ``algorithm.routing_replay: rollout`` asks of the rollout):
+
+    python3 benchmarks/generation.py --device cuda --shape qwen3-30b-a3b-l12 --batches 64 256 \
+        --modes dynamic compiled --routing
 """
 
 from __future__ import annotations
@@ -39,7 +48,14 @@ import random
 import tempfile
 import time
 
-from common import build_model, device_name, flops_per_token, peak_bf16_tflops, print_table
+from common import (
+    active_params,
+    build_model,
+    device_name,
+    flops_per_token,
+    peak_bf16_tflops,
+    print_table,
+)
 
 PROMPT_TOKENS = 16
 # Rows whose log-probs are checked against a forward pass.
@@ -157,9 +173,9 @@ def hf_infer_before(worker, prompts, new_tokens: int, seed: int):
     return responses, logprobs
 
 
-def timed_generate(worker, prompts, new_tokens: int, mode: str):
+def timed_generate(worker, prompts, new_tokens: int, mode: str, routing: bool = False):
     """Seconds of one generation, and its responses and their log-probs (``None`` where the
-    mode returns none)."""
+    mode returns none); ``routing``: the engine's generations return their routing."""
     import torch
 
     from posttrain.protocol import GenerationRequest, SamplingParams
@@ -177,8 +193,12 @@ def timed_generate(worker, prompts, new_tokens: int, mode: str):
         with torch.no_grad():  # as hf_infer's generate was
             responses, logprobs = hf_infer_before(worker, prompts, new_tokens, seed=1)
     else:
-        request = GenerationRequest(prompt_ids=prompts, sampling=sampling, seed=1)
+        request = GenerationRequest(
+            prompt_ids=prompts, sampling=sampling, seed=1, return_routing=routing
+        )
         out = hf_infer.generate(worker, request)
+        if routing and out.routing is None:
+            raise RuntimeError("the generation returned no routing")
         responses, logprobs = out.response_ids, out.response_logprobs
     if on_gpu:
         torch.cuda.synchronize()
@@ -208,7 +228,14 @@ def worst_logprob_gap(worker, prompts, responses, logprobs) -> float | None:
 
 
 def measure(
-    worker, mode: str, attention: str, batch: int, new_tokens: int, shape: str, built
+    worker,
+    mode: str,
+    attention: str,
+    batch: int,
+    new_tokens: int,
+    shape: str,
+    built,
+    routing: bool = False,
 ) -> dict:
     import attrs
     import torch
@@ -222,16 +249,17 @@ def measure(
     vocab = hf_infer_state(worker).tokenizer.vocab_size
     prompts = [[rng.randrange(3, vocab) for _ in range(PROMPT_TOKENS)] for _ in range(batch)]
     on_gpu = worker.device.startswith("cuda")
-    first = timed_generate(worker, prompts, new_tokens, mode)[0]
+    routing = routing and mode not in BASELINES
+    first = timed_generate(worker, prompts, new_tokens, mode, routing)[0]
     # The one-token call has a shape of its own: its first call allocates that decoder's cache,
     # as a run's first generation of each shape does (86-123 ms at 1.5B and 256 rows on an
     # H200, a later call 40 ms). Its time is taken from the timed call's: a cold one made the
     # decode look faster.
-    timed_generate(worker, prompts, 1, mode)
-    ttft = timed_generate(worker, prompts, 1, mode)[0]
+    timed_generate(worker, prompts, 1, mode, routing)
+    ttft = timed_generate(worker, prompts, 1, mode, routing)[0]
     if on_gpu:
         torch.cuda.reset_peak_memory_stats()
-    total, responses, logprobs = timed_generate(worker, prompts, new_tokens, mode)
+    total, responses, logprobs = timed_generate(worker, prompts, new_tokens, mode, routing)
     decode_s = max(total - ttft, 1e-9)
     steps = new_tokens - 1
     per_token = flops_per_token(shape, built.params, PROMPT_TOKENS + new_tokens, training=False)
@@ -276,6 +304,11 @@ def main() -> None:
         choices=["auto", "triton", "cudnn", "sdpa"],
         help="the fixed-shape modes once per strategy_config.decode_attention given",
     )
+    parser.add_argument(
+        "--routing",
+        action="store_true",
+        help="the engine's generations return each sample's routing (mixture-of-experts shapes)",
+    )
     args = parser.parse_args()
     dtype = args.dtype or ("bf16" if args.device == "cuda" else "fp32")
     modes = args.modes or (
@@ -284,7 +317,8 @@ def main() -> None:
         else ["before", "dynamic", "static"]
     )
     with tempfile.TemporaryDirectory() as model_dir:
-        built = build_model(args.shape, model_dir, dtype=dtype)
+        # On the GPU the weights are initialised there (the CPU takes minutes at 8B).
+        built = build_model(args.shape, model_dir, dtype=dtype, device=args.device)
         worker = make_worker(model_dir, args.device, dtype)
         rows = []
         for batch in args.batches:
@@ -293,7 +327,14 @@ def main() -> None:
                 static = mode not in (*BASELINES, "dynamic")
                 for attention in args.attentions if static else ["auto"]:
                     row = measure(
-                        worker, mode, attention, batch, args.new_tokens, args.shape, built
+                        worker,
+                        mode,
+                        attention,
+                        batch,
+                        args.new_tokens,
+                        args.shape,
+                        built,
+                        args.routing,
                     )
                     baseline = baseline or row["decode tok/s"]
                     row[f"vs {modes[0]}"] = row["decode tok/s"] / baseline
@@ -301,7 +342,8 @@ def main() -> None:
                     print(f"{row['mode']} x {batch}: {row['decode tok/s']:,.0f} tok/s", flush=True)
     print_table(
         rows,
-        f"hf_infer generation: {args.shape} ({built.params / 1e9:.2f}B params, {dtype}) on "
+        f"hf_infer generation: {args.shape} ({built.params / 1e9:.2f}B params, "
+        f"{active_params(args.shape, built.params) / 1e9:.2f}B active, {dtype}) on "
         f"{device_name(args.device)}; {PROMPT_TOKENS} prompt + {args.new_tokens} new tokens "
         f"(forced), temperature 1",
         formats={
