@@ -1,19 +1,20 @@
 """Rank function of the megatron routing replay test (importable by the spawned children).
 
-One run of a tiny Qwen3-MoE (2 MoE layers, 4 experts, top-2) at EP2 over gloo: the log-probs of
-each rank's share with the routers' own choice, then replaying given routing (scoring and an
-update with activation recompute), then ``old_policy`` (record the old pass, perturb the routers,
-update). Forward hooks on megatron's routers keep the experts each call used (its routing map);
-this rank checks them against what should have been replayed and saves what the parent compares
-with transformers.
+scenario_routing_replay: one run of a tiny Qwen3-MoE (2 MoE layers, 4 experts, top-2) at EP2
+over gloo: the log-probs of each rank's share with the routers' own choice, then replaying given
+routing (scoring and an update with activation recompute), then ``old_policy`` (record the old
+pass, perturb the routers, update). Forward hooks on megatron's routers keep the experts each
+call used (its routing map); this rank checks them against what should have been replayed and
+saves what the parent compares with transformers. scenario_routing_layout: the replayed
+log-probs and the old-policy pass's recorded routing under another parallel layout (the token
+order of its shards and stages).
 """
 
 from __future__ import annotations
 
 import os
 
-LAYOUT = {
-    "expert_model_parallel_size": 2,
+BASE = {
     "moe_token_dispatcher_type": "allgather",
     # Every layer recomputed in the update's backward pass: the routers run again there.
     "recompute_granularity": "full",
@@ -22,8 +23,33 @@ LAYOUT = {
     # No load-balancing loss: the routers' gradient comes only through the replayed gates.
     "override_transformer_config": {"moe_aux_loss_coeff": 0.0},
 }
+LAYOUT = {**BASE, "expert_model_parallel_size": 2}
 # Rows of a micro-batch (the trainer's per_device_train_batch_size in megatron_workers).
 MB_ROWS = 2
+
+
+def build_mixtral(path: str) -> str:
+    """A tiny Mixtral (2 MoE layers, 4 experts, top-2; no q/k norms, so sequence parallelism
+    runs on the CPU's torch norms) at ``path``."""
+    import torch
+    import transformers
+
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=32,
+        hidden_size=64,
+        intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        tie_word_embeddings=False,
+    )
+    transformers.MixtralForCausalLM(config).save_pretrained(path)
+    return path
 
 
 def replay_ids(batch, layers: int, experts: int, k: int, seed: int = 5):
@@ -167,4 +193,38 @@ def scenario_routing_replay(rank, world_size, out_dir, model):
     rt.train_step(share.with_tensors(old_logprobs=old))
     out["old_policy_check"] = check_maps(calls, recorded, lengths)
     torch.save(out, os.path.join(out_dir, f"routing_{rank}.pt"))
+    rt.shutdown()
+
+
+def scenario_routing_layout(rank, world_size, out_dir, model, layout, tag):
+    """Under ``layout``: log-probs replaying given routing, an update replaying it, and the
+    routing the old-policy pass recorded (whole: every shard and stage) as the update gets it."""
+    import attrs
+    import torch
+    from megatron_workers import engine_state, make_runtime, step_batch
+
+    from posttrain.backend import ROUTING_KEY
+
+    rt = make_runtime(rank, world_size, model, **{**BASE, **layout})
+    ctx = rt.ctx
+    state = engine_state(ctx)
+
+    def algorithm(**kwargs):
+        ctx.algorithm = attrs.evolve(ctx.algorithm, **kwargs)
+
+    batch = step_batch(0, state.vocab_size)
+    routing = replay_ids(batch, layers=2, experts=4, k=2)
+    share = batch.split(ctx.dp_size)[ctx.dp_rank]
+    routing = routing.split(len(share))[ctx.dp_rank]
+    share.meta["dp_size"] = ctx.dp_size
+    routed = share.with_tensors(routing=routing)
+    algorithm(routing_replay="rollout")
+    out = {"share": share, "routing": routing, "replayed": rt.compute_logprobs(routed)}
+    algorithm(routing_replay="old_policy", old_logprobs="recompute")
+    rt.compute_logprobs(share)
+    out["recorded"] = state.old_routing.attach(share, torch.device("cpu"))[ROUTING_KEY]
+    algorithm(routing_replay="rollout")
+    metrics = rt.train_step(routed.with_tensors(old_logprobs=out["replayed"]))
+    out["grad_norm"] = metrics["actor/grad_norm"]
+    torch.save(out, os.path.join(out_dir, f"layout_{tag}_{rank}.pt"))
     rt.shutdown()
