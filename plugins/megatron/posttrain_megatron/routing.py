@@ -10,9 +10,13 @@ softmax over the selected logits when ``moe_router_pre_softmax`` is off: Qwen3-M
 ``norm_topk_prob``). The router's weight gets its gradient through the gathered scores.
 Megatron's own ``RouterReplay`` is not used as is: it needs the model built with the flag, keeps
 every router of the process in one global list and is switched to replaying for the backward
-pass by its caller; here a router replays only inside :func:`routed`, and a layer recomputed in
-the backward pass (activation recompute) replays the micro-batch it recomputes (first in, first
-out per layer: megatron's schedules run backward passes in their forward order).
+pass by its caller; here a router replays only during one schedule run
+(:meth:`Routing.installed`), a forward pass replays its micro-batch (:meth:`Routing.forward`),
+and a layer recomputed in the backward pass (activation recompute) replays the micro-batch it
+recomputes (first in, first out per layer: megatron's schedules run backward passes in their
+forward order). ``old_policy`` records the routers' own top-k in the old-policy pass, puts each
+micro-batch's back together over the TP, CP and PP ranks, and keeps it by row in the engine
+state's ``OldPolicyRouting`` until the update replays it.
 
 Token order: a router sees this rank's tokens as ``[s, b]`` flattened, ``s`` the local sequence
 (after the context-parallel split and the sequence-parallel scatter over TP ranks), or the one
@@ -92,8 +96,9 @@ class _LayerReplay:
     def __init__(self, routing: Routing, layer: int) -> None:
         self.routing = routing
         self.layer = layer
-        # Each forward's ids for the recompute of this layer in the backward pass.
-        self.backward: collections.deque[torch.Tensor] = collections.deque()
+        # Each forward's ids (and whether some are OWN) for this layer's recompute in the
+        # backward pass.
+        self.backward: collections.deque[tuple[torch.Tensor, bool]] = collections.deque()
         self.recorded: torch.Tensor | None = None
 
     def get_replay_topk(
@@ -116,11 +121,11 @@ class _LayerReplay:
             self.recorded = ids.detach()
             return values, ids
         if routing.current is not None:  # a forward pass
-            ids = routing.current[:, self.layer]
+            ids, has_own = routing.current[:, self.layer], routing.has_own
             if routing.keep_for_backward:
-                self.backward.append(ids)
+                self.backward.append((ids, has_own))
         elif self.backward:  # this layer's recompute in the backward pass
-            ids = self.backward.popleft()
+            ids, has_own = self.backward.popleft()
         else:
             raise RuntimeError("routing replay: a router ran outside a replayed forward pass")
         if ids.shape[0] != scores.shape[0] or ids.shape[1] != topk:
@@ -128,7 +133,7 @@ class _LayerReplay:
                 f"routing replay: {tuple(ids.shape)} ids for {scores.shape[0]} tokens of top-{topk}"
             )
         ids = ids.to(scores.device)
-        if bool((ids == OWN).any()):
+        if has_own:  # (known on the host: no device sync per layer)
             ids = torch.where(ids == OWN, own()[1], ids)
         return scores.gather(1, ids), ids
 
@@ -144,6 +149,7 @@ class Routing:
         self.mode = mode
         self.keep_for_backward = backward
         self.current: torch.Tensor | None = None
+        self.has_own = False
         self.layers: list[tuple[torch.nn.Module, _LayerReplay]] = [
             (router, _LayerReplay(self, index)) for index, router in moe_routers(models)
         ]
@@ -184,22 +190,26 @@ class Routing:
                 )
             ids = full.flatten(0, 1)[positions.clamp(min=0)]
             ids = torch.where((positions >= 0)[:, None, None], ids, OWN)
+            self.has_own = bool((ids == OWN).any())
             self.current = ids.to(rank_device(self.worker))
         try:
             yield
         finally:
             self.current = None
         if self.mode == RECORD:
-            self.records[slot] = self._scatter(len(mb) * width, positions)
+            recorded = self._scatter(len(mb) * width, positions)
+            if slot in self.records:  # another virtual stage's layers of the same micro-batch
+                recorded = torch.maximum(self.records[slot], recorded)
+            self.records[slot] = recorded
 
     def _scatter(self, tokens: int, positions: torch.Tensor) -> torch.Tensor:
-        """This rank's recorded ids at their places of the micro-batch's layout; OWN for
-        tokens of other ranks and layers of other stages (none on a stage without experts)."""
+        """The ids the routers that just ran recorded (this model chunk's), at their places of
+        the micro-batch's layout; OWN for tokens of other ranks and layers of other stages."""
         out = torch.full((tokens, self.moe_layers, self.topk), OWN, dtype=torch.long)
         kept = positions >= 0
         for _, replay in self.layers:
-            if replay.recorded is None:
-                raise RuntimeError("routing record: a router did not run")
+            if replay.recorded is None:  # another virtual stage's router
+                continue
             out[positions[kept], replay.layer] = replay.recorded.cpu()[kept].long()
             replay.recorded = None
         return out
@@ -277,13 +287,15 @@ def keep_old_policy(
     """The recorded ``routing`` (``[mb rows * width, moe_layers, k]``) of the micro-batch's
     first ``rows`` rows into ``old``, by each row's tokens as :class:`OldPolicyRouting` keys
     them."""
-    per_row = routing.view(len(mb), width, *routing.shape[1:]).to(routing_dtype(experts))
+    per_row = routing.view(len(mb), width, *routing.shape[1:])
     lengths = mb.attention_mask.sum(dim=1).tolist()
     for row in range(rows):
         n = int(lengths[row])
+        if bool((per_row[row, :n] == OWN).any()):
+            raise RuntimeError("routing record: a MoE layer did not record every token")
         # OldPolicyRouting's key: the row's tokens as int64 bytes.
         key = mb.input_ids[row, :n].to(device="cpu", dtype=torch.int64).numpy().tobytes()
-        old.rows[key] = per_row[row, :n].clone()
+        old.rows[key] = per_row[row, :n].to(routing_dtype(experts))
 
 
 def wants(worker: WorkerContext, models: list[torch.nn.Module]) -> bool:
