@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from posttrain.protocol import ImageInputs
 
 # Supervised steps of the warm-started preset (tiny-qwen2-vl-count).
-VISION_WARM_STEPS = 40
+VISION_WARM_STEPS = 100
 VISION_START, VISION_END, VIDEO_PAD = "<|vision_start|>", "<|vision_end|>", "<|video_pad|>"
 VISION_TOKENS = (VISION_START, VISION_END, IMAGE_PAD, VIDEO_PAD)
 IMAGE_PLACEHOLDER = f"{VISION_START}{IMAGE_PAD}{VISION_END}"
@@ -175,31 +175,29 @@ def build_vision_model(
 def warm_start_count_shapes(
     model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase, image_processor: Any, steps: int
 ) -> None:
-    """Supervised steps on count_shapes answers, the whole model trained: enough that a
-    sampled answer is right now and then, so GRPO has a signal to follow."""
+    """Supervised steps on count_shapes answers (the answer digit after the prompt), the whole
+    model trained. About 100 steps of 16 take it from the answers' marginal (about 0.3 of
+    sampled answers right) to where it starts to count (about 0.4); 200 count almost always."""
     import torch
 
-    records = count_shapes(seed=1)
     samples = []
-    for record in records:
+    for record in count_shapes(seed=1):
         ids, inputs = process_prompt(record["prompt"], record["images"], tokenizer, image_processor)
-        answer = tokenizer(record["answer"], add_special_tokens=False)["input_ids"]
-        samples.append((ids, [*answer, tokenizer.eos_token_id], inputs))
+        samples.append((ids, tokenizer.convert_tokens_to_ids(record["answer"]), inputs))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     rng = random.Random(0)
     model.train()
     for _ in range(steps):
         batch = rng.sample(samples, 16)
-        ids = torch.tensor([p + a for p, a, _ in batch])
-        labels = torch.tensor([[-100] * len(p) + a for p, a, _ in batch])
+        ids = torch.tensor([p for p, _, _ in batch])
         out = model(
             input_ids=ids,
-            labels=labels,
             pixel_values=torch.cat([i.pixel_values for _, _, i in batch]),
             image_grid_thw=torch.cat([i.image_grid_thw for _, _, i in batch]),
             mm_token_type_ids=(ids == model.config.image_token_id).int(),
         )
-        out.loss.backward()
+        answers = torch.tensor([a for _, a, _ in batch])
+        torch.nn.functional.cross_entropy(out.logits[:, -1], answers).backward()
         optimizer.step()
         optimizer.zero_grad()
     model.eval()
