@@ -83,14 +83,16 @@ def test_auto_decodes_uncompiled_then_compiled_once_the_compile_is_done(auto_on_
     """On a GPU: the first generation's graphs captured while the thread compiles."""
     worker, state, main_steps, compiles = auto_on_cpu
     interval = sys.getswitchinterval()
-    first = generate(worker, SAMPLING)
+    # Longer than a window: its steps attend to part of the cache, then to all of it.
+    sampling = attrs.evolve(SAMPLING, max_new_tokens=150, ignore_eos=True)
+    first = generate(worker, sampling)
     assert state.decode_served == ("static" if device == "cpu" else "cuda_graph")
     assert main_steps == []
     job = state.compile_job
     assert job is not None and job.wait(60)
     assert job.ready and job.error is None and job.seconds > 0
     assert sys.getswitchinterval() == interval  # put back
-    second = generate(worker, SAMPLING)
+    second = generate(worker, sampling)
     assert state.decode_served == "compiled"
     assert main_steps  # the steps ran the compiled function, on the generating thread
     # ... compiled by the thread alone: its two windows (shorter than the cache, and all of

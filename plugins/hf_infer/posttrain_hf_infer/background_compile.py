@@ -86,6 +86,19 @@ WARM_ROWS = ROWS_BUCKET
 WARM_LENGTH = 2 * LENGTH_BUCKET
 
 
+def _allocate_cache(decoder: StaticDecoder, model: PreTrainedModel, device: torch.device) -> None:
+    """The warm decoder's cache tensors allocated now, as a generation's prefill allocates
+    them: traced on a cache not yet allocated, the step's first compile would take the
+    cache's first-call branch, which no generation's step takes (each runs after a prefill),
+    and the generation that switched would compile again on its own thread (91 s at 1.5B on
+    an H200)."""
+    text = model.config.get_text_config(decoder=True)
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads
+    decoder.cache.early_initialization(
+        WARM_ROWS, text.num_key_value_heads, head_dim, model.dtype, device
+    )
+
+
 def compiles_in_background(model: PreTrainedModel, attention: str, device: torch.device) -> bool:
     """Whether the step of ``decode_attention: attention`` compiles in the background (see the
     module docstring: not where its attention switches SDPA's backends)."""
@@ -183,6 +196,7 @@ class BackgroundCompile:
                     decoder = StaticDecoder(
                         self.model, WARM_ROWS, WARM_LENGTH, self.device, self.settings, self.groups
                     )
+                    _allocate_cache(decoder, self.model, self.device)
                 for window in (WARM_LENGTH // 2, WARM_LENGTH):
                     logits = decoder.compiled_step(window)
                 if self.device.type == "cuda":
