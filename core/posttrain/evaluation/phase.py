@@ -137,8 +137,11 @@ class Evaluation:
         for index, (held_out, score) in enumerate(zip(self.sets, self.scorers)):
             self.sharing.activate("actor_infer")
             ids = [list(p.ids) for p in held_out.prompts]
+            images = [p.images for p in held_out.prompts]
             seed = self.cfg.seed * 1_000_003 + index * 7919
-            samples = generate(self.infer, ids, self.sampling, seed)
+            samples = generate(
+                self.infer, ids, self.sampling, seed, images if any(images) else None
+            )
             rewards, _ = score(held_out.prompts, samples)
             found = group_metrics(
                 rewards.tolist(),
