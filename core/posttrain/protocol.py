@@ -394,6 +394,27 @@ def routing_from_record(record: dict[str, Any]) -> list[torch.Tensor]:
     return rows
 
 
+def images_record(images: list[ImageInputs | None]) -> dict[str, Any]:
+    """Per-sample :class:`ImageInputs` as JSON-ready values (bitwise, as
+    :func:`routing_record` writes tensors); :func:`images_from_record` gives them back."""
+    shown = [image for image in images if image is not None]
+    return {
+        "shown": [image is not None for image in images],
+        "pixel_values": routing_record([image.pixel_values for image in shown]),
+        "image_grid_thw": routing_record([image.image_grid_thw for image in shown]),
+    }
+
+
+def images_from_record(record: dict[str, Any]) -> list[ImageInputs | None]:
+    """The per-sample images :func:`images_record` wrote."""
+    pixels = iter(routing_from_record(record["pixel_values"]))
+    grids = iter(routing_from_record(record["image_grid_thw"]))
+    return [
+        ImageInputs(pixel_values=next(pixels), image_grid_thw=next(grids)) if shown else None
+        for shown in record["shown"]
+    ]
+
+
 def routing_tensor(rows: list[torch.Tensor], lengths: list[int], width: int) -> torch.Tensor:
     """Per-sample ``[tokens, moe_layers, k]`` routing in one right-padded
     ``[rows, width, moe_layers, k]`` tensor (its dtype kept)."""
