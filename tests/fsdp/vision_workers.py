@@ -102,7 +102,7 @@ def scenario_sync_parity(rank: int, world_size: int, out_dir: str) -> None:
     same samples scored without their images, which must differ."""
     import torch
 
-    from posttrain.backend import load_tokenizer
+    from posttrain.backend import forward_logits, load_tokenizer
 
     train, infer = _runtimes(rank, world_size)
     ctx = train.ctx
@@ -141,4 +141,13 @@ def scenario_sync_parity(rank: int, world_size: int, out_dir: str) -> None:
         "rows": len(batch),
         "patches": tuple(batch["pixel_values"].shape),
     }
+    # export-hf: the trained model, its tokenizer and image processor, and the logits of the
+    # new rollout's rows the export must reproduce.
+    train.export_hf(os.path.join(out_dir, "hf"))
+    with torch.no_grad():
+        out["probe"] = {k: v for k, v in batch.tensors.items() if k in PROBE_KEYS}
+        out["logits"] = forward_logits(ctx.model, batch)
     torch.save(out, os.path.join(out_dir, "vision_parity.pt"))
+
+
+PROBE_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")

@@ -9,6 +9,8 @@ Importing this module is cheap; each function imports torch when called.
 from __future__ import annotations
 
 import logging
+import os
+import shutil
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -197,13 +199,24 @@ def settle_cuda(empty_cache: bool = False) -> None:
         torch.cuda.empty_cache()
 
 
+# transformers' file of an image processor's settings.
+IMAGE_PROCESSOR_FILE = "preprocessor_config.json"
+
+
 def save_tokenizer_beside(worker: WorkerContext, path: str, logger: logging.Logger) -> None:
     """Write the role's tokenizer into an exported model directory; a tokenizer that cannot be
     saved is logged, since the weights are usable with the original one."""
     try:
-        load_tokenizer(worker.model_args, worker.base_dir).save_pretrained(path)
+        tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
+        tokenizer.save_pretrained(path)
     except (OSError, ValueError) as exc:
         logger.warning("export_hf could not save the tokenizer: %s", exc)
+        return
+    # A vision-language model's image processor goes with it: the export processes images as
+    # the run did.
+    source = os.path.join(str(tokenizer.name_or_path), IMAGE_PROCESSOR_FILE)
+    if os.path.exists(source):
+        shutil.copyfile(source, os.path.join(path, IMAGE_PROCESSOR_FILE))
 
 
 def end_process_group(teardown: Callable[[], None] | None = None) -> None:
