@@ -96,3 +96,20 @@ def test_rows_are_processed_once_into_ids_and_pixels(tmp_path):
     assert len(synthetic) == 81  # every layout of 4 cells, each empty, red or blue
     assert sorted({p.answer for p in synthetic}) == ["0", "1", "2", "3", "4"]
     assert len({p.images.pixel_values.numpy().tobytes() for p in synthetic}) == 81
+
+
+def test_parquet_rows_with_image_bytes(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rows = [
+        {"prompt": PROMPT, "answer": "1", "images": [_png()]},
+        {"prompt": PROMPT, "answer": "1", "images": [b"not an image"]},
+    ]
+    path = tmp_path / "rows.parquet"
+    pq.write_table(pa.Table.from_pylist(rows), path)
+    report = ErrorReport()
+    check_prompt_source(DataConfig(path=str(path)), str(tmp_path), "data", report)
+    [issue] = report.errors
+    assert issue.path == "data.path"
+    assert issue.message.startswith("row 2 of ") and "cannot decode the image" in issue.message

@@ -12,6 +12,7 @@ import base64
 import io
 import json
 import os
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -80,24 +81,42 @@ def image_row_problems(
     path: str, prompt_key: str, base_dir: str, limit: int = 5
 ) -> list[tuple[int, str]]:
     """``(row number, problem)`` of the first ``limit`` rows of the JSONL or Parquet file at
-    ``path`` whose images are unusable (rows numbered from 1, as a line number)."""
+    ``path`` whose images are unusable (rows numbered from 1, as a line number). Rows that
+    neither list images nor hold a placeholder are not parsed here: a text dataset costs a
+    scan of its lines."""
+    found: list[tuple[int, str]] = []
+    for number, row in _image_rows(path, prompt_key):
+        problem = image_row_problem(row, prompt_key, base_dir)
+        if problem is not None:
+            found.append((number, problem))
+            if len(found) == limit:
+                break
+    return found
+
+
+def _image_rows(path: str, prompt_key: str) -> Iterator[tuple[int, dict[str, Any]]]:
+    """``(row number, row)`` of the rows that list images or hold a placeholder."""
     if path.endswith(".parquet"):
         import pyarrow.parquet as pq
 
-        rows = pq.read_table(path).to_pylist()
-    else:
-        with open(path, encoding="utf-8") as f:
-            # An invalid JSON line is reported where the data is read.
-            rows = [_json_or_none(line) for line in f]
-    found = []
-    for number, row in enumerate(rows, 1):
-        if isinstance(row, dict) and (row.get(IMAGES_KEY) or IMAGE_PAD in str(row.get(prompt_key))):
-            problem = image_row_problem(row, prompt_key, base_dir)
-            if problem is not None:
-                found.append((number, problem))
-                if len(found) == limit:
-                    break
-    return found
+        names = pq.read_schema(path).names
+        columns = [c for c in (prompt_key, IMAGES_KEY) if c in names]
+        if IMAGES_KEY not in names and prompt_key not in names:
+            return
+        rows = pq.read_table(path, columns=columns).to_pylist()
+        for number, row in enumerate(rows, 1):
+            if row.get(IMAGES_KEY) or IMAGE_PAD in str(row.get(prompt_key)):
+                yield number, row
+        return
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if f'"{IMAGES_KEY}"' not in line and IMAGE_PAD not in line:
+                continue
+            row = _json_or_none(line)  # an invalid JSON line is reported where data is read
+            if isinstance(row, dict) and (
+                row.get(IMAGES_KEY) or IMAGE_PAD in str(row.get(prompt_key))
+            ):
+                yield number, row
 
 
 def _json_or_none(line: str) -> Any:
