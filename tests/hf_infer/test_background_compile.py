@@ -188,3 +188,32 @@ def test_the_step_view_shares_the_weights_not_the_switches(hf_infer_settings):
             with attention, stacked_projections(groups):
                 switched = model(input_ids=ids).logits
         assert torch.equal(ran, switched)
+
+
+def test_a_shutdown_does_not_wait_for_a_compile_on_the_device(auto_on_cpu):
+    """The process is ending: the shutdown stops the compile without waiting for a run of the
+    step in flight (on a GPU its first run builds the kernels: minutes)."""
+    from posttrain_hf_infer import engine
+    from posttrain_hf_infer.static_decode import DEVICE_WORK
+
+    worker, state, _, _ = auto_on_cpu
+    generate(worker, SAMPLING)
+    job = state.compile_job
+    held, release = threading.Event(), threading.Event()
+
+    def in_flight():  # a run of the step on the device, as the thread's first one
+        with DEVICE_WORK:
+            held.set()
+            release.wait(30)
+
+    runner = threading.Thread(target=in_flight)
+    runner.start()
+    try:
+        assert held.wait(10)
+        done = threading.Event()
+        threading.Thread(target=lambda: (engine.shutdown_worker(worker), done.set())).start()
+        assert done.wait(5), "the shutdown waited for the device run"
+        assert job._stopped
+    finally:
+        release.set()
+        runner.join()

@@ -170,8 +170,14 @@ class BackgroundCompile:
         seconds; whether it did."""
         return self._finished.wait(timeout)
 
-    def stop(self) -> None:
-        """No run of the step on the device after this (it waits for one in flight)."""
+    def stop(self, wait: bool = True) -> None:
+        """No run of the step on the device after this. ``wait``: for the run in flight too
+        (the weights are about to move); without, at once (the process is ending: a first run,
+        which builds and tunes the kernels under the lock, took most of the compile's minutes
+        on an H200, and a shutdown that waited for it held a short job's exit that long)."""
+        if not wait:
+            self._stopped = True  # (read under the lock before each run)
+            return
         with DEVICE_WORK:
             self._stopped = True
 

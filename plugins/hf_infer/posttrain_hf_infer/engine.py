@@ -525,7 +525,8 @@ def weights_to_device(model: torch.nn.Module, device: str | torch.device) -> Non
 def shutdown_worker(worker: WorkerContext) -> bool:
     state = _state(worker)
     if state.compile_job is not None:
-        state.compile_job.stop()  # a daemon thread: the process's exit does not wait for it
+        # A daemon thread: neither the shutdown nor the process's exit waits for it.
+        state.compile_job.stop(wait=False)
     if state.tp_mesh is not None:
         state.tp_mesh = None
         end_process_group()
