@@ -178,11 +178,11 @@ def _chains() -> list[Chain]:
     )
     ray = _sets(**{"cluster.launcher": "ray", "cluster.address": "auto"})
     return [
-        Chain(name="synchronous", overrides=(), steps=12, kills=8, points=synchronous_points),
+        Chain(name="synchronous", overrides=(), steps=10, kills=8, points=synchronous_points),
         Chain(
             name="asynchronous-partial",
             overrides=asynchronous,
-            steps=12,
+            steps=9,
             kills=6,
             points=asynchronous_points,
             bitwise=False,

@@ -126,10 +126,16 @@ def posttrain_train_step(
         if fault.at == call and fault.rank() == worker.rank:
             print(f"faults: rank {worker.rank} delayed at train step {call}", flush=True)
             time.sleep(float(fault.options.get("seconds", 3600)))
-    _kill_if_asked(worker, "train", call, started=True)
-    metrics = yield
-    _kill_if_asked(worker, "train", call, started=False)
-    return metrics
+    return (yield from _killable(worker, "train", call))
+
+
+def _killable(worker: WorkerContext, phase: str, call: int) -> Generator[None, Any, Any]:
+    """The body of a wrapper around ``call`` of ``phase``: the kills aimed at its start, then
+    at a moment after it returned."""
+    _kill_if_asked(worker, phase, call, started=True)
+    result = yield
+    _kill_if_asked(worker, phase, call, started=False)
+    return result
 
 
 def _kill_if_asked(worker: WorkerContext, phase: str, call: int, *, started: bool) -> None:
@@ -168,22 +174,14 @@ def _kill_later(seconds: float, why: str) -> None:
 def posttrain_generate(
     worker: WorkerContext, request: GenerationRequest
 ) -> Generator[None, RolloutSamples | None, RolloutSamples | None]:
-    call = _count(f"generate:{worker.role}")
-    _kill_if_asked(worker, "generate", call, started=True)
-    samples = yield
-    _kill_if_asked(worker, "generate", call, started=False)
-    return samples
+    return (yield from _killable(worker, "generate", _count(f"generate:{worker.role}")))
 
 
 @hookimpl(wrapper=True)
 def posttrain_import_weights(
     worker: WorkerContext, buckets: Iterable[WeightBucket]
 ) -> Generator[None, bool | None, bool | None]:
-    call = _count(f"sync:{worker.role}")
-    _kill_if_asked(worker, "sync", call, started=True)
-    done = yield
-    _kill_if_asked(worker, "sync", call, started=False)
-    return done
+    return (yield from _killable(worker, "sync", _count(f"sync:{worker.role}")))
 
 
 _saves: set[str] = set()
@@ -224,11 +222,7 @@ def _saving(
     _no_space(worker, path)
     if path not in _saves_counted:
         _saves_counted[path] = _count(f"save:{worker.role}")
-    call = _saves_counted[path]
-    _kill_if_asked(worker, "save", call, started=True)
-    layout = yield
-    _kill_if_asked(worker, "save", call, started=False)
-    return layout
+    return (yield from _killable(worker, "save", _saves_counted[path]))
 
 
 @hookimpl
