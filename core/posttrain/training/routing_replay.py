@@ -15,7 +15,7 @@ the same inside Megatron's router. The formulation here is theirs:
 so the router's weight ``W`` still gets its gradient, through the replayed experts' gates (the
 ids carry none, as top-k's indices carry none).
 
-A router is patched with forward hooks, so FSDP's and DeepSpeed's wrappers and gradient
+A router is patched with forward hooks, so sharding wrappers (FSDP2, ZeRO) and gradient
 checkpointing see the module they expect. Routing is compact: ``[tokens, moe_layers, k]`` in
 ``uint8`` when a layer has at most 256 experts, else ``int16``. This module imports torch only
 inside its functions.
@@ -235,7 +235,7 @@ def replay_routing(
 
 
 # --------------------------------------------------------------------------------------------
-# The passes of an HF trainer (fsdp2_train, deepspeed_train) under algorithm.routing_replay
+# The passes of a trainer of transformers models under algorithm.routing_replay
 # --------------------------------------------------------------------------------------------
 
 
