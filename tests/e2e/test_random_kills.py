@@ -80,19 +80,40 @@ def _moment(rng: random.Random) -> str:
     return f"{rng.choice([0, 0.02, 0.1, 0.3])}"
 
 
+# Every point drawn lands before the run could end: a call counted from the launch's start is
+# one each remaining step makes; a kill some time after a call, or after a step is logged, aims
+# at a step that another follows (after the last one the run may be gone first).
+
+
+def _later(rng: random.Random, done: int, left: int) -> list[str]:
+    """Kills a moment after the driver logged a step, or after a rank's call of a step, when a
+    step is left after it; else the driver killed as the last step is logged."""
+    if left < 2:
+        return [f"kill_driver:{done + 1}"]
+    m = rng.randint(1, min(2, left - 1))
+    return [
+        f"kill_driver:{done + m}/after_s={_moment(rng)}",
+        f"kill_rank:{m}/phase=save/after_s={_moment(rng)}",
+        f"kill_rank:{m}/phase=train/after_s={_moment(rng)}",
+    ]
+
+
 def synchronous_points(rng: random.Random, done: int, steps: int) -> str:
-    """Two ranks, each hosting the trainer, the rollout engine and the reference."""
+    """Two ranks, each hosting the trainer, the rollout engine and the reference; a step
+    generates, trains and saves once, and a weight sync follows every step but the last."""
     left = steps - done
     n = rng.randint(1, min(2, left))
     rank = rng.randint(0, 1)
     choices = [
         f"kill_rank:{n}/rank={rank}",
         f"kill_rank:{n}/rank={rank}/phase=generate",
-        f"kill_rank:{n}/rank={rank}/phase=save/after_s={_moment(rng)}",
-        f"kill_rank:{n}/rank={rank}/phase=train/after_s={_moment(rng)}",
-        f"kill_driver:{done + n}/after_s={_moment(rng)}",
+        f"kill_rank:{n}/rank={rank}/phase=save",
+        *(
+            f"{point}/rank={rank}" if point.startswith("kill_rank") else point
+            for point in _later(rng, done, left)
+        ),
     ]
-    if left >= 2:  # a weight sync follows every step but the last
+    if left >= 2:
         choices.append(f"kill_rank:1/rank={rank}/phase=sync")
     return rng.choice(choices)
 
@@ -100,41 +121,41 @@ def synchronous_points(rng: random.Random, done: int, steps: int) -> str:
 def asynchronous_points(rng: random.Random, done: int, steps: int) -> str:
     """The trainer (and reference) on one process, the rollout engine on the other; partial
     rollouts of 4 one-token segments, so a generation call is a segment: from the second on,
-    samples are in flight."""
+    samples are in flight. A resumed launch first trains on the batch its checkpoint kept,
+    so it generates the batches of all remaining steps but one: four calls each."""
     left = steps - done
     n = rng.randint(1, min(2, left))
-    return rng.choice(
-        [
-            f"kill_rank:{rng.randint(2, 6)}/phase=generate/role=actor_infer",
-            f"kill_rank:{n}/phase=sync/role=actor_infer",
-            f"kill_rank:{n}/role=actor_train",
-            f"kill_rank:{n}/phase=save/after_s={_moment(rng)}",
-            f"kill_driver:{done + n}/after_s={_moment(rng)}",
-        ]
-    )
+    choices = [f"kill_rank:{n}/role=actor_train", *_later(rng, done, left)]
+    if left >= 2:
+        choices.append(f"kill_rank:{rng.randint(1, min(2, left - 1))}/phase=sync/role=actor_infer")
+    if left >= 3:
+        choices.append(f"kill_rank:{rng.randint(2, 6)}/phase=generate/role=actor_infer")
+    return rng.choice(choices)
 
 
 def environment_points(rng: random.Random, done: int, steps: int) -> str:
     """One rank; each episode takes two model turns (generation calls), an environment step
     between them: a kill at an odd call lands between the turns of a step's episodes."""
-    n = rng.randint(1, min(2, steps - done))
+    left = steps - done
+    n = rng.randint(1, min(2, left))
     return rng.choice(
         [
-            f"kill_rank:{rng.randint(1, 3)}/phase=generate",
+            f"kill_rank:{rng.randint(1, min(3, 2 * left))}/phase=generate",
             f"kill_rank:{n}",
-            f"kill_driver:{done + n}/after_s={_moment(rng)}",
+            *_later(rng, done, left)[:1],
         ]
     )
 
 
 def ray_points(rng: random.Random, done: int, steps: int) -> str:
-    n = rng.randint(1, min(2, steps - done))
+    left = steps - done
+    n = rng.randint(1, min(2, left))
     rank = rng.randint(0, 1)
     return rng.choice(
         [
             f"kill_rank:{n}/rank={rank}",
             f"kill_rank:{n}/rank={rank}/phase=generate",
-            f"kill_driver:{done + n}/after_s={_moment(rng)}",
+            *_later(rng, done, left)[:1],
         ]
     )
 
