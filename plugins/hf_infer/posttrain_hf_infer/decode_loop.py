@@ -71,13 +71,15 @@ class DynamicDecode:
         self.position = prompt_positions(self.attention)
         return self._forward(input_ids)
 
-    def _forward(self, ids: torch.Tensor) -> torch.Tensor:
+    def _forward(self, ids: torch.Tensor, **extra: torch.Tensor) -> torch.Tensor:
+        """The last position's logits of ``ids`` (``extra``: a prefill's image inputs)."""
         out = self.model(
             input_ids=ids,
             attention_mask=self.attention,
             position_ids=self.position,
             use_cache=True,
             logits_to_keep=1,
+            **extra,
             **self.cache,
         )
         return out.logits[:, -1]

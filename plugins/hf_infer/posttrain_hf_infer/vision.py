@@ -59,16 +59,7 @@ class VisionDecode(DynamicDecode):
             image_grid_thw=extra.get("image_grid_thw"),
             attention_mask=self.attention,
         )
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=self.attention,
-            position_ids=self.position,
-            use_cache=True,
-            logits_to_keep=1,
-            **extra,
-            **self.cache,
-        )
-        return out.logits[:, -1]
+        return self._forward(input_ids, **extra)
 
     def step(self, token: torch.Tensor, running: torch.Tensor) -> torch.Tensor:
         # [3, rows, 1]: each rotary section's next position.
