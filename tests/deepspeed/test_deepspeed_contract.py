@@ -42,7 +42,9 @@ class TestDeepSpeedZero2LoraContract(StrategyContract):
     strategy = "deepspeed_train"
     strategy_config = {"zero_stage": 2}
     world_size = 2
-    lora = LoraArgs(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    lora = LoraArgs(
+        rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"], sync="merged"
+    )
 
     # CI time: one test below, where one step serves the sync, the export and the resume (the
     # kit's sync and round trip each train a group of their own). The merge and its names are

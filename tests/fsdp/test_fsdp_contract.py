@@ -26,13 +26,15 @@ class TestFSDP2InferContract(StrategyContract):
 
 
 class TestFSDP2TrainLoraContract(StrategyContract):
-    """fsdp2_train with LoRA adapters: after a step, hf_infer synced with the merged weights
-    gives the trainer's log-probs; a reference beside the actor is the base model, with no
+    """fsdp2_train with LoRA adapters: a sync sends the adapters alone; after a step, hf_infer
+    applying them over its own base gives the trainer's log-probs; a reference beside the actor is the base model, with no
     second copy."""
 
     strategy = "fsdp2_train"
     world_size = 2
-    lora = LoraArgs(rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"])
+    lora = LoraArgs(
+        rank=4, alpha=8.0, target_modules=["q_proj", "v_proj", "up_proj"], sync="adapter"
+    )
 
     # CI time: the sync parity through shared memory (rank 0 merges gathered copies, rank 1
     # walks the same gathers), and the borrowed reference below. The merge and its names are

@@ -3,9 +3,11 @@ trainer with the ``lora`` capability shares.
 
 A trainer wraps its HF model with :func:`wrap_lora` before its engine shards it: every targeted
 linear keeps its frozen base weight (``...q_proj.base_layer.weight``) and gains a trained pair
-``lora_A`` / ``lora_B``. What leaves the trainer is in plain HF terms: weight sync and the merged
-export send ``W + scale * B @ A`` (:func:`merge_lora_weight`) under the base name
-(:func:`lora_plain_name`), computed from gathered copies, never by merging into the trained model.
+``lora_A`` / ``lora_B``. What leaves the trainer is in plain HF terms: the merged export, and
+weight sync with ``sync: merged``, send ``W + scale * B @ A`` (:func:`merge_lora_weight`) under
+the base name (:func:`lora_plain_name`), computed from gathered copies, never by merging into
+the trained model; weight sync with ``sync: adapter`` sends the adapters alone under
+:func:`adapter_wire_name`, and the engine applies them (:func:`synced_adapter`).
 A checkpoint of adapters records the base they adapt (:func:`lora_record`), checked on load
 (:func:`check_lora_record`); the adapter export is peft's format (:func:`write_lora_adapter`).
 peft is imported only when a function needs it: it is a dependency of the trainers' plugins,
@@ -42,6 +44,53 @@ def lora_args(worker: WorkerContext, train_strategy: str) -> LoraArgs | None:
     if worker.strategy_name != train_strategy or worker.head != "lm":
         return None
     return worker.model_args.lora
+
+
+def adapter_sync(worker: WorkerContext, train_strategy: str) -> bool:
+    """Whether this trainer's weight syncs send its adapters alone (``model_args.lora.sync:
+    adapter``, resolved before any process starts), named by :func:`adapter_wire_name`, rather
+    than the merged weights."""
+    args = lora_args(worker, train_strategy)
+    return args is not None and args.sync == "adapter"
+
+
+def synced_adapter(worker: WorkerContext) -> LoraArgs | None:
+    """For the rollout role: the adapters its weight syncs carry (rank, alpha, target modules),
+    which its engine applies over base weights it keeps; None: syncs carry whole weights.
+
+    Set by core when actor_train trains adapters with ``sync: adapter`` (or ``auto`` and a
+    rollout strategy with the ``lora_adapter_sync`` capability). Before the first sync the
+    adapters are zero: the engine generates with its base weights, as the trainer's zero-
+    initialised ``B`` does."""
+    args = worker.model_args.lora
+    # Only actor_infer receives the policy's syncs; another role inheriting the top-level
+    # model_args.lora (a reference on a rollout strategy) loads the plain base.
+    if worker.role != "actor_infer" or args is None or args.sync != "adapter":
+        return None
+    return args
+
+
+def lora_scaling(args: LoraArgs) -> float:
+    """The factor of the adapters' product: ``W x + (alpha / rank) * B (A x)``."""
+    return args.alpha / args.rank
+
+
+def adapter_wire_name(name: str) -> str:
+    """The name an adapter travels under in a sync: a trainer's state-dict name (after its own
+    wrapper prefixes are stripped) ``base_model.model.model.layers.0.self_attn.q_proj.lora_A.
+    default.weight`` -> ``model.layers.0.self_attn.q_proj.lora_A.weight``: the HF name of the
+    adapted module, then ``lora_A`` (shape ``(rank, in_features)``) or ``lora_B`` (``(out_
+    features, rank)``), as peft's saved adapters name them without their prefix."""
+    return name.removeprefix(_PEFT_PREFIX).replace(f".{LORA_ADAPTER}.", ".")
+
+
+def parse_adapter_wire_name(name: str) -> tuple[str, str] | None:
+    """``(HF module name, "A" or "B")`` of a synced adapter's name, None for any other name."""
+    for part in ("A", "B"):
+        suffix = f".lora_{part}.weight"
+        if name.endswith(suffix):
+            return name.removesuffix(suffix), part
+    return None
 
 
 def wrap_lora(worker: WorkerContext, model: torch.nn.Module) -> Any:

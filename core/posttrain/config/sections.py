@@ -48,6 +48,12 @@ class LoraArgs:
         ],
         validator=_not_empty,
     )
+    # What a weight sync sends the rollout engine: "adapter", only the adapters (a few MB; the
+    # engine keeps its base weights and adds the low-rank product); "merged", the whole model
+    # with W + (alpha / rank) * B @ A; "auto", adapter where actor_infer's strategy takes
+    # adapters (`posttrain plugins` lists them), merged elsewhere. `posttrain run` resolves
+    # "auto" before any process starts.
+    sync: Literal["auto", "adapter", "merged"] = "auto"
 
 
 @attrs.frozen(kw_only=True)

@@ -86,9 +86,14 @@ class Capabilities:
     # not would silently ignore them, so validation refuses stop strings for them.
     stop_strings: bool = False
     # For trainers: trains LoRA adapters (model_args.lora) on an "lm" head, checkpoints only
-    # them, syncs merged weights and takes ``merge`` in posttrain_export_hf. Validation refuses
-    # model_args.lora on an actor_train whose strategy does not.
+    # them, syncs merged weights or, with ``model_args.lora.sync: adapter``, the adapters alone
+    # (posttrain.backend.adapter_sync), and takes ``merge`` in posttrain_export_hf. Validation
+    # refuses model_args.lora on an actor_train whose strategy does not.
     lora: bool = False
+    # For rollout: takes adapter-only weight syncs (model_args.lora.sync: adapter): keeps its
+    # base weights and applies the synced LoRA adapters (posttrain.backend.synced_adapter says
+    # which) in every decode path.
+    lora_adapter_sync: bool = False
     # Mixture-of-experts routing replay (algorithm.routing_replay): a rollout strategy returns
     # each sample's routing when asked (GenerationRequest.return_routing); a trainer replays a
     # batch's routing in its passes (posttrain.backend's scoring_forward / update_forward).

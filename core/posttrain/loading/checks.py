@@ -12,6 +12,7 @@ from posttrain.config.sections import PRODUCER_ROLES, ROLE_HEADS, Workflow
 from posttrain.host.doctor import EnvCheck
 from posttrain.launch.base import partial_overlaps
 from posttrain.loading.hub_models import check_hub_ids, looks_local
+from posttrain.loading.lora_sync import check_lora_sync
 from posttrain.markers import hookimpl
 from posttrain.paths import display_path
 from posttrain.rollout.partial import segment_tokens
@@ -46,6 +47,8 @@ def posttrain_validate_workflow(
         _check_roles(workflow, report)
     _check_strategy_kinds(workflow, strategies, report)
     _check_models(workflow, report)
+    if not failed & {"actor_train", "actor_infer"}:
+        check_lora_sync(workflow, strategies, report)
     if "data" not in failed:
         _check_data(workflow, report)
     if "algorithm" not in failed:

@@ -15,6 +15,7 @@ from posttrain.config.yaml_loader import load_yaml_text
 from posttrain.errors import UserError
 from posttrain.host.references import import_beside
 from posttrain.host.strategy import KNOWN_PROVIDERS
+from posttrain.loading.lora_sync import resolve_lora_sync
 from posttrain.paths import display_path
 from posttrain.rollout.environments.validation import check_environment
 from posttrain.trainer.logger_registry import check_loggers
@@ -103,7 +104,7 @@ def build_workflow(
     # configs above), so they return a new workflow rather than only check it.
     workflow = check_environment(workflow, raw.get("environment"), host.hook, strategies, report)
     workflow = check_loggers(workflow, host.hook, report)
-    return workflow, report
+    return resolve_lora_sync(workflow, strategies), report
 
 
 _SECTION_TYPES = typing.get_type_hints(Workflow)

@@ -19,6 +19,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from posttrain.backends.lora import parse_adapter_wire_name
 from posttrain.backends.models import HEAD_WEIGHT
 from posttrain.backends.plumbing import MEMORY_TAGS
 from posttrain.config.sections import (
@@ -100,7 +101,8 @@ class StrategyContract:
     # class per layout can spend its critic runs on other layouts than its policy runs.
     critic_strategy_config: ClassVar[dict[str, Any] | None] = None
     # A trainer with the ``lora`` capability runs the contract again with adapters: export and
-    # sync send merged weights, checkpoints hold the adapters.
+    # sync send merged weights (``lora.sync: merged``) or the adapters alone (``adapter``, to
+    # hf_infer, which applies them), checkpoints hold the adapters.
     lora: ClassVar[LoraArgs | None] = None
     plugins: ClassVar[tuple[str, ...]] = ()
 
@@ -356,6 +358,37 @@ class StrategyContract:
         assert not wrong, f"export_weights' dtypes (got, checkpoint's): {wrong}"
         gap = state_difference({n: exported[n] for n in expected}, expected)
         assert not gap, f"export_weights right after load differ from the checkpoint: {gap}"
+
+    def test_adapter_sync_exports_the_adapters_alone(
+        self, spec_and_config: SpecAndConfig, start: Callable[..., Any], tiny_model_path: str
+    ) -> None:
+        """With ``lora.sync: adapter`` a sync holds every adapted module's ``lora_A`` (rank x
+        in) and ``lora_B`` (out x rank), named by the module's HF name, and no base weight;
+        right after load ``B`` is zero, so the engine's base alone is the policy."""
+        self.require(spec_and_config, "train")
+        if self.lora is None or self.lora.sync != "adapter":
+            pytest.skip("the class's lora does not sync adapters alone (lora.sync: adapter)")
+
+        exported = self._export(start())
+        base = load_file(os.path.join(tiny_model_path, "model.safetensors"))
+        targets = set(self.lora.target_modules)
+        adapted = {
+            n.removesuffix(".weight")
+            for n in base
+            if n.endswith(".weight") and n.split(".")[-2] in targets
+        }
+        parts = {name: parse_adapter_wire_name(name) for name in exported}
+        assert all(parts.values()), f"not adapters: {[n for n, p in parts.items() if not p]}"
+        modules = {part[0] for part in parts.values() if part}
+        assert modules == adapted, f"adapted modules sent {sorted(modules ^ adapted)[:5]} apart"
+        rank = self.lora.rank
+        for module in sorted(adapted):
+            out_features, in_features = base[f"{module}.weight"].shape
+            a, b = exported[f"{module}.lora_A.weight"], exported[f"{module}.lora_B.weight"]
+            assert tuple(a.shape) == (rank, in_features), f"{module}.lora_A: {tuple(a.shape)}"
+            assert tuple(b.shape) == (out_features, rank), f"{module}.lora_B: {tuple(b.shape)}"
+            assert not b.any(), f"{module}.lora_B is not zero right after load"
+            assert a.abs().sum() > 0, f"{module}.lora_A is all zero: it would never train"
 
     def test_train_then_sync_to_hf_infer_logprob_parity(
         self, spec_and_config: SpecAndConfig, start: Callable[..., Any]

@@ -32,6 +32,8 @@ from posttrain.backend import (
     OldPolicyRouting,
     accumulate_gradients,
     adamw,
+    adapter_sync,
+    adapter_wire_name,
     backend_for,
     check_lora_record,
     enable_gradient_checkpointing,
@@ -516,15 +518,21 @@ def _plan(
     """Buckets of ``(hf_name, parameter or buffer, adapter)`` in state-dict order, sized by full
     shapes (the same plan on every rank, whatever each rank holds). With LoRA, an adapted
     weight's ``adapter`` is ``(A, B, peft layer)``, to be merged into it under its plain HF name;
-    the adapters themselves are not sent. Otherwise ``adapter`` is None."""
+    the adapters themselves are not sent. With ``lora.sync: adapter`` the plan holds the
+    adapters alone, under their wire names. Otherwise ``adapter`` is None."""
     dtype = export_dtype(worker)
     module = worker.model.module
     entries = list(module.state_dict(keep_vars=True).items())
     adapted = lora_layers(module) if lora_args(worker, TRAIN) is not None else {}
+    adapters_only = adapter_sync(worker, TRAIN)  # the engine keeps its own frozen base
     state = dict(entries)
     sources: dict[str, tuple[torch.Tensor, Adapter | None]] = {}
     for name, value in entries:
         if adapted and is_lora_adapter_entry(name):
+            if adapters_only:
+                sources[adapter_wire_name(name)] = (value, None)
+            continue
+        if adapters_only:
             continue
         adapter: Adapter | None = None
         prefix = name.removesuffix(".base_layer.weight")

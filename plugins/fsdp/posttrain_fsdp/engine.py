@@ -36,6 +36,8 @@ from posttrain.backend import (
     OldPolicyRouting,
     accumulate_gradients,
     adamw,
+    adapter_sync,
+    adapter_wire_name,
     check_lora_record,
     collective_timeout_s,
     enable_gradient_checkpointing,
@@ -358,7 +360,8 @@ def _export_buckets(
 ) -> Iterator[WeightBucket]:
     keep = on_device or is_rank0()
     device = None if on_device else "cpu"
-    for bucket in bucketize(_gathered(worker, keep=keep, device=device), bucket_bytes):
+    gathered = _synced_adapters if adapter_sync(worker, TRAIN) else _gathered
+    for bucket in bucketize(gathered(worker, keep=keep, device=device), bucket_bytes):
         yield bucket if keep else WeightBucket()
 
 
@@ -416,6 +419,24 @@ def _gathered(
         if source is not None:
             cache[source] = tensor
         yield exported, tensor
+
+
+def _synced_adapters(
+    worker: WorkerContext, keep: bool, device: str | None = "cpu"
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """An adapter-only sync (``model_args.lora.sync: adapter``): every ``lora_A`` / ``lora_B``,
+    gathered, in the export dtype, under its wire name; placed and stood in for as in
+    :func:`_gathered`. The frozen base weights are the engine's own already."""
+    dtype = export_dtype(worker)
+    for name, value in worker.model.state_dict().items():
+        if not is_lora_adapter_entry(name):
+            continue
+        full = _full(value).detach()
+        if not keep:
+            tensor = torch.empty(full.shape, dtype=dtype, device="meta")
+        else:
+            tensor = full.to(device=device or full.device, dtype=dtype, copy=device is not None)
+        yield adapter_wire_name(hf_name(name)), tensor
 
 
 def _adapters(worker: WorkerContext) -> Iterator[tuple[str, torch.Tensor]]:
