@@ -266,12 +266,16 @@ class OldPolicyRouting:
                 routing = taken.view(*mb.input_ids.shape, *taken.shape[1:])
                 lengths = mb.attention_mask.sum(dim=1).tolist()
                 for row, length in enumerate(lengths):
-                    self.rows[_row_key(mb.input_ids[row, : int(length)])] = routing[
-                        row, : int(length)
-                    ]
+                    n = int(length)
+                    self.keep(mb.input_ids[row, :n], routing[row, :n])
                 return out
 
             yield recorded
+
+    def keep(self, ids: torch.Tensor, routing: torch.Tensor) -> None:
+        """Keep one row's routing (``[tokens, moe_layers, k]``) under its tokens ``ids`` (the
+        row without padding): for a trainer that records its old-policy pass its own way."""
+        self.rows[_row_key(ids)] = routing
 
     def attach(self, batch: SequenceBatch, device: torch.device | str) -> SequenceBatch:
         """``batch`` with the recorded ``routing`` of its rows (pooled over the default group's

@@ -285,17 +285,14 @@ def keep_old_policy(
     experts: int,
 ) -> None:
     """The recorded ``routing`` (``[mb rows * width, moe_layers, k]``) of the micro-batch's
-    first ``rows`` rows into ``old``, by each row's tokens as :class:`OldPolicyRouting` keys
-    them."""
+    first ``rows`` rows into ``old``, by each row's tokens."""
     per_row = routing.view(len(mb), width, *routing.shape[1:])
     lengths = mb.attention_mask.sum(dim=1).tolist()
     for row in range(rows):
         n = int(lengths[row])
         if bool((per_row[row, :n] == OWN).any()):
             raise RuntimeError("routing record: a MoE layer did not record every token")
-        # OldPolicyRouting's key: the row's tokens as int64 bytes.
-        key = mb.input_ids[row, :n].to(device="cpu", dtype=torch.int64).numpy().tobytes()
-        old.rows[key] = per_row[row, :n].to(routing_dtype(experts))
+        old.keep(mb.input_ids[row, :n], per_row[row, :n].to(routing_dtype(experts)))
 
 
 def wants(worker: WorkerContext, models: list[torch.nn.Module]) -> bool:
