@@ -40,12 +40,15 @@ from posttrain.backend import (
     logprob_forward,
     memory_tags,
     no_hf_progress_bars,
+    parse_adapter_wire_name,
     record_routing,
     scoring_forward,
     sequence_scores,
     shifted_token_logprobs,
+    synced_adapter,
     unshare_storage,
 )
+from posttrain_hf_infer.adapters import adapter_buffers, attach_adapters, merged_state
 from posttrain_hf_infer.background_compile import BackgroundCompile, compiles_in_background
 from posttrain_hf_infer.decode_loop import DynamicDecode, StaticDecode, sample_rows
 from posttrain_hf_infer.fused_linears import fuse_sibling_linears, unfuse_sibling_linears
@@ -133,6 +136,15 @@ def load_model(worker: WorkerContext) -> PreTrainedModel:
     else:
         model = load_model_with_head(worker.model_args, worker.head, worker.base_dir, worker.device)
     model.eval()
+    adapter = synced_adapter(worker)
+    if adapter is not None:
+        if mesh is not None:
+            raise UserError(
+                "hf_infer: synced LoRA adapters (model_args.lora.sync: adapter) need whole "
+                "weights: set tensor_parallel_size: 1, or lora.sync: merged"
+            )
+        # Zero until the first sync: the base alone is the policy, as peft's B starts at zero.
+        attach_adapters(model, adapter)
     _state(worker).tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
     return model
 
@@ -376,11 +388,26 @@ def compute_scores(worker: WorkerContext, batch: SequenceBatch) -> torch.Tensor:
 
 def import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bool:
     params = dict(worker.model.state_dict(keep_vars=True))
+    # Synced adapters (model_args.lora.sync: adapter) land in their buffers, which the fixed-
+    # shape decoders' graphs and compiled steps read in place, as they read the weights.
+    adapters = adapter_buffers(worker.model)
+    params.update(adapters)
     with torch.no_grad():
         for bucket in buckets:
-            for name, _ in bucket.tensors:
+            for name, tensor in bucket.tensors:
                 if name not in params:
+                    if parse_adapter_wire_name(name) is not None:
+                        raise KeyError(
+                            f"hf_infer: {name!r} is an adapter of a module this engine does "
+                            f"not adapt (its adapted modules: {_adapted(adapters)})"
+                        )
                     raise KeyError(f"hf_infer: the model has no weight named {name!r}")
+                if name in adapters and tensor.shape != adapters[name].shape:
+                    raise ValueError(
+                        f"hf_infer: the adapter {name} came with shape {list(tensor.shape)}, "
+                        f"the engine's is {list(adapters[name].shape)} (model_args.lora.rank "
+                        "or the model differ from the trainer's)"
+                    )
             targets = [params[name].data for name, _ in bucket.tensors]
             sources = [tensor for _, tensor in bucket.tensors]
             if _sharded(worker):
@@ -397,10 +424,18 @@ def import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bo
     return True
 
 
+def _adapted(adapters: dict[str, torch.Tensor]) -> str:
+    """The adapted modules of :func:`adapter_buffers`' names, a few of them, for a message."""
+    modules = sorted({name.rsplit(".", 2)[0] for name in adapters})
+    return ", ".join(modules[:4]) + (", ..." if len(modules) > 4 else "") if modules else "none"
+
+
 def weight_shapes(worker: WorkerContext) -> dict[str, tuple[int, ...]]:
     """What a sync may send: the model's tensors by name, each whole (a split replica's
-    DTensors report their global shapes)."""
-    return {name: tuple(t.shape) for name, t in worker.model.state_dict().items()}
+    DTensors report their global shapes), and the synced adapters' when it has them."""
+    shapes = {name: tuple(t.shape) for name, t in worker.model.state_dict().items()}
+    shapes.update({name: tuple(t.shape) for name, t in adapter_buffers(worker.model).items()})
+    return shapes
 
 
 def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, str]:
@@ -410,6 +445,10 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, str]:
         from safetensors.torch import save_file
 
         state = whole_state(worker.model)
+        # The synced adapters under their wire names: load_checkpoint imports them as a sync.
+        state.update(
+            {n: t.detach().cpu().clone() for n, t in adapter_buffers(worker.model).items()}
+        )
         if worker.rank == 0:
             os.makedirs(path, exist_ok=True)
             save_file(unshare_storage(state.items()), os.path.join(path, "model.safetensors"))
@@ -450,6 +489,9 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
 
 def export_hf(worker: WorkerContext, path: str) -> bool:
     state = whole_state(worker.model) if _sharded(worker) else None
+    if adapter_buffers(worker.model):
+        # A plain HF model of the policy: the adapters merged into their weights.
+        state = merged_state(worker.model, worker.model.state_dict())
     if worker.rank == 0:
         with no_hf_progress_bars():
             worker.model.save_pretrained(path, safe_serialization=True, state_dict=state)

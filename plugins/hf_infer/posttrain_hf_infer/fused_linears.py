@@ -16,6 +16,14 @@ model calls them on the same input tensor; called on any other input, a projecti
 own output as before. Outside that block (the dynamic cache, the scoring forward passes) every
 projection computes its own.
 
+Synced LoRA adapters (:class:`~posttrain_hf_infer.adapters.AdaptedLinear`) stack too: the
+members' ``A`` (rank x in each) concatenated into one ``[ranks, in]`` tensor, their ``B`` into a
+block-diagonal ``[outputs, ranks]`` one (each member's ``B`` its block, the rest zero), each
+member's buffers views of those: the group's output is ``x W^T + b + (x A^T) B^T * scaling``, two
+small GEMMs for all the members' adapters, exactly each member's own (the zero blocks add exact
+zeros), and a sync copies into the stacked tensors. A member without an adapter has no columns
+in ``A`` and zero rows in ``B``.
+
 Moving the model (``model.to``, an offload) gives each parameter its own storage again: call
 :func:`unfuse_sibling_linears` first (it leaves the views, dropping what the step used), and fuse
 again after the move.
@@ -26,9 +34,12 @@ from __future__ import annotations
 import contextlib
 import types
 from collections.abc import Iterator
+from typing import TypeAlias
 
 import torch
 import torch.nn.functional as F
+
+from posttrain_hf_infer.adapters import AdaptedLinear
 
 # The projections of one input, in the order transformers' layers call them: the first
 # computes the group's outputs.
@@ -36,28 +47,43 @@ SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class LinearGroup:
-    """The stacked weight (and bias) of a group of projections, and the outputs the first
+    """The stacked weight (and bias) of a group of projections, their stacked adapters if any
+    (``lora_a``, ``lora_b``, ``scaling``: see the module docstring), and the outputs the first
     computed for the others (``pending``: its input and the outputs, until the last takes
     its own)."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, sizes: list[int]):
         self.weight, self.bias, self.sizes = weight, bias, sizes
+        self.lora_a: torch.Tensor | None = None
+        self.lora_b: torch.Tensor | None = None
+        self.scaling = 1.0
         self.active = False
         self.pending: tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None = None
 
+    def outputs(self, x: torch.Tensor) -> torch.Tensor:
+        """Every member's output on ``x``, concatenated."""
+        out = F.linear(x, self.weight, self.bias)
+        if self.lora_a is None or self.lora_b is None:
+            return out
+        return out + F.linear(F.linear(x, self.lora_a), self.lora_b) * self.scaling
 
-def grouped_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """A grouped projection's forward (bound to each ``nn.Linear`` of a group)."""
+
+# A module a group stacks.
+Grouped: TypeAlias = torch.nn.Linear | AdaptedLinear
+
+
+def grouped_forward(self: Grouped, x: torch.Tensor) -> torch.Tensor:
+    """A grouped projection's forward (bound to each module of a group)."""
     group, index = self.posttrain_group, self.posttrain_index
     if not group.active:
-        return F.linear(x, self.weight, self.bias)
+        return type(self).forward(self, x)
     if index == 0:
-        outputs = F.linear(x, group.weight, group.bias).split(group.sizes, dim=-1)
+        outputs = group.outputs(x).split(group.sizes, dim=-1)
         group.pending = (x, outputs)
         return outputs[0]
     pending = group.pending
     if pending is None or pending[0] is not x:
-        return F.linear(x, self.weight, self.bias)
+        return type(self).forward(self, x)
     if index == len(group.sizes) - 1:
         group.pending = None
     return pending[1][index]
@@ -75,14 +101,14 @@ def _shared_parameters(model: torch.nn.Module) -> set[int]:
 
 def _siblings(
     module: torch.nn.Module, names: tuple[str, ...], shared: set[int]
-) -> list[torch.nn.Linear] | None:
-    """The ``names`` children of ``module`` when they are plain linears that can be stacked:
-    the same input size, dtype and device, all with a bias or none, none grouped yet, no
-    parameter ``shared``."""
-    linears: list[torch.nn.Linear] = []
+) -> list[Grouped] | None:
+    """The ``names`` children of ``module`` when they are plain linears (adapted or not) that
+    can be stacked: the same input size, dtype and device, all with a bias or none, none
+    grouped yet, no parameter ``shared``."""
+    linears: list[Grouped] = []
     for name in names:
         linear = getattr(module, name, None)
-        if type(linear) is not torch.nn.Linear:
+        if type(linear) not in (torch.nn.Linear, AdaptedLinear):
             return None
         linears.append(linear)
     first = linears[0]
@@ -100,9 +126,10 @@ def _siblings(
     return linears
 
 
-def _stack(linears: list[torch.nn.Linear]) -> LinearGroup:
-    """One tensor for the linears' weights (and one for their biases), each parameter now a
-    view of its rows (the old storage is freed as the views replace it)."""
+def _stack(linears: list[Grouped]) -> LinearGroup:
+    """One tensor for the linears' weights (and one for their biases, and their adapters'),
+    each parameter now a view of its rows (the old storage is freed as the views replace
+    it)."""
     sizes = [linear.out_features for linear in linears]
     first = linears[0].weight
     weight = torch.empty(sum(sizes), first.shape[1], dtype=first.dtype, device=first.device)
@@ -116,7 +143,35 @@ def _stack(linears: list[torch.nn.Linear]) -> LinearGroup:
         for linear, part in zip(linears, bias.split(sizes)):
             part.copy_(linear.bias.data)
             linear.bias.data = part
-    return LinearGroup(weight, bias, sizes)
+    group = LinearGroup(weight, bias, sizes)
+    _stack_adapters(group, linears)
+    return group
+
+
+def _stack_adapters(group: LinearGroup, linears: list[Grouped]) -> None:
+    """The adapted members' ``A`` concatenated and ``B`` block-diagonal (see the module
+    docstring), each member's buffers now views of them (``.data`` swapped: the buffer objects,
+    which a decode's view of the model shares, stay)."""
+    adapted = [linear for linear in linears if isinstance(linear, AdaptedLinear)]
+    if not adapted:
+        return
+    first = adapted[0].lora_A
+    ranks = sum(linear.lora_A.shape[0] for linear in adapted)
+    like = {"dtype": first.dtype, "device": first.device}
+    lora_a = torch.empty(ranks, first.shape[1], **like)
+    lora_b = torch.zeros(sum(group.sizes), ranks, **like)
+    row = column = 0
+    for linear in linears:
+        if isinstance(linear, AdaptedLinear):
+            rank = linear.lora_A.shape[0]
+            a = lora_a[column : column + rank]
+            b = lora_b[row : row + linear.out_features, column : column + rank]
+            a.copy_(linear.lora_A)
+            b.copy_(linear.lora_B)
+            linear.lora_A.data, linear.lora_B.data = a, b
+            column += rank
+        row += linear.out_features
+    group.lora_a, group.lora_b, group.scaling = lora_a, lora_b, adapted[0].scaling
 
 
 @torch.no_grad()
@@ -135,7 +190,7 @@ def fuse_sibling_linears(model: torch.nn.Module) -> list[LinearGroup]:
                 group = _stack(linears)
                 for index, linear in enumerate(linears):
                     linear.posttrain_group, linear.posttrain_index = group, index
-                    linear.forward = types.MethodType(grouped_forward, linear)
+                    linear.forward = types.MethodType(grouped_forward, linear)  # type: ignore[method-assign]
             groups.append(group)
     return groups
 

@@ -100,6 +100,7 @@ class HFInferPlugin(EngineHooks):
                     shares_process=True,
                     heads=("lm", "score"),
                     routing_replay=True,
+                    lora_adapter_sync=True,
                 ),
                 description="generation, log-probs and reward-model scores with plain "
                 "transformers (the reference backend)",

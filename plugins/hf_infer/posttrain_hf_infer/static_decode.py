@@ -487,8 +487,9 @@ def step_view(model: PreTrainedModel, attention: str, groups: list[LinearGroup])
         group = getattr(module, "posttrain_group", None)
         if group is not None:
             if id(group) not in own_groups:
-                own = own_groups[id(group)] = LinearGroup(group.weight, group.bias, group.sizes)
-                own.active = True
+                # The same stacked tensors (weights and adapters), a state of its own.
+                own = own_groups[id(group)] = copy.copy(group)
+                own.active, own.pending = True, None
             new.posttrain_group = own_groups[id(group)]
         return new
 

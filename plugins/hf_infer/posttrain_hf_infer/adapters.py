@@ -1,0 +1,116 @@
+"""Synced LoRA adapters in ``hf_infer`` (``model_args.lora.sync: adapter``): the engine keeps its
+base weights and adds each adapter's low-rank product, as the trainer's peft model does.
+
+At load every targeted linear (its name's last component in ``target_modules``, peft's rule)
+becomes an :class:`AdaptedLinear`: the same weight and bias parameters (names, ``state_dict`` and
+tied weights unchanged) and two buffers, ``lora_A`` (rank x in) and ``lora_B`` (out x rank), in
+the weight's dtype and device, zero until the first sync (peft's ``B`` starts at zero: the base
+alone is the policy). Its forward is peft's: ``base(x) + lora_B(lora_A(x)) * scaling``. The
+buffers are allocated once: a sync copies into them (:func:`adapter_buffers` names them as the
+wire does), so a captured CUDA graph or a compiled step reads the new adapters without being
+captured again. The buffers are not persistent: the model's ``state_dict`` (checkpoints, HF
+exports) stays that of the base model; a rollout checkpoint adds them under their wire names.
+
+A stacked group of projections (:mod:`~posttrain_hf_infer.fused_linears`) stacks its members'
+adapters too, so it stays one GEMM for the base and two for the adapters.
+
+Not a ``torch.nn.Linear`` subclass on purpose: the chunked log-prob head multiplies hidden
+states by a plain linear head's weight (``posttrain.backend.logprob_forward`` checks for one),
+which would skip an adapted head's adapter.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+
+from posttrain import UserError
+from posttrain.backend import lora_scaling
+
+if TYPE_CHECKING:
+    from posttrain.config.sections import LoraArgs
+
+
+class AdaptedLinear(torch.nn.Module):
+    """A linear layer with a synced LoRA adapter (see the module docstring)."""
+
+    lora_A: torch.Tensor
+    lora_B: torch.Tensor
+
+    def __init__(self, linear: torch.nn.Linear, rank: int, scaling: float) -> None:
+        super().__init__()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # The linear's own parameters: a tied or shared weight stays shared.
+        self.weight = linear.weight
+        self.bias = linear.bias
+        self.scaling = scaling
+        like = {"dtype": linear.weight.dtype, "device": linear.weight.device}
+        zeros_a = torch.zeros(rank, self.in_features, **like)
+        self.register_buffer("lora_A", zeros_a, persistent=False)
+        self.register_buffer(
+            "lora_B", torch.zeros(self.out_features, rank, **like), persistent=False
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        # peft's order: the base's output, plus the adapters' scaled after the up-projection.
+        adapted = F.linear(F.linear(x, self.lora_A), self.lora_B) * self.scaling
+        return F.linear(x, self.weight, self.bias) + adapted
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, "
+            f"rank={self.lora_A.shape[0]}, scaling={self.scaling}"
+        )
+
+
+def attach_adapters(model: torch.nn.Module, args: LoraArgs) -> list[str]:
+    """Replace every linear of ``model`` that ``args.target_modules`` names by an
+    :class:`AdaptedLinear` with zero adapters; the names of the adapted modules. A targeted
+    module that is not a plain ``torch.nn.Linear``, or no target at all, is a ``UserError``."""
+    targets = set(args.target_modules)
+    matched = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
+    odd = [f"{n} ({type(m).__name__})" for n, m in matched if type(m) is not torch.nn.Linear]
+    if odd:
+        raise UserError(
+            f"hf_infer: model_args.lora.target_modules {list(args.target_modules)} names "
+            f"{', '.join(odd[:5])}: hf_infer applies synced adapters to plain linear modules "
+            "only; leave it out of target_modules, or set lora.sync: merged"
+        )
+    if not matched:
+        raise UserError(
+            f"hf_infer: model_args.lora.target_modules {list(args.target_modules)} names no "
+            f"module of {type(model).__name__}"
+        )
+    scaling = lora_scaling(args)
+    for name, linear in matched:
+        parent, _, child = name.rpartition(".")
+        holder = model.get_submodule(parent) if parent else model
+        setattr(holder, child, AdaptedLinear(linear, args.rank, scaling))
+    return [name for name, _ in matched]
+
+
+def adapter_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The adapters' buffers by their names on the wire (``<module>.lora_A.weight``,
+    ``<module>.lora_B.weight``): what a sync copies into. Empty without adapters."""
+    buffers = {}
+    for name, module in model.named_modules():
+        if isinstance(module, AdaptedLinear):
+            buffers[f"{name}.lora_A.weight"] = module.lora_A
+            buffers[f"{name}.lora_B.weight"] = module.lora_B
+    return buffers
+
+
+def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` (the model's own ``state_dict``, or a copy of it) with each adapted module's
+    weight merged, ``W + scaling * B @ A`` in float32 then the weight's dtype: the policy as a
+    plain HF model (an HF export)."""
+    merged = dict(state)
+    for name, module in model.named_modules():
+        if isinstance(module, AdaptedLinear):
+            key = f"{name}.weight"
+            weight = merged[key]
+            delta = module.lora_B.float() @ module.lora_A.float() * module.scaling
+            merged[key] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+    return merged
