@@ -157,3 +157,54 @@ def test_adapter_sync_refuses_what_it_cannot_take(worker, tiny_model_path):
     embedding = LoraArgs(target_modules=["q_proj", "embed_tokens"], sync="adapter")
     with pytest.raises(UserError, match=r"model\.embed_tokens \(Embedding\)"):
         attach_adapters(tiny_qwen2(), embedding)
+
+
+def test_a_checkpoint_keeps_the_synced_adapters(worker, peft_model, tmp_path):
+    """A rollout checkpoint holds the adapters under their wire names, and loads them back as a
+    sync; an HF export is the policy with the adapters merged."""
+    from transformers import AutoModelForCausalLM
+
+    from posttrain import UserError
+    from posttrain_hf_infer import engine as hf_infer
+    from posttrain_hf_infer.adapters import adapter_buffers
+
+    sent = dict(randomize(peft_model, seed=3))
+    hf_infer.import_weights(worker, [WeightBucket(list(sent.items()))])
+    hf_infer.save_checkpoint(worker, str(tmp_path / "checkpoint"))
+    zeros = [(name, torch.zeros_like(tensor)) for name, tensor in sent.items()]
+    hf_infer.import_weights(worker, [WeightBucket(zeros)])
+    hf_infer.load_checkpoint(worker, str(tmp_path / "checkpoint"))
+    buffers = adapter_buffers(worker.model)
+    assert all(torch.equal(buffers[name], tensor) for name, tensor in sent.items())
+
+    # The head is tied: an export of its merged weight would change the embedding too.
+    with pytest.raises(UserError, match="lm_head shares its weight"):
+        hf_infer.export_hf(worker, str(tmp_path / "export"))
+    head = [(n, torch.zeros_like(t)) for n, t in sent.items() if n.startswith("lm_head.")]
+    hf_infer.import_weights(worker, [WeightBucket(head)])
+    with torch.no_grad():
+        peft_model.base_model.model.lm_head.lora_B["default"].weight.zero_()
+    hf_infer.export_hf(worker, str(tmp_path / "export"))
+    exported = AutoModelForCausalLM.from_pretrained(str(tmp_path / "export"), dtype=torch.float32)
+    ids = torch.tensor([PROMPTS[0]])
+    with torch.no_grad():
+        torch.testing.assert_close(
+            exported(ids).logits, peft_model(input_ids=ids).logits, rtol=0, atol=TOLERANCE
+        )
+
+
+def test_a_split_replica_refuses_adapter_syncs_before_anything_starts():
+    from pathlib import Path
+
+    from posttrain.host.plugin_host import create_plugin_host
+    from posttrain.loading.workflow import load_workflow
+
+    quickstart = Path(__file__).resolve().parents[2] / "examples" / "quickstart.yaml"
+    config = "actor_infer.strategy_args.strategy_config"
+    _, report = load_workflow(
+        str(quickstart),
+        create_plugin_host(),
+        {f"{config}.tensor_parallel_size": 2, "actor_train.model_args.lora.rank": 4},
+    )
+    errors = {issue.path: issue.message for issue in report.errors}
+    assert "adapters" in errors.get(f"{config}.tensor_parallel_size", ""), errors

@@ -103,14 +103,25 @@ def adapter_buffers(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def merged_state(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """``state`` (the model's own ``state_dict``, or a copy of it) with each adapted module's
-    weight merged, ``W + scaling * B @ A`` in float32 then the weight's dtype: the policy as a
-    plain HF model (an HF export)."""
+    """``state`` (the model's own ``state_dict``) with each adapted module's weight merged,
+    ``W + scaling * B @ A`` in float32 then the weight's dtype: the policy as a plain HF model
+    (an HF export). A non-zero adapter on a weight another module shares (a tied head) is a
+    ``UserError``: the export saves that weight once, as the other module's."""
+    uses: dict[int, int] = {}
+    for _, parameter in model.named_parameters(remove_duplicate=False):
+        uses[id(parameter)] = uses.get(id(parameter), 0) + 1
     merged = dict(state)
     for name, module in model.named_modules():
-        if isinstance(module, AdaptedLinear):
-            key = f"{name}.weight"
-            weight = merged[key]
-            delta = module.lora_B.float() @ module.lora_A.float() * module.scaling
-            merged[key] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
+        if not isinstance(module, AdaptedLinear) or not module.lora_B.any():
+            continue
+        if uses[id(module.weight)] > 1:
+            raise UserError(
+                f"hf_infer: {name} shares its weight with another module (tied embeddings): "
+                "an HF export cannot hold its merged weight; leave it out of "
+                "model_args.lora.target_modules"
+            )
+        key = f"{name}.weight"
+        weight = merged[key]
+        delta = module.lora_B.float() @ module.lora_A.float() * module.scaling
+        merged[key] = (weight.float() + delta.to(weight.device)).to(weight.dtype)
     return merged

@@ -132,6 +132,16 @@ class HFInferPlugin(EngineHooks):
                     "a tensor-parallel hf_infer replica keeps its weights on the device",
                     "param_offload: false (or auto), or tensor_parallel_size: 1",
                 )
+            train = workflow.actor_train
+            lora = train.model_args.lora if train is not None else None
+            if name == "actor_infer" and lora is not None and lora.sync != "merged":
+                # auto resolves to adapter for hf_infer (Capabilities.lora_adapter_sync).
+                report.error(
+                    f"{path}.tensor_parallel_size",
+                    "a tensor-parallel hf_infer replica takes whole weights, not the adapters "
+                    f"alone (actor_train.model_args.lora.sync: {lora.sync})",
+                    "actor_train.model_args.lora.sync: merged, or tensor_parallel_size: 1",
+                )
 
     @hookimpl(trylast=True)
     def posttrain_estimate_memory(self, query: MemoryQuery) -> RoleMemory | None:
