@@ -140,11 +140,10 @@ def peft_model_b(peft_model, name: str) -> torch.Tensor:
     return layer.lora_B["default"].weight
 
 
-def test_adapter_sync_refuses_what_it_cannot_take(worker, tiny_model_path):
+def test_adapter_sync_refuses_what_it_cannot_take(worker):
     from tiny_models import tiny_qwen2
 
     from posttrain import UserError
-    from posttrain.config.sections import LoraArgs
     from posttrain_hf_infer import engine as hf_infer
     from posttrain_hf_infer.adapters import attach_adapters
 
@@ -154,9 +153,10 @@ def test_adapter_sync_refuses_what_it_cannot_take(worker, tiny_model_path):
     unadapted = [("model.layers.0.self_attn.k_proj.lora_A.weight", torch.zeros(RANK, 64))]
     with pytest.raises(KeyError, match="not adapt"):
         hf_infer.import_weights(worker, [WeightBucket(unadapted)])
-    embedding = LoraArgs(target_modules=["q_proj", "embed_tokens"], sync="adapter")
     with pytest.raises(UserError, match=r"model\.embed_tokens \(Embedding\)"):
-        attach_adapters(tiny_qwen2(), embedding)
+        attach_adapters(tiny_qwen2(), ["q_proj", "embed_tokens"], RANK, 2.0)
+    with pytest.raises(UserError, match="names no module"):
+        attach_adapters(tiny_qwen2(), ["qkv"], RANK, 2.0)
 
 
 def test_a_checkpoint_keeps_the_synced_adapters(worker, peft_model, tmp_path):

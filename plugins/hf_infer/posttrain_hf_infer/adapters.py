@@ -21,16 +21,12 @@ which would skip an adapted head's adapter.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
 
 import torch
 import torch.nn.functional as F
 
 from posttrain import UserError
-from posttrain.backend import lora_scaling
-
-if TYPE_CHECKING:
-    from posttrain.config.sections import LoraArgs
 
 
 class AdaptedLinear(torch.nn.Module):
@@ -65,29 +61,31 @@ class AdaptedLinear(torch.nn.Module):
         )
 
 
-def attach_adapters(model: torch.nn.Module, args: LoraArgs) -> list[str]:
-    """Replace every linear of ``model`` that ``args.target_modules`` names by an
-    :class:`AdaptedLinear` with zero adapters; the names of the adapted modules. A targeted
-    module that is not a plain ``torch.nn.Linear``, or no target at all, is a ``UserError``."""
-    targets = set(args.target_modules)
+def attach_adapters(
+    model: torch.nn.Module, target_modules: Sequence[str], rank: int, scaling: float
+) -> list[str]:
+    """Replace every linear of ``model`` that ``target_modules`` names (``model_args.lora``'s)
+    by an :class:`AdaptedLinear` with zero adapters of ``rank``, their product scaled by
+    ``scaling``; the names of the adapted modules. A targeted module that is not a plain
+    ``torch.nn.Linear``, or no target at all, is a ``UserError``."""
+    targets = set(target_modules)
     matched = [(n, m) for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in targets]
     odd = [f"{n} ({type(m).__name__})" for n, m in matched if type(m) is not torch.nn.Linear]
     if odd:
         raise UserError(
-            f"hf_infer: model_args.lora.target_modules {list(args.target_modules)} names "
+            f"hf_infer: model_args.lora.target_modules {list(target_modules)} names "
             f"{', '.join(odd[:5])}: hf_infer applies synced adapters to plain linear modules "
             "only; leave it out of target_modules, or set lora.sync: merged"
         )
     if not matched:
         raise UserError(
-            f"hf_infer: model_args.lora.target_modules {list(args.target_modules)} names no "
+            f"hf_infer: model_args.lora.target_modules {list(target_modules)} names no "
             f"module of {type(model).__name__}"
         )
-    scaling = lora_scaling(args)
     for name, linear in matched:
         parent, _, child = name.rpartition(".")
         holder = model.get_submodule(parent) if parent else model
-        setattr(holder, child, AdaptedLinear(linear, args.rank, scaling))
+        setattr(holder, child, AdaptedLinear(linear, rank, scaling))
     return [name for name, _ in matched]
 
 

@@ -38,6 +38,7 @@ from posttrain.backend import (
     load_tokenizer,
     log_once,
     logprob_forward,
+    lora_scaling,
     memory_tags,
     no_hf_progress_bars,
     parse_adapter_wire_name,
@@ -144,7 +145,7 @@ def load_model(worker: WorkerContext) -> PreTrainedModel:
                 "weights: set tensor_parallel_size: 1, or lora.sync: merged"
             )
         # Zero until the first sync: the base alone is the policy, as peft's B starts at zero.
-        attach_adapters(model, adapter)
+        attach_adapters(model, adapter.target_modules, adapter.rank, lora_scaling(adapter))
     _state(worker).tokenizer = load_tokenizer(worker.model_args, worker.base_dir)
     return model
 
