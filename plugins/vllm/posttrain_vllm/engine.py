@@ -9,6 +9,12 @@ here) the tensors go straight to the worker through ``collective_rpc("reload_wei
 weights_iterator=...)``. With the multiprocessing engine tensors do not survive the RPC, so each
 bucket is written as safetensors into a tmpfs directory and loaded with ``weights_path=``.
 
+Adapter-only syncs (``model_args.lora.sync: adapter``, :func:`posttrain.backend.synced_adapter`):
+the engine starts with vLLM's LoRA support and keeps its base weights; each sync's ``lora_A`` /
+``lora_B`` tensors are written as a peft adapter into a fresh tmpfs directory and registered as
+a new ``LoRARequest``, which every later generate and scoring call uses (the previous one is
+removed from the engine, and its directory with it).
+
 Hybrid engine: beside a trainer in the same rank processes, the trainer has already made the
 process group, and vLLM's own single-process world cannot be made next to it. The engine then
 runs with vLLM's ``external_launcher`` executor (as verl's does): vLLM takes the existing world
@@ -44,7 +50,9 @@ from posttrain.backend import (
     is_cuda,
     leads_replica,
     load_tokenizer,
+    parse_adapter_wire_name,
     resolve_model_path,
+    synced_adapter,
     tensor_parallel_replicas,
     unshare_storage,
 )
@@ -53,8 +61,9 @@ from posttrain_vllm import worker_side
 if TYPE_CHECKING:
     import vllm
     from transformers import PreTrainedTokenizerBase
+    from vllm.lora.request import LoRARequest
 
-    from posttrain import SamplingParams, WorkerContext
+    from posttrain import LoraArgs, SamplingParams, WorkerContext
 
 log = logging.getLogger("posttrain.vllm")
 
@@ -78,6 +87,11 @@ class VLLMState:
     # The tmpfs directory buckets pass through to a multiprocessing engine.
     shm_dir: str | None = None
     cpu_sleep_warned: bool = False
+    # Adapter-only syncs: the adapter of the latest sync, which every request carries (None
+    # before the first sync: the base alone is the policy then), and its tmpfs directory.
+    lora: LoRARequest | None = None
+    lora_dir: str | None = None
+    lora_syncs: int = 0
 
 
 def _state(worker: WorkerContext) -> VLLMState:
@@ -154,7 +168,31 @@ def engine_args(worker: WorkerContext) -> dict[str, Any]:
         args["tokenizer"] = resolve_model_path(
             worker.model_args.tokenizer_name_or_path, worker.base_dir
         )
+    adapter = synced_adapter(worker)
+    if adapter is not None:
+        args["enable_lora"] = True
+        args["max_lora_rank"] = max_lora_rank(adapter.rank)
+        # One adapter in use at a time; room for two so a sync registers the new one before
+        # it removes the old one (the LRU cache would otherwise evict it behind our back).
+        args["max_loras"] = 1
+        args["max_cpu_loras"] = 2
     return args
+
+
+def max_lora_rank(rank: int) -> int:
+    """The smallest ``max_lora_rank`` vLLM accepts (a fixed set of values) that fits ``rank``."""
+    from typing import get_args
+
+    from vllm.config.lora import MaxLoRARanks
+
+    allowed = sorted(get_args(MaxLoRARanks))
+    for value in allowed:
+        if value >= rank:
+            return value
+    raise UserError(
+        f"vllm: LoRA rank {rank} is above the largest max_lora_rank vLLM takes ({allowed[-1]}); "
+        "use a smaller model_args.lora.rank or model_args.lora.sync: merged"
+    )
 
 
 def _stop_strings(worker: WorkerContext) -> list[str]:
@@ -230,6 +268,7 @@ def load_model(worker: WorkerContext) -> vllm.LLM | dict[str, bool]:
         first = int(os.environ.get("LOCAL_RANK", "0"))
         tp = worker.config.tensor_parallel_size
         os.environ["CUDA_VISIBLE_DEVICES"] = ",".join(str(first + i) for i in range(tp))
+    _check_adapter_sleep(worker)
     args = engine_args(worker)
     if not is_cuda(worker):
         check_cpu_head_size(args["model"])
@@ -255,12 +294,45 @@ def load_model(worker: WorkerContext) -> vllm.LLM | dict[str, bool]:
     state.has_tokenizer = not args["skip_tokenizer_init"]
     if state.has_tokenizer:
         _check_engine_tokenizer(worker, llm)
+    adapter = synced_adapter(worker)
+    if adapter is not None:
+        _check_lora_targets(llm, adapter)
     log.info(
         "vLLM %s engine ready in %.1fs",
         "multiprocess" if multiprocessing_engine() else "in-process",
         time.monotonic() - started,
     )
     return llm
+
+
+def _check_adapter_sleep(worker: WorkerContext) -> None:
+    """Sleep level 2 discards the base weights and expects the next sync to resend them; an
+    adapter-only sync never does."""
+    if (
+        synced_adapter(worker) is not None
+        and _sleep_mode(worker)
+        and worker.config.sleep_level == 2
+    ):
+        raise UserError(
+            "vllm: strategy_config.sleep_level 2 discards the base weights, which adapter-only "
+            "syncs (model_args.lora.sync: adapter) do not resend; use sleep_level: 1 or "
+            "model_args.lora.sync: merged"
+        )
+
+
+def _check_lora_targets(llm: vllm.LLM, adapter: LoraArgs) -> None:
+    """Every LoRA target must be a module vLLM's LoRA applies to on this model (vLLM would
+    only refuse the adapter at the first sync)."""
+    supported = set.intersection(
+        *(set(names) for names in llm.collective_rpc("posttrain_lora_modules"))
+    )
+    missing = sorted(set(adapter.target_modules) - supported)
+    if missing:
+        raise UserError(
+            f"vllm: model_args.lora.target_modules {missing} are modules vLLM's LoRA does not "
+            f"apply to on this model (it takes {sorted(supported)}); drop them, or set "
+            "model_args.lora.sync: merged to sync merged weights instead"
+        )
 
 
 def _eager_sampler() -> None:
@@ -350,6 +422,7 @@ def generate(worker: WorkerContext, request: GenerationRequest) -> RolloutSample
             [TokensPrompt(prompt_token_ids=p) for p in chunk],
             params[start : start + step],
             use_tqdm=False,
+            lora_request=_state(worker).lora,
         )
         for prompt, result in zip(chunk, results):
             for completion in sorted(result.outputs, key=lambda c: c.index):
@@ -378,7 +451,10 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
     for start in range(0, len(prompts), step):
         chunk = prompts[start : start + step]
         outs = llm.generate(
-            [TokensPrompt(prompt_token_ids=p) for p in chunk], params, use_tqdm=False
+            [TokensPrompt(prompt_token_ids=p) for p in chunk],
+            params,
+            use_tqdm=False,
+            lora_request=_state(worker).lora,
         )
         for row, (ids, o) in enumerate(zip(chunk, outs), start=start):
             for t in range(1, len(ids)):
@@ -395,15 +471,24 @@ def _shm_dir(worker: WorkerContext) -> str:
     state = _state(worker)
     path = state.shm_dir
     if path is None:
-        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-        path = state.shm_dir = tempfile.mkdtemp(prefix=f"posttrain-vllm-{os.getpid()}-", dir=base)
+        path = state.shm_dir = tempfile.mkdtemp(
+            prefix=f"posttrain-vllm-{os.getpid()}-", dir=_tmpfs()
+        )
     return path
+
+
+def _tmpfs() -> str | None:
+    return "/dev/shm" if os.path.isdir("/dev/shm") else None
 
 
 def import_weights(worker: WorkerContext, buckets: Iterable[WeightBucket]) -> bool:
     llm = _llm(worker)
     if llm is None:
         return drain(buckets)
+    adapter = synced_adapter(worker)
+    if adapter is not None:
+        _import_adapter(worker, llm, adapter, buckets)
+        return True
     via_files = multiprocessing_engine() or worker.config.tensor_parallel_size > 1
     for bucket in buckets:
         tensors = [(name, t.detach()) for name, t in bucket.tensors]
@@ -438,6 +523,76 @@ def _reload_from_files(
         )
     finally:
         os.remove(os.path.join(folder, "bucket.safetensors"))
+
+
+def _import_adapter(
+    worker: WorkerContext, llm: vllm.LLM, adapter: LoraArgs, buckets: Iterable[WeightBucket]
+) -> None:
+    """An adapter-only sync: the base weights stay; the sync's adapters become a new
+    ``LoRARequest`` (a peft adapter directory on tmpfs) that replaces the previous one."""
+    from vllm.lora.request import LoRARequest
+
+    # Host copies: the buckets' tensors may be the trainer's own, reused after this call.
+    tensors = {name: t.detach().to("cpu", copy=True) for b in buckets for name, t in b.tensors}
+    if not tensors:
+        return
+    state = _state(worker)
+    version = state.lora_syncs + 1
+    folder = tempfile.mkdtemp(prefix=f"posttrain-vllm-{os.getpid()}-lora{version}-", dir=_tmpfs())
+    try:
+        write_peft_adapter(folder, tensors, adapter)
+        request = LoRARequest(f"posttrain-policy-{version}", version, folder)
+        try:
+            llm.llm_engine.add_lora(request)
+        except ValueError as exc:  # vLLM refusing the adapter (modules, rank, format)
+            raise UserError(
+                f"vllm: the engine refused the synced LoRA adapters: {exc}; set "
+                "model_args.lora.sync: merged to sync merged weights instead"
+            ) from exc
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    previous, old_dir = state.lora, state.lora_dir
+    state.lora, state.lora_dir, state.lora_syncs = request, folder, version
+    if previous is not None:
+        llm.llm_engine.remove_lora(previous.lora_int_id)
+    if old_dir is not None:
+        shutil.rmtree(old_dir, ignore_errors=True)
+
+
+def write_peft_adapter(folder: str, tensors: dict[str, torch.Tensor], adapter: LoraArgs) -> None:
+    """``tensors`` (wire names, :func:`posttrain.backend.parse_adapter_wire_name`) as peft's
+    saved adapter: ``adapter_model.safetensors`` under ``base_model.model.<module>.lora_A.
+    weight`` etc., and ``adapter_config.json`` (what vLLM's loader reads)."""
+    import json
+
+    from safetensors.torch import save_file
+
+    saved: dict[str, torch.Tensor] = {}
+    parts: dict[str, set[str]] = {}
+    for name, tensor in tensors.items():
+        parsed = parse_adapter_wire_name(name)
+        if parsed is None:
+            raise RuntimeError(
+                f"vllm: an adapter-only sync carried {name!r}, which is not a LoRA adapter; "
+                "the trainer and the rollout role disagree on model_args.lora.sync"
+            )
+        module, part = parsed
+        parts.setdefault(module, set()).add(part)
+        saved[f"base_model.model.{module}.lora_{part}.weight"] = tensor.contiguous()
+    halves = sorted(m for m, p in parts.items() if p != {"A", "B"})
+    if halves:
+        raise RuntimeError(f"vllm: the sync carried one half of the adapters of {halves[:5]}")
+    save_file(saved, os.path.join(folder, "adapter_model.safetensors"))
+    config = {
+        "peft_type": "LORA",
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "target_modules": sorted(adapter.target_modules),
+        "bias": "none",
+    }  # vLLM scales the product by lora_alpha / r, as the trainer does
+    with open(os.path.join(folder, "adapter_config.json"), "w", encoding="utf-8") as f:
+        json.dump(config, f)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -504,7 +659,9 @@ def shutdown_worker(worker: WorkerContext) -> bool:
             log.debug("vLLM distributed teardown: %s", exc)
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
-    folder, state.shm_dir = state.shm_dir, None
-    if folder:
-        shutil.rmtree(folder, ignore_errors=True)
+    state.lora = None
+    for folder in (state.shm_dir, state.lora_dir):
+        if folder:
+            shutil.rmtree(folder, ignore_errors=True)
+    state.shm_dir = state.lora_dir = None
     return True

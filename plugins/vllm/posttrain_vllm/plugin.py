@@ -94,6 +94,8 @@ class VLLMPlugin(EngineHooks):
                     computes_logprobs=True,
                     stop_strings=True,
                     shares_process=True,
+                    # Adapter-only syncs run through vLLM's LoRA (enable_lora): engine.py.
+                    lora_adapter_sync=True,
                 ),
                 description="rollout with vLLM (tensor parallel in a replica, sleep mode on GPU)",
             )

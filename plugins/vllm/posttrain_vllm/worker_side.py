@@ -33,6 +33,9 @@ class PosttrainWorkerExtension:
     ) -> bool:
         return reload_weights(self, weights_iterator, weights_path, retie)
 
+    def posttrain_lora_modules(self) -> list[str]:
+        return lora_modules(self)
+
 
 def reload_weights(
     worker: Worker,
@@ -67,3 +70,13 @@ def retie_lm_head(worker: Worker) -> None:
         lm_head.tie_weights(embed)
         if current_platform.is_cpu():
             lm_head.quant_method.process_weights_after_loading(lm_head)
+
+
+def lora_modules(worker: Worker) -> list[str]:
+    """The module names (last component, HF's: ``q_proj``, not vLLM's packed ``qkv_proj``)
+    whose adapters vLLM's LoRA applies on this model: the names its adapter loader accepts."""
+    manager = worker.model_runner.lora_manager._adapter_manager
+    names: set[str] = set()
+    for module in manager.supported_lora_modules:
+        names.update(manager.packed_modules_mapping.get(module, [module]))
+    return sorted(names)
