@@ -8,8 +8,9 @@ the weight's dtype and device, zero until the first sync (peft's ``B`` starts at
 alone is the policy). Its forward is peft's: ``base(x) + lora_B(lora_A(x)) * scaling``. The
 buffers are allocated once: a sync copies into them (:func:`adapter_buffers` names them as the
 wire does), so a captured CUDA graph or a compiled step reads the new adapters without being
-captured again. The buffers are not persistent: the model's ``state_dict`` (checkpoints, HF
-exports) stays that of the base model; a rollout checkpoint adds them under their wire names.
+captured again. The buffers are not persistent: the model's ``state_dict`` stays that of the
+base model; a rollout checkpoint adds them under their wire names, an HF export merges them
+(:func:`merged_state`).
 
 A stacked group of projections (:mod:`~posttrain_hf_infer.fused_linears`) stacks its members'
 adapters too, so it stays one GEMM for the base and two for the adapters.
@@ -40,14 +41,13 @@ class AdaptedLinear(torch.nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         # The linear's own parameters: a tied or shared weight stays shared.
         self.weight = linear.weight
-        self.bias = linear.bias
+        self.register_parameter("bias", linear.bias)
         self.scaling = scaling
         like = {"dtype": linear.weight.dtype, "device": linear.weight.device}
-        zeros_a = torch.zeros(rank, self.in_features, **like)
-        self.register_buffer("lora_A", zeros_a, persistent=False)
-        self.register_buffer(
-            "lora_B", torch.zeros(self.out_features, rank, **like), persistent=False
-        )
+        lora_a = torch.zeros(rank, self.in_features, **like)
+        lora_b = torch.zeros(self.out_features, rank, **like)
+        self.register_buffer("lora_A", lora_a, persistent=False)
+        self.register_buffer("lora_B", lora_b, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         # peft's order: the base's output, plus the adapters' scaled after the up-projection.
