@@ -35,7 +35,15 @@ A mixture-of-experts shape (``qwen3-30b-a3b-l12``, ``tiny-moe``) runs the same m
 fixed-shape ones with the experts' grouped GEMMs of :mod:`posttrain_hf_infer.moe_decode`. Its
 TFLOP/s count the active parameters (a token's experts); its weights GB/s all of them (at 64
 rows of top-8 of 128, a step hits about 98% of a layer's experts). ``--routing`` asks every
-generation for its routing (what ``algorithm.routing_replay: rollout`` asks of the rollout):
+generation for its routing (what ``algorithm.routing_replay: rollout`` asks of the rollout).
+``--adapter-rank 16`` times every engine mode again with synced LoRA adapters of rank 16 on
+every attention and MLP linear (``lora.sync: adapter``: the base plus the adapters' two small
+GEMMs per projection group), each row against the plain engine's (``vs plain``):
+
+    python3 benchmarks/generation.py --device cuda --shape qwen2-1.5b --batches 256 \
+        --modes dynamic cuda_graph compiled --adapter-rank 16
+
+The mixture-of-experts shapes' routing, as asked above:
 
     python3 benchmarks/generation.py --device cuda --shape qwen3-30b-a3b-l12 --batches 64 256 \
         --modes dynamic compiled --routing
@@ -64,20 +72,37 @@ CHECKED_ROWS = 4
 BASELINES = ("before", "hf_generate")
 
 
-def make_worker(model_dir: str, device: str, dtype: str):
-    from posttrain.config.sections import ModelArgs
+def make_worker(model_dir: str, device: str, dtype: str, adapter_rank: int = 0):
+    """The engine on ``device``; with ``adapter_rank``, with synced LoRA adapters of that rank on
+    every attention and MLP linear (``lora.sync: adapter``), set to random values as a sync
+    would (non-zero: the adapters' GEMMs run whatever their values, but a zero B would hide a
+    wrong product in the log-prob gap)."""
+    import torch
+
+    from posttrain import WeightBucket
+    from posttrain.config.sections import LoraArgs, ModelArgs
     from posttrain.launch.worker import WorkerContext
     from posttrain_hf_infer import engine as hf_infer
     from posttrain_hf_infer.plugin import HFInferConfig
 
+    lora = LoraArgs(rank=adapter_rank, sync="adapter") if adapter_rank else None
     worker = WorkerContext(
         role="actor_infer",
         strategy_name="hf_infer",
         config=HFInferConfig(),
-        model_args=ModelArgs(model_name_or_path=model_dir, dtype=dtype),
+        model_args=ModelArgs(model_name_or_path=model_dir, dtype=dtype, lora=lora),
         device=device,
     )
     worker.model = hf_infer.load_model(worker)
+    if lora is not None:
+        shapes = hf_infer.weight_shapes(worker)
+        generator = torch.Generator().manual_seed(1)
+        adapters = [
+            (name, torch.randn(shape, generator=generator) * 0.02)
+            for name, shape in shapes.items()
+            if ".lora_A." in name or ".lora_B." in name
+        ]
+        hf_infer.import_weights(worker, [WeightBucket(tensors=adapters)])
     return worker
 
 
@@ -305,6 +330,13 @@ def main() -> None:
         help="the fixed-shape modes once per strategy_config.decode_attention given",
     )
     parser.add_argument(
+        "--adapter-rank",
+        type=int,
+        default=0,
+        help="also time each mode with synced LoRA adapters of this rank on every attention "
+        "and MLP linear (model_args.lora.sync: adapter), against the plain engine",
+    )
+    parser.add_argument(
         "--routing",
         action="store_true",
         help="the engine's generations return each sample's routing (mixture-of-experts shapes)",
@@ -320,6 +352,11 @@ def main() -> None:
         # On the GPU the weights are initialised there (the CPU takes minutes at 8B).
         built = build_model(args.shape, model_dir, dtype=dtype, device=args.device)
         worker = make_worker(model_dir, args.device, dtype)
+        adapted = (
+            make_worker(model_dir, args.device, dtype, args.adapter_rank)
+            if args.adapter_rank
+            else None
+        )
         rows = []
         for batch in args.batches:
             baseline = None
@@ -338,8 +375,19 @@ def main() -> None:
                     )
                     baseline = baseline or row["decode tok/s"]
                     row[f"vs {modes[0]}"] = row["decode tok/s"] / baseline
+                    if adapted is not None:
+                        row["vs plain"] = None
                     rows.append(row)
                     print(f"{row['mode']} x {batch}: {row['decode tok/s']:,.0f} tok/s", flush=True)
+                    if adapted is not None and mode not in BASELINES:
+                        plain = row["decode tok/s"]
+                        row = measure(
+                            adapted, mode, attention, batch, args.new_tokens, args.shape, built
+                        )
+                        row["mode"] += f" +lora{args.adapter_rank}"
+                        row[f"vs {modes[0]}"] = row["decode tok/s"] / baseline
+                        row["vs plain"] = row["decode tok/s"] / plain
+                        rows.append(row)
     print_table(
         rows,
         f"hf_infer generation: {args.shape} ({built.params / 1e9:.2f}B params, "
@@ -353,6 +401,7 @@ def main() -> None:
             "% of peak": ".1f",
             "logp gap": ".1e",
             f"vs {modes[0]}": ".2f",
+            "vs plain": ".2f",
         },
         text_columns=1,
     )

@@ -63,6 +63,19 @@ def test_weight_sync(run_benchmark):
     assert column(rows, 2) == ["in_process", "shared_memory"]
 
 
+@pytest.mark.timeout(150)
+def test_lora_sync(run_benchmark):
+    out = run_benchmark(
+        "lora_sync.py", "--rank", "4", "--layouts", "separate", "--repeats", "1"
+    )  # fmt: skip
+    _, counts = table(out, "shape")
+    assert column(counts) == ["tiny"]
+    _, timed = table(out, "layout")
+    assert column(timed, 1) == ["merged", "adapter"]
+    merged_mb, adapter_mb = (float(row[2]) for row in timed)
+    assert 0 < adapter_mb < merged_mb / 2  # what the transport moved: the adapters alone
+
+
 @pytest.mark.extended
 @pytest.mark.timeout(150)
 def test_weight_sync_parity(run_benchmark):
@@ -222,11 +235,13 @@ def test_decode_attention(run_benchmark):
 def test_generation(run_benchmark):
     out = run_benchmark(
         "generation.py", "--shape", "tiny", "--device", "cpu", "--batches", "4",
-        "--new-tokens", "8",
+        "--new-tokens", "8", "--adapter-rank", "4",
     )  # fmt: skip
     header, rows = table(out, "mode")
-    assert "decode tok/s" in header and column(rows) == ["before", "dynamic", "static"]
-    # fp32 on the CPU: every mode returns what a forward pass scores.
+    assert "decode tok/s" in header and column(rows) == [
+        "before", "dynamic", "dynamic +lora4", "static", "static +lora4",
+    ]  # fmt: skip
+    # fp32 on the CPU: every mode returns what a forward pass scores, with adapters too.
     assert all(float(gap) < 1e-5 for gap in column(rows, header.index("logp gap")))
 
 
