@@ -43,6 +43,7 @@ def model_shape(model_path: str | None, base_dir: str) -> dict[str, Any] | None:
             "num_attention_heads": preset.num_attention_heads,
             "num_key_value_heads": preset.num_key_value_heads,
             "num_hidden_layers": preset.num_hidden_layers,
+            "num_experts": preset.num_experts,  # 0 for a dense preset
         }
     local = model_path if os.path.isabs(model_path) else os.path.join(base_dir, model_path)
     config_file = os.path.join(local, "config.json")
