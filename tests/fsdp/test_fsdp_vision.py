@@ -39,6 +39,7 @@ def test_the_vision_tower_stays_frozen_and_syncs(parity):
     assert parity["grad_norm"] > 0
     assert parity["text_moved"]
     assert parity["vision_frozen"]
+    assert not parity["vision_trainable"]
     assert parity["synced_vision"]
 
 

@@ -1,5 +1,9 @@
 """Engine side of ``deepspeed_train`` / ``deepspeed_infer``: an HF causal LM in a DeepSpeed engine.
 
+A vision-language model (Qwen2-VL style) is its image-text-to-text class: every pass feeds it
+the batch's images, and ``model_args.freeze_vision`` freezes its vision tower before the
+optimizer is built.
+
 ``worker.model`` is the :class:`deepspeed.DeepSpeedEngine`; ``engine.module`` is the HF model, so
 parameter names are HF names. Gradient accumulation is unmanaged
 (``managed_gradient_accumulation: false``): the number of micro-batches may change from step to
@@ -263,6 +267,11 @@ def load_model(worker: WorkerContext) -> DeepSpeedEngine:
         module = load_causal_lm(_fp32(worker.model_args), worker.base_dir, "cpu")
     if train and not worker.model_args.disable_gradient_checkpointing:
         enable_gradient_checkpointing(module)
+    vision = getattr(getattr(module, "model", None), "visual", None)
+    if train and vision is not None and worker.model_args.freeze_vision:
+        # A vision-language model's tower, frozen before deepspeed.initialize: the optimizer
+        # (and ZeRO's partitions of its state and gradients) holds nothing for it.
+        vision.requires_grad_(False)
     if lora_args(worker, TRAIN) is not None:
         # Before deepspeed.initialize: the engine (and ZeRO's partitions) holds the adapters,
         # the optimizer only the trainable ones.
@@ -319,7 +328,7 @@ def _load_partitioned(
     a time (rank 0 reads it from the safetensors files, each gathered parameter is broadcast
     back into its partitions): no rank holds the whole model."""
     from safetensors import safe_open
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     model_args = worker.model_args
     path = resolve_model_path(model_args.model_name_or_path, worker.base_dir)
@@ -331,6 +340,13 @@ def _load_partitioned(
             "to load it whole on every rank first)"
         )
     hf_config = AutoConfig.from_pretrained(path, trust_remote_code=model_args.trust_remote_code)
+    # The class load_causal_lm picks: a vision-language model (Qwen2-VL style) is no
+    # AutoModelForCausalLM in transformers 5, its image-text-to-text class takes the images.
+    auto = (
+        AutoModelForImageTextToText
+        if getattr(hf_config, "vision_config", None) is not None
+        else AutoModelForCausalLM
+    )
     kwargs: dict[str, Any] = {"dtype": torch.float32}
     if model_args.attn_implementation:
         kwargs["attn_implementation"] = model_args.attn_implementation
@@ -344,16 +360,19 @@ def _load_partitioned(
     # an explicit dtype is dropped for bf16 on accelerators without fp16 (the CPU's) by an
     # operator-precedence slip in DeepSpeed 0.19's Init._set_dtype.
     with deepspeed.zero.Init(config_dict_or_path=ds_config), _no_init():
-        module = AutoModelForCausalLM.from_config(
+        module = auto.from_config(
             hf_config, trust_remote_code=model_args.trust_remote_code, **kwargs
         )
     module.tie_weights()  # no_init_weights skipped it too
     rank0 = is_rank0()
-    index = {}
+    # The module's name of each checkpoint tensor -> (its file, its name there).
+    index: dict[str, tuple[str, str]] = {}
     if rank0:
+        renamed = _checkpoint_names(module)
         for file in files:
             with safe_open(file, framework="pt") as f:
-                index.update(dict.fromkeys(f.keys(), file))
+                keys = f.keys()  # a safetensors file is no mapping: it has keys(), no __iter__
+            index.update({renamed(key): (file, key) for key in keys})
     tied = {n for n, _ in _tied_names(module)}
     # Which names the files hold, known on rank 0: one collective for all (the object
     # broadcast goes through the group's device, NCCL included).
@@ -369,13 +388,15 @@ def _load_partitioned(
             continue
         with deepspeed.zero.GatheredParameters([param], modifier_rank=0):
             if rank0:
-                with safe_open(index[name], framework="pt") as f:
-                    param.data.copy_(f.get_tensor(name).to(param.dtype))
+                file, key = index[name]
+                with safe_open(file, framework="pt") as f:
+                    param.data.copy_(f.get_tensor(key).to(param.dtype))
     device = rank_device(worker)
     for name, buf in module.named_buffers():
         if rank0 and name in index:
-            with safe_open(index[name], framework="pt") as f:
-                buf.data.copy_(f.get_tensor(name))
+            file, key = index[name]
+            with safe_open(file, framework="pt") as f:
+                buf.data.copy_(f.get_tensor(key))
         if dist.is_initialized():
             # Sent from the group's device (a host buffer cannot go over NCCL).
             sent = buf.data.to(device)
@@ -386,6 +407,22 @@ def _load_partitioned(
             f"role {worker.role}: {path}: weights missing from the checkpoint: {missing}"
         )
     return module
+
+
+def _checkpoint_names(module: torch.nn.Module) -> Callable[[str], str]:
+    """The module's name of a checkpoint tensor's name. transformers 5 saves some models under
+    names other than their modules' (Qwen2-VL's ``visual.*`` and ``model.layers.*`` are
+    ``model.visual.*`` and ``model.language_model.*`` in the module) and renames them when
+    ``from_pretrained`` loads; this loader reads the files itself, so it renames alike. Only
+    renamings: a conversion that reshapes tensors (fused experts) leaves the names, and the
+    weights it would make are reported missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightRenaming, apply_renamings
+    except ImportError:  # transformers 4.x loads the names as saved
+        return lambda key: key
+    renamings = [t for t in get_model_conversion_mapping(module) if isinstance(t, WeightRenaming)]
+    return lambda key: apply_renamings(key, renamings)
 
 
 def _no_init() -> contextlib.AbstractContextManager[Any]:
@@ -475,14 +512,31 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
 def _logprob_forward(worker: WorkerContext, train: bool) -> Callable[[SequenceBatch], Any]:
     """The micro-batch forward of a train step (``train``) or of scoring: the chunked head reads
     the HF model inside the DeepSpeed engine; full logits come through the engine, in fp32."""
-    engine = worker.model
+    engine = _EngineCall(engine=worker.model)
     return logprob_forward(
         worker,
         engine,
         train=train,
-        hf_model=engine.module,
+        hf_model=engine.engine.module,
         logits_forward=lambda mb: forward_logits(engine, mb).float(),
     )
+
+
+@attrs.frozen(kw_only=True)
+class _EngineCall:
+    """The DeepSpeed engine as the core's forward passes call it, with the HF model's
+    ``config``: ``posttrain.backend.model_inputs`` reads a vision-language model's image token
+    and merge size from the called model's ``config``, and the engine's own ``config`` is
+    DeepSpeed's config dict."""
+
+    engine: DeepSpeedEngine
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.engine(*args, **kwargs)
+
+    @property
+    def config(self) -> Any:
+        return self.engine.module.config
 
 
 # --------------------------------------------------------------------------------------------

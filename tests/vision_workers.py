@@ -1,7 +1,7 @@
-"""Rank function of the vision-language tests of fsdp2_train (``test_fsdp_vision.py``), run in a
-spawned process: the trainer and hf_infer on the tiny Qwen2-VL preset, in one process as in the
-hybrid engine, weights synced in process; prompts with images from the count_shapes task,
-processed once."""
+"""Rank function of the vision-language tests of the HF trainers (tests/fsdp and tests/deepspeed,
+``test_*_vision.py``), run in a spawned process: the trainer and hf_infer on the tiny Qwen2-VL
+preset, in one process as in the hybrid engine, weights synced in process; prompts with images
+from the count_shapes task, processed once."""
 
 from __future__ import annotations
 
@@ -10,46 +10,79 @@ import os
 VLM = "preset:tiny-qwen2-vl"
 
 
-def _runtimes(rank: int, world_size: int):
-    import posttrain_fsdp.plugin
+def _trainer(name: str):
+    """The trainer's plugin, its strategy config (two micro-batches of 4 rows, in scoring and
+    in the update: the images split with their rows) and the config of its reference strategy."""
+    if name == "fsdp2_train":
+        import posttrain_fsdp.plugin
+
+        config = posttrain_fsdp.plugin.FSDP2TrainConfig(
+            micro_batch_size=4, logprob_micro_batch_size=4
+        )
+        return posttrain_fsdp.plugin.plugin, config, None
+    import posttrain_deepspeed.plugin
+    from posttrain_deepspeed.config import DeepSpeedInferConfig, DeepSpeedTrainConfig
+
+    # The trainer at ZeRO-2 (the default); the reference at ZeRO-3, built partitioned
+    # (zero_init), loads the model's image-text-to-text class inside deepspeed.zero.Init.
+    config = DeepSpeedTrainConfig(micro_batch_size=4, logprob_micro_batch_size=4)
+    return posttrain_deepspeed.plugin.plugin, config, DeepSpeedInferConfig(micro_batch_size=4)
+
+
+def _runtimes(rank: int, world_size: int, trainer: str):
+    """The trainer's and hf_infer's runtimes, and the trainer plugin's reference strategy's
+    (deepspeed_infer; None for fsdp2_train, whose reference is hf_infer's scoring)."""
     import posttrain_hf_infer.plugin
     from posttrain.config.sections import AlgorithmConfig, ModelArgs, TrainingArgs
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain.testing.groups import engine_hook_relay
     from posttrain_hf_infer.plugin import HFInferConfig
 
+    plugin, config, reference_config = _trainer(trainer)
     model_args = ModelArgs(model_name_or_path=VLM, dtype="fp32")
     algorithm = AlgorithmConfig(old_logprobs="recompute")
-    train = WorkerContext(
-        role="actor_train",
-        strategy_name="fsdp2_train",
-        # Two micro-batches of 4 rows: the images split with their rows.
-        config=posttrain_fsdp.plugin.FSDP2TrainConfig(
-            micro_batch_size=4, logprob_micro_batch_size=4
+    contexts = [
+        WorkerContext(
+            role="actor_train",
+            strategy_name=trainer,
+            config=config,
+            model_args=model_args,
+            training_args=TrainingArgs(learning_rate=1e-2, max_steps=10),
+            rank=rank,
+            world_size=world_size,
+            algorithm=algorithm,
+            hook=engine_hook_relay(plugin, trainer),
         ),
-        model_args=model_args,
-        training_args=TrainingArgs(learning_rate=1e-2, max_steps=10),
-        rank=rank,
-        world_size=world_size,
-        algorithm=algorithm,
-        hook=engine_hook_relay(posttrain_fsdp.plugin.plugin, "fsdp2_train"),
-    )
-    infer = WorkerContext(
-        role="actor_infer",
-        strategy_name="hf_infer",
-        config=HFInferConfig(batch_size=2),
-        model_args=model_args,
-        rank=rank,
-        world_size=world_size,
-        algorithm=algorithm,
-        hook=engine_hook_relay(posttrain_hf_infer.plugin.plugin, "hf_infer"),
-    )
+        WorkerContext(
+            role="actor_infer",
+            strategy_name="hf_infer",
+            config=HFInferConfig(batch_size=2),
+            model_args=model_args,
+            rank=rank,
+            world_size=world_size,
+            algorithm=algorithm,
+            hook=engine_hook_relay(posttrain_hf_infer.plugin.plugin, "hf_infer"),
+        ),
+    ]
+    if reference_config is not None:
+        contexts.append(
+            WorkerContext(
+                role="reference",
+                strategy_name="deepspeed_infer",
+                config=reference_config,
+                model_args=model_args,
+                rank=rank,
+                world_size=world_size,
+                algorithm=algorithm,
+                hook=engine_hook_relay(plugin, "deepspeed_infer"),
+            )
+        )
     runtimes = []
-    for ctx in (train, infer):
+    for ctx in contexts:
         runtime = WorkerRuntime(ctx)
         runtime.setup()
         runtimes.append(runtime)
-    return runtimes
+    return runtimes if reference_config is not None else [*runtimes, None]
 
 
 def _prompts(tokenizer, count: int):
@@ -96,21 +129,33 @@ def _rollout(infer, tokenizer, seed: int):
     return batch
 
 
-def scenario_sync_parity(rank: int, world_size: int, out_dir: str) -> None:
+def scenario_sync_parity(
+    rank: int, world_size: int, out_dir: str, trainer: str = "fsdp2_train"
+) -> None:
     """A training step (vision tower frozen), a weight sync of the whole model into hf_infer,
     then the trainer's log-probs of a new rollout's samples against the rollout's; and the
-    same samples scored without their images, which must differ."""
+    same samples scored without their images, which must differ. With a reference strategy
+    (deepspeed_infer), its log-probs of the first rollout's samples, before the update, against
+    that rollout's."""
     import torch
 
     from posttrain.backend import forward_logits, load_tokenizer
 
-    train, infer = _runtimes(rank, world_size)
+    train, infer, reference_role = _runtimes(rank, world_size, trainer)
     ctx = train.ctx
+    model = getattr(ctx.model, "module", ctx.model)  # the HF model inside a DeepSpeed engine
     tokenizer = load_tokenizer(ctx.model_args)
-    vision = ctx.model.model.visual
+    vision = model.model.visual
     frozen_before = {k: v.detach().clone() for k, v in vision.state_dict().items()}
-    text_before = ctx.model.model.language_model.norm.weight.detach().clone()
-    metrics = train.train_step(_rollout(infer, tokenizer, seed=1))
+    text_before = model.model.language_model.norm.weight.detach().clone()
+    first = _rollout(infer, tokenizer, seed=1)
+    out = {}
+    if reference_role is not None:
+        before = reference_role.compute_logprobs(first)
+        out["initial_reference_gap"] = float(
+            ((before - first["rollout_logprobs"]).abs() * first.response_mask).max()
+        )
+    metrics = train.train_step(first)
     train.export_begin(bucket_bytes=1 << 20)
     buckets = []
     while (bucket := train.export_next()) is not None:
@@ -120,7 +165,7 @@ def scenario_sync_parity(rank: int, world_size: int, out_dir: str) -> None:
 
     batch = _rollout(infer, tokenizer, seed=2)
     mask = batch.response_mask
-    trainer = train.compute_logprobs(batch)
+    scored = train.compute_logprobs(batch)
     reference = infer.compute_logprobs(batch)
     text_only = {k: v for k, v in batch.tensors.items() if k not in ("pixel_values",)}
     text_only["pixel_values"] = torch.zeros_like(batch["pixel_values"])
@@ -128,15 +173,16 @@ def scenario_sync_parity(rank: int, world_size: int, out_dir: str) -> None:
 
     blind = train.compute_logprobs(SequenceBatch(text_only, dict(batch.meta)))
     rollout = batch["rollout_logprobs"]
-    out = {
-        "gap": float(((trainer - rollout).abs() * mask).max()),
+    out |= {
+        "gap": float(((scored - rollout).abs() * mask).max()),
         "reference_gap": float(((reference - rollout).abs() * mask).max()),
         "blind_gap": float(((blind - rollout).abs() * mask).max()),
         "grad_norm": float(metrics.get("actor/grad_norm", 0.0)),
         "vision_frozen": all(
             torch.equal(frozen_before[k], v) for k, v in vision.state_dict().items()
         ),
-        "text_moved": not torch.equal(text_before, ctx.model.model.language_model.norm.weight),
+        "vision_trainable": any(p.requires_grad for p in vision.parameters()),
+        "text_moved": not torch.equal(text_before, model.model.language_model.norm.weight),
         "synced_vision": any(".visual." in name for name in synced),
         "rows": len(batch),
         "patches": tuple(batch["pixel_values"].shape),
@@ -146,7 +192,7 @@ def scenario_sync_parity(rank: int, world_size: int, out_dir: str) -> None:
     train.export_hf(os.path.join(out_dir, "hf"))
     with torch.no_grad():
         out["probe"] = {k: v for k, v in batch.tensors.items() if k in PROBE_KEYS}
-        out["logits"] = forward_logits(ctx.model, batch)
+        out["logits"] = forward_logits(model, batch)
     torch.save(out, os.path.join(out_dir, "vision_parity.pt"))
 
 
