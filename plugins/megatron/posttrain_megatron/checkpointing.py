@@ -19,8 +19,18 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from posttrain.backend import is_cuda, restore_rng_state, rng_state
+from posttrain import CheckpointError
+from posttrain.backend import (
+    LORA_RECORD,
+    check_lora_record,
+    is_cuda,
+    lora_args,
+    lora_record,
+    restore_rng_state,
+    rng_state,
+)
 from posttrain_megatron import mcore_compat
+from posttrain_megatron.lora import TRAIN, adapter_parameters
 from posttrain_megatron.state import MegatronState
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
@@ -105,6 +115,8 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
 
     from posttrain.backend import FileDigests
 
+    if lora_args(worker, TRAIN) is not None:
+        return _save_adapters(worker, path)
     target = _make_target(path)
     optimizer = _saved_optimizer(worker)
     dist_checkpointing.save(_sharded_state(worker.model, optimizer, False), target)
@@ -123,6 +135,8 @@ def begin_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
     from posttrain.backend import BackgroundSave, HostBuffers, write_threads
 
     finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
+    if lora_args(worker, TRAIN) is not None:
+        return _save_adapters(worker, path)  # a few MB: written before the loop goes on
     target = _make_target(path)
     optimizer = _saved_optimizer(worker)
     request = mcore_compat.async_dist_save(_sharded_state(worker.model, optimizer, False), target)
@@ -227,6 +241,9 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     from megatron.core import dist_checkpointing
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
+    check_lora_record(worker, path, lora_args(worker, TRAIN))
+    if lora_args(worker, TRAIN) is not None:
+        return _load_adapters(worker, path)
     own = _extra_path(path, _rank())
     extra = torch.load(own if os.path.exists(own) else _extra_path(path, 0), weights_only=False)
     state = worker.engine_state(MegatronState)
@@ -247,6 +264,65 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     if saved_layout == current_layout() and os.path.exists(own):  # same layout: same RNG
         restore_rng_state(worker, extra)
         get_cuda_rng_tracker().set_states(extra["rng_tracker"])
+    dist.barrier()
+    return True
+
+
+# --------------------------------------------------------------------------------------------
+# LoRA: the adapters and their optimizer state alone (the base is model_name_or_path's)
+# --------------------------------------------------------------------------------------------
+
+
+def _adapter_path(path: str, rank: int) -> str:
+    return os.path.join(path, f"lora_rank{rank}.pt")
+
+
+def _save_adapters(worker: WorkerContext, path: str) -> dict[str, Any]:
+    """Each rank's adapter shards and its optimizer's state (megatron's plain optimizer: the
+    adapters' alone), the extras of a full checkpoint, and rank 0's record of the base and the
+    adapters' shape (:func:`posttrain.backend.lora_record`)."""
+    from posttrain.backend import FileDigests
+
+    if _rank() == 0:
+        os.makedirs(path, exist_ok=True)
+    dist.barrier()
+    optimizer = _saved_optimizer(worker)
+    digests = FileDigests(path)
+    adapters = {name: p.detach().cpu() for name, p in adapter_parameters(worker.model).items()}
+    with digests.open(_adapter_path(path, _rank())) as f:
+        saved = {"adapters": adapters, "optimizer": optimizer and optimizer.state_dict()}
+        torch.save(saved, f)
+    layout = _write_extras(worker, path, optimizer, digests)
+    if _rank() == 0:
+        with digests.open(os.path.join(path, LORA_RECORD)) as f:
+            f.write(json.dumps(lora_record(worker), sort_keys=True).encode())
+    dist.barrier()
+    return layout
+
+
+def _load_adapters(worker: WorkerContext, path: str) -> bool:
+    """What :func:`_save_adapters` wrote, into the same layout (each rank reads its shards)."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
+    extra = torch.load(_extra_path(path, _rank()), weights_only=False)
+    saved_layout = {k: v for k, v in extra["layout"].items() if k != "has_optimizer"}
+    if saved_layout != current_layout():
+        raise CheckpointError(
+            f"{path}: its LoRA adapters were saved under {saved_layout}, this run has "
+            f"{current_layout()}; megatron_train resumes adapters in the layout that saved them"
+        )
+    saved = torch.load(_adapter_path(path, _rank()), weights_only=False)
+    with torch.no_grad():
+        for name, param in adapter_parameters(worker.model).items():
+            param.copy_(saved["adapters"][name])
+    state = worker.engine_state(MegatronState)
+    if state.optimizer is not None and saved["optimizer"] is not None:
+        state.optimizer.load_state_dict(saved["optimizer"])
+        set_adam_steps(state.optimizer, extra["updates"])
+    state.step = extra["step"]
+    state.updates = extra["updates"]
+    restore_rng_state(worker, extra)
+    get_cuda_rng_tracker().set_states(extra["rng_tracker"])
     dist.barrier()
     return True
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from typing import TYPE_CHECKING, Any
@@ -12,6 +13,7 @@ from posttrain.backend import (
     collective_timeout_s,
     init_default_process_group,
     is_cuda,
+    lora_args,
     resolve_model_path,
     torch_dtype,
 )
@@ -186,6 +188,11 @@ def build_models(worker: WorkerContext) -> tuple[list[torch.nn.Module], Any]:
     # Pad the vocabulary to split over TP ranks; the padding columns are left out (token_scores).
     bridge.make_vocab_size_divisible_by = cfg.tensor_model_parallel_size
     train = worker.strategy_name == TRAIN
+    from posttrain_megatron import lora
+
+    adapters = lora_args(worker, TRAIN) is not None
+    if adapters:
+        callbacks = [*callbacks, lora.model_creation_callback(worker)]
     ddp_config = None
     if train:
         ddp_config = {
@@ -205,12 +212,14 @@ def build_models(worker: WorkerContext) -> tuple[list[torch.nn.Module], Any]:
         ddp_config=ddp_config,
         post_model_creation_callbacks=callbacks,
     )
-    if cfg.use_dist_checkpointing:
-        from posttrain_megatron.checkpointing import load_model_weights
+    # The bridges walk megatron's base parameters: the adapters (their own init) stay out.
+    with lora.detached(models) if adapters else contextlib.nullcontext():
+        if cfg.use_dist_checkpointing:
+            from posttrain_megatron.checkpointing import load_model_weights
 
-        load_model_weights(models, worker.resolve_path(cfg.dist_checkpointing_path))
-    else:
-        bridge.load_weights([unwrap(m) for m in models], path)
+            load_model_weights(models, worker.resolve_path(cfg.dist_checkpointing_path))
+        else:
+            bridge.load_weights([unwrap(m) for m in models], path)
     for model in models:
         if not value:
             # Called with labels, the model scores next tokens instead of a language-model loss.

@@ -1,0 +1,93 @@
+"""LoRA on megatron_train at TP2 (2 CPU ranks over gloo): frozen base, adapters-only
+checkpoints resumed bitwise, the peft export loading in peft with the trainer's logits, and an
+adapter-only sync sending what the peft export holds."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    from megatron_workers import build_hf_model
+
+    from posttrain.testing.spawn import run_ranks
+
+    root = tmp_path_factory.mktemp("megatron-lora")
+    model = build_hf_model(str(root / "model"), "qwen2")
+    out = str(root / "out")
+    os.makedirs(out)
+    run_ranks("lora_workers:scenario_lora", 2, out, timeout=400, model=model)
+    return model, out, [torch.load(f"{out}/rank{r}.pt", weights_only=False) for r in (0, 1)]
+
+
+def test_a_step_trains_the_adapters_alone(run):
+    for result in run[2]:
+        assert result["base_frozen"] and result["base_unchanged"]
+        assert result["b_changed"]
+        # 4 adapted linears x 4 layers x (A, B), and nothing else in the optimizer
+        assert result["adapter_count"] == result["optimized"] == 32
+
+
+def test_replicated_halves_stay_equal_over_tp(run):
+    # column-parallel A and row-parallel B are replicated: their TP ranks' gradients agree
+    mine, other = (result["adapters"] for result in run[2])
+    replicated = [
+        name
+        for name in mine
+        if (name.endswith("lora_A") and ("linear_qkv" in name or "linear_fc1" in name))
+        or (name.endswith("lora_B") and ("linear_proj" in name or "linear_fc2" in name))
+    ]
+    assert len(replicated) == 16
+    for name in replicated:
+        assert torch.equal(mine[name], other[name]), name
+    # and the sharded halves are each rank's own
+    assert not torch.equal(
+        mine["decoder.layers.0.self_attention.linear_qkv.adapter.lora_B"],
+        other["decoder.layers.0.self_attention.linear_qkv.adapter.lora_B"],
+    )
+
+
+def test_resume_from_adapters_is_bitwise(run):
+    for result in run[2]:
+        assert result["loaded_equal"] and result["resumed_equal"]
+    assert os.path.exists(f"{run[1]}/ckpt/lora.json")
+    assert not os.path.exists(f"{run[1]}/ckpt/megatron")  # no base weights
+
+
+def test_peft_export_gives_the_trainers_logits(run):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    model, out, results = run
+    ids, logits = results[0]["ids"], results[0]["logits"]
+    base = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    peft = PeftModel.from_pretrained(base, f"{out}/peft").eval()
+    with torch.no_grad():
+        assert torch.allclose(peft(ids).logits, logits, atol=1e-5)
+        merged = AutoModelForCausalLM.from_pretrained(f"{out}/merged", dtype=torch.float32)
+        assert torch.allclose(merged(ids).logits, logits, atol=1e-5)
+    assert os.path.exists(f"{out}/merged/adapter/adapter_model.safetensors")
+    # the adapters moved the model (a comparison of untouched models proves nothing)
+    plain = AutoModelForCausalLM.from_pretrained(model, dtype=torch.float32)
+    with torch.no_grad():
+        assert (plain(ids).logits - logits).abs().max() > 1e-3
+
+
+def test_adapter_sync_sends_the_peft_adapters(run):
+    from safetensors.torch import load_file
+
+    _, out, results = run
+    exported = {
+        name.removeprefix("base_model.model."): t
+        for name, t in load_file(f"{out}/peft/adapter_model.safetensors").items()
+    }
+    synced = results[0]["synced"]
+    assert synced.keys() == exported.keys() and len(synced) == 4 * 7 * 2
+    for name, tensor in synced.items():
+        assert torch.equal(tensor, exported[name]), name
