@@ -83,7 +83,8 @@ def model_inputs(model: Any, micro_batch: SequenceBatch) -> dict[str, torch.Tens
 
     if "pixel_values" not in micro_batch.tensors:
         return {"input_ids": micro_batch.input_ids}
-    config = getattr(model, "config", None) or model.module.config
+    # A DeepSpeed engine's own ``config`` is DeepSpeed's dict: the HF model's is its module's.
+    config = getattr(model, "module", model).config
     return image_forward_inputs(
         micro_batch.input_ids, micro_batch["pixel_values"], micro_batch["image_grid_thw"], config
     )

@@ -512,31 +512,14 @@ def compute_logprobs(worker: WorkerContext, batch: SequenceBatch) -> torch.Tenso
 def _logprob_forward(worker: WorkerContext, train: bool) -> Callable[[SequenceBatch], Any]:
     """The micro-batch forward of a train step (``train``) or of scoring: the chunked head reads
     the HF model inside the DeepSpeed engine; full logits come through the engine, in fp32."""
-    engine = _EngineCall(engine=worker.model)
+    engine = worker.model
     return logprob_forward(
         worker,
         engine,
         train=train,
-        hf_model=engine.engine.module,
+        hf_model=engine.module,
         logits_forward=lambda mb: forward_logits(engine, mb).float(),
     )
-
-
-@attrs.frozen(kw_only=True)
-class _EngineCall:
-    """The DeepSpeed engine as the core's forward passes call it, with the HF model's
-    ``config``: ``posttrain.backend.model_inputs`` reads a vision-language model's image token
-    and merge size from the called model's ``config``, and the engine's own ``config`` is
-    DeepSpeed's config dict."""
-
-    engine: DeepSpeedEngine
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.engine(*args, **kwargs)
-
-    @property
-    def config(self) -> Any:
-        return self.engine.module.config
 
 
 # --------------------------------------------------------------------------------------------
