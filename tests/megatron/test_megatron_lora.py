@@ -9,6 +9,9 @@ import os
 import pytest
 import torch
 
+from posttrain.config.sections import LoraArgs
+from posttrain.testing import StrategyContract
+
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(600)]
 
 
@@ -91,3 +94,66 @@ def test_adapter_sync_sends_the_peft_adapters(run):
     assert synced.keys() == exported.keys() and len(synced) == 4 * 7 * 2
     for name, tensor in synced.items():
         assert torch.equal(tensor, exported[name]), name
+
+
+class TestMegatronTrainLoraContract(StrategyContract):
+    """The kit's adapter tests at TP2: a sync holds the HF projections' adapters alone, and
+    after a step hf_infer applying them over its own base gives the trainer's log-probs. The
+    rest of the kit is TestMegatronTrainTP2Contract's, unchanged by adapters."""
+
+    strategy = "megatron_train"
+    strategy_config = {"tensor_model_parallel_size": 2}
+    world_size = 2
+    lora = LoraArgs(
+        rank=4,
+        alpha=8.0,
+        target_modules=["q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "down_proj"],
+        sync="adapter",
+    )
+
+    test_declared_capabilities_match_implemented_hooks = None
+    test_setup_reports_data_parallel_coordinates = None
+    test_logprobs_match_transformers_forward = None
+    test_generate_logprobs_match_transformers_forward = None
+    test_import_weights_then_logprobs_match = None
+    test_export_weights_equal_loaded_checkpoint = None
+    test_train_then_in_process_sync_logprob_parity = None
+    test_checkpoint_round_trip_is_exact = None
+    test_critic_values_match_transformers_forward = None
+    test_critic_checkpoint_round_trip_is_exact = None
+    test_critic_value_step_reduces_value_loss = None
+
+
+@pytest.mark.parametrize(
+    ("lora", "config", "path"),
+    [
+        (
+            {"target_modules": ["q_proj", "v_proj"]},
+            {},
+            "actor_train.model_args.lora.target_modules",
+        ),
+        ({"target_modules": ["lm_head"]}, {}, "actor_train.model_args.lora.target_modules"),
+        ({"dropout": 0.1}, {}, "actor_train.model_args.lora.dropout"),
+        (
+            {},
+            {"tensor_model_parallel_size": 2, "sequence_parallel": True},
+            "actor_train.strategy_args.strategy_config.sequence_parallel",
+        ),
+        (
+            {},
+            {"use_distributed_optimizer": True},
+            "actor_train.strategy_args.strategy_config.use_distributed_optimizer",
+        ),
+    ],
+)
+def test_validation_refuses_what_the_adapters_do_not_cover(lora, config, path):
+    from posttrain import ErrorReport
+    from posttrain_megatron.checks import check_lora
+    from posttrain_megatron.config import MegatronTrainConfig
+
+    report = ErrorReport()
+    check_lora("actor_train", LoraArgs(**lora), MegatronTrainConfig(**config), report)
+    assert [issue.path for issue in report.errors] == [path]
+    report = ErrorReport()
+    check_lora("actor_train", LoraArgs(), MegatronTrainConfig(), report)
+    assert not report.errors

@@ -30,6 +30,81 @@ _LAYOUT_KEYS = (
 )
 
 
+# LoRA: megatron's linear under a decoder layer -> the HF projections (under a layer) it fuses,
+# in the order of its weight's layout (posttrain_megatron.dense_mapping).
+LORA_MODULES: dict[str, tuple[str, ...]] = {
+    "self_attention.linear_qkv": ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
+    "self_attention.linear_proj": ("self_attn.o_proj",),
+    "mlp.linear_fc1": ("mlp.gate_proj", "mlp.up_proj"),
+    "mlp.linear_fc2": ("mlp.down_proj",),
+}
+
+
+def lora_target_problem(target_modules: list[str]) -> tuple[str, str] | None:
+    """``(problem, hint)`` when ``model_args.lora.target_modules`` cannot be adapted on
+    megatron's fused linears: a name that is not a decoder layer's projection, or part of a
+    fused linear (q_proj alone: the linear's one adapter serves q, k and v)."""
+    wanted = set(target_modules)
+    known = {hf.rsplit(".", 1)[-1] for hfs in LORA_MODULES.values() for hf in hfs}
+    unknown = sorted(wanted - known)
+    if unknown:
+        return (
+            f"{', '.join(unknown)}: megatron_train adapts only the linears of its decoder layers",
+            f"name among {', '.join(sorted(known))}",
+        )
+    for module, hfs in LORA_MODULES.items():
+        names = [hf.rsplit(".", 1)[-1] for hf in hfs]
+        chosen = [n for n in names if n in wanted]
+        if chosen and len(chosen) < len(names):
+            return (
+                f"{', '.join(chosen)} without {', '.join(n for n in names if n not in wanted)}: "
+                f"megatron fuses {', '.join(names)} into one linear ({module}) whose one "
+                "adapter serves them all",
+                f"name all of {', '.join(names)} or none",
+            )
+    return None
+
+
+def lora_targets(target_modules: list[str]) -> list[str]:
+    """The megatron linears (under a layer) that ``target_modules`` adapt (checked first with
+    :func:`lora_target_problem`)."""
+    wanted = set(target_modules)
+    return [
+        module
+        for module, hfs in LORA_MODULES.items()
+        if any(hf.rsplit(".", 1)[-1] in wanted for hf in hfs)
+    ]
+
+
+def check_lora(
+    role_name: str, lora: Any, config: MegatronParallelConfig, report: ErrorReport
+) -> None:
+    """What megatron_train's adapters (posttrain_megatron.lora) do not cover, refused before
+    any process starts; ``lora`` is the role's ``model_args.lora``."""
+    where = join_path(role_name, "model_args", "lora")
+    problem = lora_target_problem(list(lora.target_modules))
+    if problem is not None:
+        report.error(f"{where}.target_modules", *problem)
+    if lora.dropout:
+        report.error(
+            f"{where}.dropout", "megatron_train's adapters have no dropout", "set dropout: 0"
+        )
+    strategy = join_path(role_name, "strategy_args", "strategy_config")
+    if config.sequence_parallel and config.tensor_model_parallel_size > 1:
+        report.error(
+            f"{strategy}.sequence_parallel",
+            "megatron_train's LoRA adapters run without sequence parallelism",
+            "set sequence_parallel: false",
+        )
+    if getattr(config, "use_distributed_optimizer", False):
+        report.error(
+            f"{strategy}.use_distributed_optimizer",
+            "megatron_train checkpoints its adapters' optimizer state per rank; the adapters "
+            "are small enough not to shard it",
+            "set use_distributed_optimizer: false",
+        )
+
+
 def model_shape(model_path: str | None, base_dir: str) -> dict[str, Any] | None:
     """The HF config fields the checks need, from a preset or a local config.json."""
     if not model_path:

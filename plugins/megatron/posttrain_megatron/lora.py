@@ -36,54 +36,25 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from posttrain import UserError
+from posttrain import ErrorReport, UserError
 from posttrain.backend import LORA_ADAPTER, lora_args, lora_scaling
 from posttrain_megatron import dense_mapping
+from posttrain_megatron.checks import LORA_MODULES, check_lora, lora_targets
 from posttrain_megatron.wrappers import unwrap
 
 if TYPE_CHECKING:
     from posttrain import WorkerContext
 
-# megatron module under a layer -> its HF modules under a layer (in the order of dense_mapping's
-# layouts), and the layout of its weight.
-_MODULES: dict[str, tuple[tuple[str, ...], str]] = {
-    "self_attention.linear_qkv": (
-        ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
-        dense_mapping.QKV,
-    ),
-    "self_attention.linear_proj": (("self_attn.o_proj",), dense_mapping.ROW),
-    "mlp.linear_fc1": (("mlp.gate_proj", "mlp.up_proj"), dense_mapping.GATE_UP),
-    "mlp.linear_fc2": (("mlp.down_proj",), dense_mapping.ROW),
+# megatron linear under a layer -> the layout of its weight (dense_mapping's).
+_KINDS = {
+    "self_attention.linear_qkv": dense_mapping.QKV,
+    "self_attention.linear_proj": dense_mapping.ROW,
+    "mlp.linear_fc1": dense_mapping.GATE_UP,
+    "mlp.linear_fc2": dense_mapping.ROW,
 }
 _ADAPTER = "adapter"
 # plugin.TRAIN: importing it (or model_builder's) would close an import circle.
 TRAIN = "megatron_train"
-
-
-def megatron_targets(role: str, target_modules: list[str]) -> list[str]:
-    """The megatron modules (under a layer) that ``model_args.lora.target_modules`` adapt."""
-    wanted = set(target_modules)
-    known = {hf.rsplit(".", 1)[-1]: module for module, (hfs, _) in _MODULES.items() for hf in hfs}
-    unknown = sorted(wanted - set(known))
-    where = f"{role}.model_args.lora.target_modules"
-    if unknown:
-        raise UserError(
-            f"{where}: {', '.join(unknown)}: megatron_train adapts only "
-            f"{', '.join(sorted(known))} (the linears of its decoder layers)"
-        )
-    out = []
-    for module, (hfs, _) in _MODULES.items():
-        names = [hf.rsplit(".", 1)[-1] for hf in hfs]
-        chosen = [n for n in names if n in wanted]
-        if chosen and len(chosen) < len(names):
-            raise UserError(
-                f"{where}: {', '.join(chosen)} without {', '.join(sorted(set(names) - wanted))}: "
-                f"megatron fuses {', '.join(names)} into one linear ({module}) whose one adapter "
-                "serves them all; name all of them or none"
-            )
-        if chosen:
-            out.append(module)
-    return out
 
 
 class LoraAdapter(torch.nn.Module):
@@ -136,21 +107,13 @@ def model_creation_callback(worker: WorkerContext) -> Callable[..., None]:
     args = lora_args(worker, TRAIN)
     if args is None:  # a plugin slip: callers check lora_args first
         raise TypeError(f"role {worker.role} trains no adapters")
-    cfg = worker.config
-    where = f"{worker.role}.strategy_args.strategy_config"
-    if args.dropout:
-        raise UserError(
-            f"{worker.role}.model_args.lora.dropout: {args.dropout}: megatron_train's adapters "
-            "have no dropout; set it to 0"
-        )
-    if cfg.sequence_parallel and cfg.tensor_model_parallel_size > 1:
-        raise UserError(f"{where}.sequence_parallel: megatron_train's LoRA runs without it")
-    if cfg.use_distributed_optimizer:
-        raise UserError(
-            f"{where}.use_distributed_optimizer: megatron_train's LoRA checkpoints the "
-            "adapters' optimizer per rank; the adapters are small: set it to false"
-        )
-    targets = megatron_targets(worker.role, args.target_modules)
+    # What validation refuses (checks.check_lora), for a caller that skipped it.
+    report = ErrorReport()
+    check_lora(worker.role, args, worker.config, report)
+    if report.errors:
+        issue = report.errors[0]
+        raise UserError(f"{issue.path}: {issue.message}; {issue.hint}")
+    targets = lora_targets(list(args.target_modules))
     seed = worker.seed
 
     def add_adapters(model: torch.nn.Module, **_: Any) -> None:
@@ -160,7 +123,7 @@ def model_creation_callback(worker: WorkerContext) -> Callable[..., None]:
             param.requires_grad_(False)
         for layer in model.decoder.layers:
             number = layer.layer_number - 1  # global: the same draw under any pipeline split
-            for index, target in enumerate(_MODULES):
+            for index, target in enumerate(LORA_MODULES):
                 if target not in targets:
                     continue
                 base = layer.get_submodule(target)
@@ -188,7 +151,7 @@ def _adapted(models: list[torch.nn.Module]) -> Iterator[tuple[int, str, LoraAdap
     """``(global layer, megatron module, adapter)`` of this rank's chunks."""
     for model in models:
         for layer in unwrap(model).decoder.layers:
-            for target in _MODULES:
+            for target in LORA_MODULES:
                 adapter = layer.get_submodule(target)._modules.get(_ADAPTER)
                 if isinstance(adapter, LoraAdapter):
                     yield layer.layer_number - 1, target, adapter
@@ -210,7 +173,7 @@ def detached(models: list[torch.nn.Module]) -> Iterator[None]:
     held = []
     for model in models:
         for layer in unwrap(model).decoder.layers:
-            for target in _MODULES:
+            for target in LORA_MODULES:
                 base = layer.get_submodule(target)
                 adapter = base._modules.pop(_ADAPTER, None)
                 if adapter is not None:
@@ -257,7 +220,7 @@ def hf_adapters(worker: WorkerContext) -> dict[str, tuple[torch.Tensor, torch.Te
     tp_group = ps.get_tensor_model_parallel_group()
     out: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
     for layer, target, adapter in _adapted(models):
-        hfs, kind = _MODULES[target]
+        hfs, kind = LORA_MODULES[target], _KINDS[target]
         a, b = adapter.lora_A.detach(), adapter.lora_B.detach()
         if adapter.row:
             if dims.tp > 1:

@@ -112,6 +112,8 @@ class MegatronPlugin(EngineHooks):
                     shares_process=True,
                     heads=("lm", "value"),
                     routing_replay=True,
+                    # posttrain_megatron.lora: TP-sharded adapters on megatron's linears.
+                    lora=True,
                 ),
                 description="training (actor or critic) with megatron-core (TP/PP/VPP/EP/SP, "
                 "distributed optimizer, dist checkpoints), HF weights through mbridge",
@@ -150,7 +152,7 @@ class MegatronPlugin(EngineHooks):
     def posttrain_validate_workflow(
         self, workflow: Workflow, strategies: dict[str, StrategySpec], report: ErrorReport
     ) -> None:
-        from posttrain_megatron.checks import check_role, model_shape
+        from posttrain_megatron.checks import check_lora, check_role, model_shape
 
         for name, role in workflow.roles().items():
             config = role.strategy_args.strategy_config
@@ -158,6 +160,10 @@ class MegatronPlugin(EngineHooks):
                 continue
             shape = model_shape(role.model_args.model_name_or_path, workflow.base_dir)
             check_role(name, config, shape, report)
+            lora = role.model_args.lora
+            # Only the policy trains adapters (core refuses model_args.lora elsewhere).
+            if name == "actor_train" and role.strategy_args.strategy_name == TRAIN and lora:
+                check_lora(name, lora, config, report)
         # algorithm.routing_replay on for a megatron_train actor whose model has no experts.
         actor = workflow.roles().get("actor_train")
         if (
