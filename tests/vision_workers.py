@@ -197,3 +197,53 @@ def scenario_sync_parity(
 
 
 PROBE_KEYS = ("input_ids", "attention_mask", "pixel_values", "image_grid_thw")
+
+
+# -- what the tests call in the pytest process ---------------------------------------------------
+
+
+def run_scenario(out_dir, trainer: str) -> dict:
+    """:func:`scenario_sync_parity` of ``trainer`` in a spawned rank, writing into ``out_dir``:
+    what it found, and ``hf``, the directory of its export."""
+    import torch
+
+    from posttrain.tasks.presets import preset_path
+    from posttrain.testing.spawn import run_ranks
+
+    preset_path(VLM)  # built once, before the rank starts
+    run_ranks(
+        "vision_workers:scenario_sync_parity", 1, str(out_dir), timeout=240.0, trainer=trainer
+    )
+    found = torch.load(os.path.join(out_dir, "vision_parity.pt"), weights_only=False)
+    found["hf"] = os.path.join(out_dir, "hf")
+    return found
+
+
+def check_export(parity: dict) -> None:
+    """The scenario's export-hf loads in transformers with its image processor and gives the
+    trainer's logits of the probe rows."""
+    import torch
+    from transformers import AutoImageProcessor, AutoModelForImageTextToText
+
+    from posttrain.backend import model_inputs
+    from posttrain.protocol import SequenceBatch
+
+    model = AutoModelForImageTextToText.from_pretrained(parity["hf"], dtype=torch.float32)
+    processor = AutoImageProcessor.from_pretrained(parity["hf"])
+    assert processor.merge_size == 2 and processor.patch_size == 8
+    probe = SequenceBatch(dict(parity["probe"]))
+    with torch.no_grad():
+        logits = model(
+            **model_inputs(model, probe), attention_mask=probe.attention_mask, use_cache=False
+        ).logits
+    mask = probe.attention_mask.bool()
+    assert (logits[mask] - parity["logits"][mask]).abs().max() < 1e-4
+
+
+def check_frozen_tower(parity: dict) -> None:
+    """The step trained the text model, not the frozen tower, and the sync sent the tower."""
+    assert parity["grad_norm"] > 0
+    assert parity["text_moved"]
+    assert parity["vision_frozen"]
+    assert not parity["vision_trainable"]
+    assert parity["synced_vision"]
