@@ -71,11 +71,9 @@ def _runtimes(rank: int, world_size: int, trainer: str, dtype: str, infer_dtype:
 
 
 def _rollout(infer, seed: int):
-    import torch
-
     from posttrain import GenerationRequest, SamplingParams
     from posttrain.protocol import build_sequence_batch
-    from posttrain.testing.batches import PROMPTS
+    from posttrain.testing.batches import PROMPTS, on_policy_train_batch
 
     # Equal prompt lengths and ignore_eos: every row is as long, one micro-batch in order.
     sampling = SamplingParams(n=4, max_new_tokens=3, ignore_eos=True)
@@ -87,13 +85,7 @@ def _rollout(infer, seed: int):
         samples.response_logprobs,
         routing=samples.routing,
     )
-    g = torch.Generator().manual_seed(seed)
-    adv = torch.randn(len(batch), 1, generator=g).expand_as(batch.response_mask)
-    batch = batch.with_tensors(
-        advantages=adv * batch.response_mask, old_logprobs=batch["rollout_logprobs"]
-    )
-    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=len(batch))
-    return batch
+    return on_policy_train_batch(batch, seed)
 
 
 def _gap(trainer, rollout, mask) -> dict[str, float]:

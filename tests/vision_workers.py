@@ -99,10 +99,9 @@ def _prompts(tokenizer, count: int):
 
 
 def _rollout(infer, tokenizer, seed: int):
-    import torch
-
     from posttrain import GenerationRequest, SamplingParams
     from posttrain.protocol import build_sequence_batch
+    from posttrain.testing.batches import on_policy_train_batch
 
     prompts = _prompts(tokenizer, 4)
     sampling = SamplingParams(n=2, max_new_tokens=4, ignore_eos=True)
@@ -120,13 +119,7 @@ def _rollout(infer, tokenizer, seed: int):
         samples.response_logprobs,
         images=samples.images,
     )
-    g = torch.Generator().manual_seed(seed)
-    adv = torch.randn(len(batch), 1, generator=g).expand_as(batch.response_mask)
-    batch = batch.with_tensors(
-        advantages=adv * batch.response_mask, old_logprobs=batch["rollout_logprobs"]
-    )
-    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=len(batch))
-    return batch
+    return on_policy_train_batch(batch, seed)
 
 
 def scenario_sync_parity(

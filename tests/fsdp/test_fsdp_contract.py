@@ -27,8 +27,8 @@ class TestFSDP2InferContract(StrategyContract):
 
 class TestFSDP2TrainLoraContract(StrategyContract):
     """fsdp2_train with LoRA adapters: a sync sends the adapters alone; after a step, hf_infer
-    applying them over its own base gives the trainer's log-probs; a reference beside the actor is the base model, with no
-    second copy."""
+    applying them over its own base gives the trainer's log-probs; a reference beside the actor
+    is the base model, with no second copy."""
 
     strategy = "fsdp2_train"
     world_size = 2

@@ -28,3 +28,18 @@ def random_step_batch(step: int, vocab: int, rows: int = 8) -> SequenceBatch:
     batch = batch.with_tensors(advantages=adv * batch.response_mask)
     batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=rows)
     return batch
+
+
+def on_policy_train_batch(batch: SequenceBatch, seed: int) -> SequenceBatch:
+    """A rollout's samples (``batch``, with ``rollout_logprobs``) as an on-policy step hands them
+    to ``train_step``: random per-sample advantages drawn from ``seed``, the rollout's log-probs
+    as the old policy's, and the global normalisation counts in ``meta``."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    adv = torch.randn(len(batch), 1, generator=g).expand_as(batch.response_mask)
+    batch = batch.with_tensors(
+        advantages=adv * batch.response_mask, old_logprobs=batch["rollout_logprobs"]
+    )
+    batch.meta.update(global_tokens=float(batch.response_mask.sum()), global_seqs=len(batch))
+    return batch
