@@ -113,3 +113,29 @@ def test_parquet_rows_with_image_bytes(tmp_path):
     [issue] = report.errors
     assert issue.path == "data.path"
     assert issue.message.startswith("row 2 of ") and "cannot decode the image" in issue.message
+
+
+def test_the_chat_template_wraps_prompts_with_images_too(tmp_path):
+    """A tokenizer with a chat template renders a prompt with images through it, placeholders
+    included, before the processor expands them; data.apply_chat_template: never does not."""
+    from posttrain.backend import load_tokenizer
+    from posttrain.config.sections import ModelArgs
+    from posttrain.tasks.data import load_prompts
+    from posttrain.tasks.presets import preset_path
+
+    tokenizer = load_tokenizer(ModelArgs(model_name_or_path=preset_path("preset:tiny-qwen2-vl")))
+    # A template in the tiny alphabet: the user's turn, then "=" as the generation prompt.
+    tokenizer.chat_template = (
+        "{% for m in messages %}1+{{ m['content'] }}{% endfor %}"
+        "{% if add_generation_prompt %}={% endif %}"
+    )
+    rows = [{"prompt": PROMPT, "answer": "1", "images": ["img/red.png"]}]
+    path = _write(tmp_path, rows)
+    templated = load_prompts(DataConfig(path=path), str(tmp_path), tokenizer)[0]
+    plain = load_prompts(
+        DataConfig(path=path, apply_chat_template="never"), str(tmp_path), tokenizer
+    )[0]
+    expanded = PROMPT.replace(IMAGE_PAD, IMAGE_PAD * 4)
+    assert list(templated.ids) == tokenizer(f"1+{expanded}=", add_special_tokens=False)["input_ids"]
+    assert list(plain.ids) == tokenizer(expanded, add_special_tokens=True)["input_ids"]
+    assert templated.images.pixel_values.shape == plain.images.pixel_values.shape == (16, 384)

@@ -181,7 +181,25 @@ def load_prompts(
                 raise UserError(f"data record {index}: {problem}")
             assert image_processor is not None  # made above for data with images
             pictures = [decode_image(value, base) for value in record["images"]]
-            ids, images = process_prompt(text, pictures, tokenizer, image_processor)
+            # The template wraps the prompt, its image placeholders included, as the model's
+            # chat format wants; the processor then expands each placeholder to its image.
+            rendered = (
+                tokenizer.apply_chat_template(
+                    [{"role": "user", "content": text}],
+                    tools=tools,
+                    add_generation_prompt=True,
+                    tokenize=False,
+                )
+                if use_template
+                else text
+            )
+            ids, images = process_prompt(
+                str(rendered),
+                pictures,
+                tokenizer,
+                image_processor,
+                add_special_tokens=not use_template,
+            )
         elif use_template:
             ids = tokenizer.apply_chat_template(
                 [{"role": "user", "content": text}],

@@ -91,9 +91,11 @@ def process_prompt(
     images: list[Image.Image],
     tokenizer: PreTrainedTokenizerBase,
     image_processor: Any,
+    add_special_tokens: bool = True,
 ) -> tuple[list[int], ImageInputs]:
     """``text``'s token ids, each :data:`IMAGE_PAD` expanded to its image's tokens, and the
-    images' processor inputs, as ``Qwen2VLProcessor`` makes them."""
+    images' processor inputs, as ``Qwen2VLProcessor`` makes them. ``add_special_tokens=False``
+    for a text a chat template rendered (it holds the special tokens the model wants)."""
     from posttrain.protocol import ImageInputs
 
     out = image_processor(images=images, return_tensors="pt")
@@ -103,7 +105,7 @@ def process_prompt(
     expanded = parts[0]
     for grid, part in zip(grids, parts[1:]):
         expanded += IMAGE_PAD * (int(grid.prod()) // merge) + part
-    ids = tokenizer(expanded, add_special_tokens=True)["input_ids"]
+    ids = tokenizer(expanded, add_special_tokens=add_special_tokens)["input_ids"]
     inputs = ImageInputs(pixel_values=out["pixel_values"].float(), image_grid_thw=grids.long())
     return list(ids), inputs
 
