@@ -141,6 +141,11 @@ class TestMegatronTrainLoraContract(StrategyContract):
         ),
         (
             {},
+            {"attention_backend": "transformer_engine"},
+            "actor_train.strategy_args.strategy_config.attention_backend",
+        ),
+        (
+            {},
             {"use_distributed_optimizer": True},
             "actor_train.strategy_args.strategy_config.use_distributed_optimizer",
         ),

@@ -90,6 +90,13 @@ def check_lora(
             f"{where}.dropout", "megatron_train's adapters have no dropout", "set dropout: 0"
         )
     strategy = join_path(role_name, "strategy_args", "strategy_config")
+    if config.attention_backend == "transformer_engine":
+        report.error(
+            f"{strategy}.attention_backend",
+            "megatron_train's LoRA adapts megatron-core's parallel linears; TransformerEngine's "
+            "layer spec replaces them",
+            "use attention_backend: auto or sdpa (auto picks sdpa with LoRA)",
+        )
     if config.sequence_parallel and config.tensor_model_parallel_size > 1:
         report.error(
             f"{strategy}.sequence_parallel",

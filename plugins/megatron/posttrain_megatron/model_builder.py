@@ -174,7 +174,11 @@ def build_models(worker: WorkerContext) -> tuple[list[torch.nn.Module], Any]:
     path = resolve_model_path(worker.model_args.model_name_or_path, worker.base_dir)
     hf_config = AutoConfig.from_pretrained(path)
     dtype = torch_dtype(worker.model_args.dtype)
-    backend = attention_backend(cfg.attention_backend)
+    adapters = lora_args(worker, TRAIN) is not None
+    # LoRA adapts megatron-core's own parallel linears, which TransformerEngine's spec replaces
+    # (norms fused in): auto picks the SDPA spec for it.
+    requested = "sdpa" if adapters and cfg.attention_backend == "auto" else cfg.attention_backend
+    backend = attention_backend(requested)
     if cfg.pack_sequences and backend != "sdpa":
         # attention_backend: auto picked TransformerEngine (validation saw only the setting).
         raise ValueError(
@@ -190,7 +194,6 @@ def build_models(worker: WorkerContext) -> tuple[list[torch.nn.Module], Any]:
     train = worker.strategy_name == TRAIN
     from posttrain_megatron import lora
 
-    adapters = lora_args(worker, TRAIN) is not None
     if adapters:
         callbacks = [*callbacks, lora.model_creation_callback(worker)]
     ddp_config = None
