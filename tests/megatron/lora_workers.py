@@ -9,7 +9,7 @@ from megatron_workers import DEVICE, engine_state, hook_relay, train_one
 LORA = {"rank": 4, "alpha": 8.0, "sync": "adapter"}
 
 
-def lora_runtime(rank, world_size, model_path, lora=None, **layout):
+def lora_runtime(rank, world_size, model_path, lora=None, dtype="fp32", **layout):
     from posttrain.config.sections import AlgorithmConfig, LoraArgs, ModelArgs, TrainingArgs
     from posttrain.launch.worker import WorkerContext, WorkerRuntime
     from posttrain_megatron.config import MegatronTrainConfig
@@ -19,7 +19,7 @@ def lora_runtime(rank, world_size, model_path, lora=None, **layout):
         strategy_name="megatron_train",
         config=MegatronTrainConfig(**layout),
         model_args=ModelArgs(
-            model_name_or_path=model_path, dtype="fp32", lora=LoraArgs(**(lora or LORA))
+            model_name_or_path=model_path, dtype=dtype, lora=LoraArgs(**(lora or LORA))
         ),
         training_args=TrainingArgs(
             learning_rate=1e-2,

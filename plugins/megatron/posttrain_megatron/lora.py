@@ -126,13 +126,14 @@ def model_creation_callback(worker: WorkerContext) -> Callable[..., None]:
             for index, target in enumerate(LORA_MODULES):
                 if target not in targets:
                     continue
-                base = layer.get_submodule(target)
+                base = _linear(layer, target)
                 if not isinstance(base, ColumnParallelLinear | RowParallelLinear):
                     raise UserError(
-                        f"{worker.role}.model_args.lora: {target} of layer {number} is a "
-                        f"{type(base).__name__}; megatron_train's adapters go on megatron-core's "
-                        "ColumnParallelLinear / RowParallelLinear (attention_backend: sdpa, no "
-                        "TransformerEngine layers, no experts)"
+                        f"{worker.role}.model_args.lora: {target} of layer {number} is "
+                        f"{type(base).__name__ if base is not None else 'absent'}; "
+                        "megatron_train's adapters go on megatron-core's ColumnParallelLinear / "
+                        "RowParallelLinear of dense layers (attention_backend: sdpa, no "
+                        "TransformerEngine layers; an MoE layer's experts are not adapted)"
                     )
                 row = isinstance(base, RowParallelLinear)
                 in_features = base.input_size
@@ -147,12 +148,21 @@ def model_creation_callback(worker: WorkerContext) -> Callable[..., None]:
     return add_adapters
 
 
+def _linear(layer: torch.nn.Module, target: str) -> torch.nn.Module | None:
+    """The layer's module ``target`` (None where it has none: an MoE layer's ``mlp``)."""
+    try:
+        return layer.get_submodule(target)
+    except AttributeError:
+        return None
+
+
 def _adapted(models: list[torch.nn.Module]) -> Iterator[tuple[int, str, LoraAdapter]]:
     """``(global layer, megatron module, adapter)`` of this rank's chunks."""
     for model in models:
         for layer in unwrap(model).decoder.layers:
             for target in LORA_MODULES:
-                adapter = layer.get_submodule(target)._modules.get(_ADAPTER)
+                base = _linear(layer, target)
+                adapter = base._modules.get(_ADAPTER) if base is not None else None
                 if isinstance(adapter, LoraAdapter):
                     yield layer.layer_number - 1, target, adapter
 
@@ -170,13 +180,13 @@ def adapter_parameters(models: list[torch.nn.Module]) -> dict[str, torch.Tensor]
 def detached(models: list[torch.nn.Module]) -> Iterator[None]:
     """The adapters out of the module tree (their hooks still act): the bridges' weight walks
     see megatron's base parameters alone."""
-    held = []
+    held: list[tuple[torch.nn.Module, torch.nn.Module]] = []
     for model in models:
         for layer in unwrap(model).decoder.layers:
             for target in LORA_MODULES:
-                base = layer.get_submodule(target)
-                adapter = base._modules.pop(_ADAPTER, None)
-                if adapter is not None:
+                base = _linear(layer, target)
+                adapter = base._modules.pop(_ADAPTER, None) if base is not None else None
+                if base is not None and adapter is not None:
                     held.append((base, adapter))
     try:
         yield
