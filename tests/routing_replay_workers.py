@@ -183,6 +183,23 @@ def scenario_replay(
     own = record.take().view(*batch.input_ids.shape, *batch["routing"].shape[2:])
     out["old_policy_attached_own"] = bool(torch.equal(attached.long(), own))
     out["update_old_policy"] = train.train_step(plain.with_tensors(old_logprobs=old))
+
+    # The update's consistency figures, against the trainer's own routing at these weights
+    # and other ids replayed: every token but each row's last (the rollout never routed it).
+    ctx.algorithm = attrs.evolve(ctx.algorithm, routing_replay="rollout")
+    with torch.no_grad(), record_routing(ctx.model) as record:
+        ctx.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask)
+    own = record.take().view(*batch.input_ids.shape, *batch["routing"].shape[2:])[:, :-1]
+    replayed = shifted[:, :-1]
+    out["shifted_agreement"] = float(
+        (own.sort(-1).values == replayed.sort(-1).values).all(-1).float().mean()
+    )
+    loads = [
+        torch.bincount(replayed[:, :, layer].reshape(-1), minlength=EXPERTS).float()
+        for layer in range(replayed.shape[2])
+    ]
+    out["shifted_load_max"] = max(float(load.max() / load.mean()) for load in loads)
+    out["update_shifted"] = train.train_step(batch.with_tensors(routing=shifted.to(torch.uint8)))
     if rank == 0:
         torch.save(out, os.path.join(out_dir, f"replay_{trainer}_{infer_dtype}.pt"))
 

@@ -74,6 +74,21 @@ def test_old_policy_replays_the_old_policy_pass(replay):
     assert replay["old_policy_rows"] >= 1
     assert replay["old_policy_attached_own"]
     assert replay["update_old_policy"]["actor/grad_norm"] > 0
+    # Its own old-policy routing replayed: no rollout routing to compare with.
+    assert "moe/routing_agreement" not in replay["update_old_policy"]
+
+
+@pytest.mark.timeout(300)
+def test_the_update_reports_the_rollouts_routing_against_its_own(replay):
+    """moe/routing_agreement and moe/expert_load_max of an update replaying the rollout's
+    routing, against the same figures computed from the trainer's own recorded routing."""
+    first = replay["update_rollout"]
+    assert first["moe/routing_agreement"] == pytest.approx(replay["own_agreement"])
+    shifted = replay["update_shifted"]
+    assert shifted["moe/routing_agreement"] == pytest.approx(replay["shifted_agreement"])
+    assert shifted["moe/routing_agreement"] < first["moe/routing_agreement"]
+    assert shifted["moe/expert_load_max"] == pytest.approx(replay["shifted_load_max"])
+    assert shifted["moe/expert_load_max"] >= 1.0
 
 
 @pytest.mark.parametrize(

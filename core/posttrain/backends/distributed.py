@@ -46,6 +46,15 @@ def destroy_default_process_group() -> None:
         dist.destroy_process_group()
 
 
+def all_reduce_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` summed over the default group's ranks (in place; itself without a group)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(tensor)
+    return tensor
+
+
 def agree_max(value: int, device: torch.device | str) -> int:
     """The largest ``value`` over the default group's ranks (e.g. micro-batch counts, which
     every rank must run alike for collectives to line up)."""

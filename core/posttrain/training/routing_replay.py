@@ -149,11 +149,21 @@ def record_routing(model: torch.nn.Module) -> Iterator[RoutingRecord]:
 
 class RoutingReplay:
     """The ids :func:`replay_routing` replays: set with :meth:`use`, kept until the next
-    ``use`` (a backward pass that recomputes checkpointed layers replays them again)."""
+    ``use`` (a backward pass that recomputes checkpointed layers replays them again).
 
-    def __init__(self, layers: int) -> None:
+    It also counts, over the tokens :meth:`forward` marks as carrying the rollout's routing,
+    how often the trainer's own router would have chosen the same top-k set and how many
+    tokens each expert received: :meth:`consistency`."""
+
+    def __init__(self, layers: int, experts: int = 0) -> None:
         self.layers = layers
+        self.experts = experts
         self.ids: torch.Tensor | None = None
+        # Which of the replayed tokens count (a flat [tokens] bool), set by forward().
+        self.counted: torch.Tensor | None = None
+        self._agree: list[Any] = [0] * layers
+        self._tokens: list[Any] = [0] * layers
+        self._load: list[Any] = [None] * layers
 
     def use(self, routing: torch.Tensor | None) -> None:
         """Replay ``routing`` (``[tokens, moe_layers, k]``, or ``[B, T, moe_layers, k]`` for a
@@ -179,9 +189,52 @@ class RoutingReplay:
                 )
             width = mb.input_ids.shape[1]
             self.use(mb[ROUTING_KEY][:, :width])
+            self.counted = _routed_tokens(mb.attention_mask).reshape(-1)
             return forward(mb)
 
         return routed
+
+    def consistency(self, device: torch.device | str) -> dict[str, float]:
+        """``moe/routing_agreement``: the fraction of (token, MoE layer) pairs whose replayed
+        top-k set is the one the trainer's router chose itself; ``moe/expert_load_max``: the
+        busiest expert's tokens over the mean expert's, in the worst layer (1.0: balanced).
+        Over the tokens every rank of the default group replayed since the context opened (a
+        collective: every rank calls it); empty when none were."""
+        import torch
+
+        from posttrain.backends.distributed import all_reduce_sum
+
+        counts = torch.zeros(2 + self.layers * self.experts, dtype=torch.float64, device=device)
+        counts[0] = sum(float(a) for a in self._agree)
+        counts[1] = sum(float(t) for t in self._tokens)
+        for layer, load in enumerate(self._load):
+            if load is not None:
+                start = 2 + layer * self.experts
+                counts[start : start + self.experts] = load.to(device)
+        counts = all_reduce_sum(counts)
+        if not counts[1]:
+            return {}
+        loads = counts[2:].view(self.layers, self.experts)
+        worst = loads.max(dim=1).values / loads.mean(dim=1).clamp(min=1e-9)
+        return {
+            "moe/routing_agreement": float(counts[0] / counts[1]),
+            "moe/expert_load_max": float(worst.max()),
+        }
+
+    def _count(self, layer: int, own: torch.Tensor, replayed: torch.Tensor) -> None:
+        import torch
+
+        counted = self.counted
+        if counted is None or counted.shape[0] != replayed.shape[0]:
+            return  # a forward outside forward() (no tokens marked): nothing to count
+        counted = counted.to(replayed.device)
+        with torch.no_grad():
+            same = (own.sort(dim=-1).values == replayed.sort(dim=-1).values).all(dim=-1)
+            self._agree[layer] += same[counted].sum()
+            self._tokens[layer] += counted.sum()
+            load = torch.bincount(replayed[counted].reshape(-1), minlength=self.experts)
+            previous = self._load[layer]
+            self._load[layer] = load if previous is None else previous + load
 
     def gates(self, layer: int, kind: _RouterKind, router: Any, output: Any) -> Any:
         logits = output[0]
@@ -195,6 +248,7 @@ class RoutingReplay:
         import torch
 
         ids = self.ids[:, layer].to(device=logits.device, dtype=torch.long)
+        self._count(layer, output[2], ids)
         probs = torch.nn.functional.softmax(logits, dtype=torch.float, dim=-1)
         gates = probs.gather(1, ids)
         if kind.normalises(router):
@@ -213,8 +267,8 @@ def replay_routing(
     replaced by the replayed ids, the gates its probabilities at those ids (renormalised where
     the model renormalises). Keep the context open through the backward pass when layers are
     recomputed (gradient checkpointing)."""
-    layers, _, _ = routing_geometry(model)
-    replay = RoutingReplay(layers)
+    layers, _, experts = routing_geometry(model)
+    replay = RoutingReplay(layers, experts)
     replay.use(routing)
 
     def hook(layer: int, kind: _RouterKind) -> Callable[..., Any]:
@@ -303,6 +357,14 @@ class OldPolicyRouting:
         return batch.with_tensors(**{ROUTING_KEY: routing})
 
 
+def _routed_tokens(attention_mask: torch.Tensor) -> torch.Tensor:
+    """``[B, T]`` bool: the tokens whose routing the rollout engine chose, every real token but
+    each row's last (the last sampled token never went through the engine's model)."""
+    real = attention_mask.bool()
+    last = attention_mask.long().cumsum(dim=1) == attention_mask.sum(dim=1, keepdim=True)
+    return real & ~(last & real)
+
+
 def _rows(batch: SequenceBatch) -> list[torch.Tensor]:
     lengths = batch.attention_mask.sum(dim=1).tolist()
     return [batch.input_ids[i, : int(n)] for i, n in enumerate(lengths)]
@@ -344,12 +406,18 @@ def update_forward(
     forward: Callable[[SequenceBatch], Any],
     old_policy: OldPolicyRouting,
     device: torch.device | str,
+    metrics: dict[str, float] | None = None,
 ) -> Iterator[tuple[SequenceBatch, Callable[[SequenceBatch], Any]]]:
     """The update's batch and forward under the workflow's routing replay (keep it open
     through the backward passes): ``rollout`` replays the batch's routing, ``old_policy`` the
     old-policy pass's (none when the old log-probs come from the rollout: the update's first
     forward is the old policy's, routing alike). A critic, or a model without experts, routes
-    by itself (validation refuses routing replay for an actor without experts)."""
+    by itself (validation refuses routing replay for an actor without experts).
+
+    With ``rollout``, ``metrics`` gets, when the context closes, how the trainer's own routing
+    compares with the rollout's over every rank's tokens (:meth:`RoutingReplay.consistency`:
+    ``moe/routing_agreement``, ``moe/expert_load_max``, alike on every rank), for the train
+    step's metrics."""
     mode = replay_mode(worker)
     algorithm = worker.algorithm
     if (
@@ -369,6 +437,8 @@ def update_forward(
         batch = old_policy.attach(batch, device)
     with replay_routing(model) as replay:
         yield batch, replay.forward(forward)
+        if mode == "rollout" and metrics is not None:
+            metrics.update(replay.consistency(device))
 
 
 # --------------------------------------------------------------------------------------------

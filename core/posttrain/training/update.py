@@ -46,5 +46,6 @@ def update(
 
 
 def _per_step(key: str) -> bool:
-    """Metrics every rank reports alike (not shares to add up)."""
-    return key.endswith(("grad_norm", "lr"))
+    """Metrics every rank reports alike (not shares to add up): the routing consistency is
+    reduced over the ranks already."""
+    return key.endswith(("grad_norm", "lr")) or key.startswith("moe/")

@@ -473,7 +473,8 @@ def train_step(
     forward = _logprob_forward(worker, train=True)
     device = rank_device(worker)
     # Open through the backward passes: checkpointed layers replay the routing again.
-    with update_forward(worker, engine.module, batch, forward, state.old_routing, device) as (
+    moe: dict[str, float] = {}  # how the rollout's routing compares with ours, when replayed
+    with update_forward(worker, engine.module, batch, forward, state.old_routing, device, moe) as (
         batch,
         forward,
     ):
@@ -486,6 +487,7 @@ def train_step(
             backward=lambda loss: engine.backward(loss, scale_wrt_gas=False),
             loss_fn=loss_fn,
         )
+    metrics.update(moe)
 
     lr = float(scheduler.get_last_lr()[0]) if scheduler is not None else float("nan")
     engine.step()  # reduce (ZeRO-1) / finalize (ZeRO-2/3), clip, update, scheduler step

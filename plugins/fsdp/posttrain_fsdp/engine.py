@@ -244,7 +244,8 @@ def train_step(
     forward = logprob_forward(worker, model, train=True)
     device = rank_device(worker)
     # Open through the backward passes: checkpointed layers replay the routing again.
-    with update_forward(worker, model, batch, forward, state.old_routing, device) as (
+    moe: dict[str, float] = {}  # how the rollout's routing compares with ours, when replayed
+    with update_forward(worker, model, batch, forward, state.old_routing, device, moe) as (
         batch,
         forward,
     ):
@@ -255,6 +256,7 @@ def train_step(
             backward=lambda loss: loss.backward(),
             loss_fn=loss_fn,
         )
+    metrics.update(moe)
 
     grad_norm = _clip_grad_norm(model, worker.require_training_args().max_grad_norm)
     lr = float(scheduler.get_last_lr()[0])
