@@ -39,6 +39,22 @@ WIDTHS = dict(hidden_size=128, intermediate_size=352, num_hidden_layers=2, vocab
         ("Qwen2Config", "Qwen2ForCausalLM", {}),
         ("Qwen3Config", "Qwen3ForCausalLM", {"head_dim": 16, "tie_word_embeddings": False}),
         ("LlamaConfig", "LlamaForCausalLM", {"tie_word_embeddings": False}),
+        (
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            {"num_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+        ),
+        ("MixtralConfig", "MixtralForCausalLM", {"num_local_experts": 4}),
+        (
+            "Qwen2MoeConfig",
+            "Qwen2MoeForCausalLM",
+            {"num_experts": 4, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48},
+        ),
+        (  # a dense layer among the MoE ones
+            "Qwen3MoeConfig",
+            "Qwen3MoeForCausalLM",
+            {"num_experts": 4, "moe_intermediate_size": 32, "mlp_only_layers": [1]},
+        ),
     ],
 )
 def test_parameters_are_counted_as_transformers_counts_them(config_class, model_class, extra):
@@ -56,7 +72,7 @@ def test_a_presets_geometry_needs_no_build_and_equals_its_config(posttrain_cache
     assert built is None  # neither a directory with a config nor a preset nor a cached hub id
     from posttrain.tasks.presets import preset_path
 
-    for name in ("preset:tiny-qwen2", "preset:tiny-qwen3"):
+    for name in ("preset:tiny-qwen2", "preset:tiny-qwen3", "preset:tiny-qwen3-moe"):
         config = transformers.AutoConfig.from_pretrained(preset_path(name))
         assert preset_geometry(name) == geometry_from_config(config.to_dict())
 

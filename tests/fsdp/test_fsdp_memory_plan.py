@@ -59,3 +59,24 @@ def test_estimate_matches_what_a_rank_holds_after_a_step(measured, param_dtype):
         assert held["grads"] == 0
         assert "grads" not in planned.resident
         assert held["grads_at_step"] == pytest.approx(planned.phases["train"]["grads"], rel=0.01)
+
+
+def test_a_moe_models_plan_counts_every_expert():
+    """A mixture-of-experts model's weights are its experts' too (the plan read it as dense)."""
+    import transformers
+
+    from posttrain.tasks.presets import preset_path
+    from posttrain.testing.memory import role_estimate
+    from posttrain_fsdp.plugin import FSDP2TrainConfig, plugin
+
+    name = "preset:tiny-qwen3-moe"
+    config = transformers.AutoConfig.from_pretrained(preset_path(name))
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    planned = role_estimate(
+        plugin, "fsdp2_train", FSDP2TrainConfig(), model=name, ranks=RANKS, rows=4,
+        prompt_tokens=6, response_tokens=11,
+    )  # fmt: skip
+    # Float32 master weights, each rank's shard.
+    assert planned.resident["weights"] == pytest.approx(4 * params / RANKS, rel=0.01)

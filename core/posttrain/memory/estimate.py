@@ -162,7 +162,7 @@ def layer_activation_bytes(geometry: ModelGeometry, tokens: int, dtype_bytes: in
     """What autograd keeps of one decoder layer for ``tokens`` tokens."""
     g = geometry
     narrow = FLOAT32 * g.hidden_size if dtype_bytes < FLOAT32 else 0
-    per_token = dtype_bytes * (8 * g.hidden_size + 4 * g.intermediate_size + 2 * g.kv_width)
+    per_token = dtype_bytes * (8 * g.hidden_size + 4 * g.active_intermediate_size + 2 * g.kv_width)
     return tokens * (per_token + narrow)
 
 
@@ -188,7 +188,7 @@ def forward_working_bytes(geometry: ModelGeometry, tokens: int, dtype_bytes: int
     """A no-grad forward pass's largest temporaries: one layer's MLP (gate, up and their product)
     and the residual stream, for ``tokens`` tokens."""
     g = geometry
-    return tokens * dtype_bytes * (3 * g.intermediate_size + 4 * g.hidden_size)
+    return tokens * dtype_bytes * (3 * g.active_intermediate_size + 4 * g.hidden_size)
 
 
 def logit_bytes(

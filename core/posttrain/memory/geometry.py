@@ -25,11 +25,34 @@ class ModelGeometry:
     tie_word_embeddings: bool = True
     attention_bias: bool = False  # q/k/v biases (Qwen2's)
     qk_norm: bool = False  # per-head RMS norms of queries and keys (Qwen3's)
+    # Mixture of experts (0 experts: a dense model): routed experts per MoE layer, the experts
+    # a token runs through, each expert's MLP width, a shared expert's width (Qwen2-MoE's; 0:
+    # none) and the layers that keep a dense MLP (Qwen-MoE's mlp_only_layers).
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    shared_expert_intermediate_size: int = 0
+    dense_layers: int = 0
 
     @property
     def kv_width(self) -> int:
         """Width of one of a layer's key or value projections (all KV heads)."""
         return self.num_key_value_heads * self.head_dim
+
+    @property
+    def moe_layers(self) -> int:
+        return self.num_hidden_layers - self.dense_layers if self.num_experts else 0
+
+    @property
+    def expert_params(self) -> int:
+        """The routed experts' parameters over every layer (what expert parallelism splits)."""
+        return (
+            self.moe_layers
+            * self.num_experts
+            * 3
+            * self.hidden_size
+            * self.expert_intermediate_size
+        )
 
     @property
     def params(self) -> int:
@@ -40,9 +63,24 @@ class ModelGeometry:
             attention += q + 2 * kv
         if self.qk_norm:
             attention += 2 * self.head_dim
-        layer = attention + 3 * h * self.intermediate_size + 2 * h
+        dense = self.num_hidden_layers - self.moe_layers
+        # An MoE layer: its router and shared expert (with its one-output gate) beside the
+        # routed experts.
+        shared = self.shared_expert_intermediate_size
+        moe = self.num_experts * h + (3 * h * shared + h if shared else 0)
+        layers = self.num_hidden_layers * (attention + 2 * h)
+        layers += dense * 3 * h * self.intermediate_size + self.moe_layers * moe
         embeddings = self.vocab_size * h * (1 if self.tie_word_embeddings else 2)
-        return self.num_hidden_layers * layer + embeddings + h
+        return layers + self.expert_params + embeddings + h
+
+    @property
+    def active_intermediate_size(self) -> int:
+        """The MLP width a token runs through: a dense model's, or its experts' and the shared
+        expert's (what the activations hold per token)."""
+        if not self.num_experts:
+            return self.intermediate_size
+        routed = self.experts_per_token * self.expert_intermediate_size
+        return routed + self.shared_expert_intermediate_size
 
     @property
     def layer_params(self) -> int:
@@ -54,24 +92,44 @@ class ModelGeometry:
         return self.num_hidden_layers * 2 * self.kv_width * dtype_bytes
 
 
+# Model types whose q/k/v projections have biases where the config does not say.
+QKV_BIAS_TYPES = ("qwen2", "qwen2_moe")
+
+
 def geometry_from_config(config: dict) -> ModelGeometry | None:
     """The geometry in an HF ``config.json``'s dict; None where a field is missing (an
     architecture this plan does not know, e.g. one whose widths live under other names)."""
     text = config.get("text_config") or config
+    model_type = text.get("model_type")
+    experts = max(
+        int(text.get(key) or 0) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+    )
     try:
         hidden = int(text["hidden_size"])
         heads = int(text["num_attention_heads"])
+        intermediate = int(text.get("intermediate_size") or 4 * hidden)
+        bias = text.get("attention_bias")
         return ModelGeometry(
             hidden_size=hidden,
             num_hidden_layers=int(text["num_hidden_layers"]),
             num_attention_heads=heads,
             num_key_value_heads=int(text.get("num_key_value_heads") or heads),
             head_dim=int(text.get("head_dim") or hidden // heads),
-            intermediate_size=int(text.get("intermediate_size") or 4 * hidden),
+            intermediate_size=intermediate,
             vocab_size=int(text["vocab_size"]),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", True)),
-            attention_bias=bool(text.get("attention_bias", text.get("model_type") == "qwen2")),
-            qk_norm=text.get("model_type") in ("qwen3", "qwen3_moe"),
+            attention_bias=bool(bias) if bias is not None else model_type in QKV_BIAS_TYPES,
+            qk_norm=model_type in ("qwen3", "qwen3_moe"),
+            num_experts=experts,
+            experts_per_token=int(text.get("num_experts_per_tok") or 0) if experts else 0,
+            # Mixtral's experts are intermediate_size wide; Qwen-MoE's moe_intermediate_size.
+            expert_intermediate_size=int(text.get("moe_intermediate_size") or intermediate)
+            if experts
+            else 0,
+            shared_expert_intermediate_size=int(text.get("shared_expert_intermediate_size") or 0)
+            if experts
+            else 0,
+            dense_layers=len(text.get("mlp_only_layers") or ()) if experts else 0,
         )
     except (KeyError, TypeError, ValueError):
         return None
@@ -117,7 +175,13 @@ def preset_geometry(name: str) -> ModelGeometry:
         vocab_size=len(SPECIAL_TOKENS) + len(ARITH_ALPHABET) + len(preset.added_tokens),
         tie_word_embeddings=preset.tie_word_embeddings,
         attention_bias=preset.arch == "qwen2",
-        qk_norm=preset.arch == "qwen3",
+        qk_norm=preset.arch in ("qwen3", "qwen3_moe"),
+        num_experts=preset.num_experts,
+        experts_per_token=preset.num_experts_per_tok if preset.num_experts else 0,
+        # As presets.build_preset builds it.
+        expert_intermediate_size=(preset.moe_intermediate_size or hidden)
+        if preset.num_experts
+        else 0,
     )
 
 

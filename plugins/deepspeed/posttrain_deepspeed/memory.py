@@ -24,13 +24,20 @@ MASTER_AND_ADAM = 12
 def tensor_numels(g: ModelGeometry) -> list[int]:
     """The elements of each of the model's parameter tensors (as transformers names them)."""
     h, q, kv, i = g.hidden_size, g.num_attention_heads * g.head_dim, g.kv_width, g.intermediate_size
-    layer = [h * q, h * kv, h * kv, q * h, h * i, h * i, i * h, h, h]
+    layer = [h * q, h * kv, h * kv, q * h, h, h]
     if g.attention_bias:
         layer += [q, kv, kv]
     if g.qk_norm:
         layer += [g.head_dim, g.head_dim]
+    dense = [h * i, h * i, i * h]
+    # transformers' MoE block: the router, then every expert's gate/up and down fused into
+    # one tensor each; a shared expert's three linears and its one-output gate.
+    e, ei, shared = g.num_experts, g.expert_intermediate_size, g.shared_expert_intermediate_size
+    moe = [e * h, e * 2 * ei * h, e * h * ei] + ([shared * h] * 3 + [h] if shared else [])
     heads = [g.vocab_size * h] * (1 if g.tie_word_embeddings else 2)
-    return layer * g.num_hidden_layers + heads + [h]
+    layers = layer * g.num_hidden_layers
+    layers += dense * (g.num_hidden_layers - g.moe_layers) + moe * g.moe_layers
+    return layers + heads + [h]
 
 
 def estimate_train(query: MemoryQuery) -> RoleMemory:

@@ -24,11 +24,14 @@ MASTER_AND_ADAM = 12
 ADAM = 8
 
 
-def shard_params(g: ModelGeometry, tp: int, pp: int) -> int:
+def shard_params(g: ModelGeometry, tp: int, pp: int, ep: int = 1) -> int:
     """Parameters on the busiest GPU: its pipeline stage's layers and, on the first and last
-    stages, the embedding and the output layer, every matrix split over the TP ranks."""
+    stages, the embedding and the output layer, every matrix split over the TP ranks, and a
+    MoE model's routed experts over the expert-parallel ranks too."""
     embedding = g.vocab_size * g.hidden_size
-    layers = -(-g.num_hidden_layers // pp) * g.layer_params
+    experts = g.expert_params // g.num_hidden_layers  # a layer's share, on average
+    layer = g.layer_params - experts + experts // ep
+    layers = -(-g.num_hidden_layers // pp) * layer
     # One stage holds both the embedding and the output layer only without pipelining; a tied
     # output layer is the embedding itself.
     heads = 1 if g.tie_word_embeddings or pp > 1 else 2
@@ -41,6 +44,9 @@ def _per_rank_geometry(g: ModelGeometry, tp: int) -> ModelGeometry:
     return attrs.evolve(
         g,
         intermediate_size=max(1, g.intermediate_size // tp),
+        # Each expert split like a dense MLP (expert_tensor_parallel_size defaults to tp).
+        expert_intermediate_size=g.expert_intermediate_size // tp,
+        shared_expert_intermediate_size=g.shared_expert_intermediate_size // tp,
         num_key_value_heads=max(1, g.num_key_value_heads // tp),
         vocab_size=-(-g.vocab_size // tp),
     )
@@ -67,7 +73,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     g, cfg = query.geometry, query.config
     tp, pp, dp = _layout(query)
     compute = query.dtype_bytes
-    params = shard_params(g, tp, pp)
+    params = shard_params(g, tp, pp, cfg.expert_model_parallel_size)
     optimizer_shards = dp if cfg.use_distributed_optimizer else 1
     resident = {
         "weights": params * compute,
@@ -138,7 +144,7 @@ def estimate_infer(query: MemoryQuery) -> RoleMemory:
     released, auto = release_knobs(cfg, {"param_offload": ("weights",)})
     path = f"{query.role_name}.strategy_args.strategy_config"
     return RoleMemory(
-        resident={"weights": shard_params(g, tp, pp) * compute},
+        resident={"weights": shard_params(g, tp, pp, cfg.expert_model_parallel_size) * compute},
         phases={
             "logprobs": {
                 "forward": forward_working_bytes(rank, tokens, compute),
