@@ -25,6 +25,9 @@ def lora_runtime(rank, world_size, model_path, lora=None, dtype="fp32", **layout
             learning_rate=1e-2,
             weight_decay=0.01,
             max_grad_norm=1.0,
+            # As megatron_workers.make_runtime: layouts compared on their arithmetic, not on
+            # Adam's sign of noise in near-zero gradients.
+            adam_epsilon=1e-4,
             lr_scheduler_type="constant",
             max_steps=10,
             per_device_train_batch_size=2,
@@ -124,3 +127,12 @@ def scenario_lora(rank, world_size, out_dir, model):
         },
         os.path.join(out_dir, f"rank{rank}.pt"),
     )
+
+
+def scenario_lora_resume(rank, world_size, out_dir, model, tag, layout):
+    """The TP2 checkpoint of :func:`scenario_lora` resumed under ``layout`` for its second
+    step; the adapters exported in peft's format to ``peft_<tag>``."""
+    rt = lora_runtime(rank, world_size, model, **layout)
+    rt.load_checkpoint(os.path.join(out_dir, "ckpt"))
+    train_one(rt, 1)
+    rt.export_hf(os.path.join(out_dir, f"peft_{tag}"))

@@ -60,7 +60,35 @@ def test_resume_from_adapters_is_bitwise(run):
     for result in run[2]:
         assert result["loaded_equal"] and result["resumed_equal"]
     assert os.path.exists(f"{run[1]}/ckpt/lora.json")
+    assert os.path.exists(f"{run[1]}/ckpt/lora_stage0.pt")
     assert not os.path.exists(f"{run[1]}/ckpt/megatron")  # no base weights
+
+
+@pytest.mark.extended
+@pytest.mark.parametrize(
+    ("tag", "layout", "ranks"),
+    [("tp1", {}, 1), ("pp2", {"pipeline_model_parallel_size": 2}, 2)],
+)
+def test_adapters_saved_at_tp2_resume_at_tp1_and_pp2(run, tag, layout, ranks):
+    from safetensors.torch import load_file
+
+    from posttrain.testing.spawn import run_ranks
+
+    model, out, _ = run
+    run_ranks(
+        "lora_workers:scenario_lora_resume",
+        ranks,
+        out,
+        timeout=300,
+        model=model,
+        tag=tag,
+        layout=layout,
+    )
+    uninterrupted = load_file(f"{out}/peft/adapter_model.safetensors")
+    resumed = load_file(f"{out}/peft_{tag}/adapter_model.safetensors")
+    assert uninterrupted.keys() == resumed.keys()
+    # the second step under another layout: its sums in another order, no more
+    assert max((uninterrupted[k] - resumed[k]).abs().max() for k in resumed) < 1e-6
 
 
 def test_peft_export_gives_the_trainers_logits(run):

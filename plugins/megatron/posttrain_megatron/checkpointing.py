@@ -8,6 +8,10 @@ The Adam step count is restored from the extras rather than trusted from the opt
 without apex / TransformerEngine, megatron-core can load one ``step`` tensor shared by every
 parameter, which then advances once per parameter per update (weights drift silently), and a
 ``fully_reshardable`` load may not carry ``step`` at all. Each parameter gets its own count.
+
+With LoRA (``model_args.lora``) a checkpoint holds the adapters alone, with their optimizer
+state, in a form no layout depends on (:func:`posttrain_megatron.lora.portable`), beside the
+record of the base they adapt.
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.distributed as dist
 
-from posttrain import CheckpointError
 from posttrain.backend import (
     LORA_RECORD,
     check_lora_record,
@@ -30,7 +33,7 @@ from posttrain.backend import (
     rng_state,
 )
 from posttrain_megatron import mcore_compat
-from posttrain_megatron.lora import TRAIN, adapter_parameters
+from posttrain_megatron.lora import TRAIN, adapter_parameters, localised, portable
 from posttrain_megatron.state import MegatronState
 from posttrain_megatron.wrappers import inner_optimizers, unwrap
 
@@ -273,25 +276,61 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
 # --------------------------------------------------------------------------------------------
 
 
-def _adapter_path(path: str, rank: int) -> str:
-    return os.path.join(path, f"lora_rank{rank}.pt")
+def _stage_path(path: str, stage: int) -> str:
+    return os.path.join(path, f"lora_stage{stage}.pt")
+
+
+def _masters(
+    optimizer: MegatronOptimizer,
+) -> list[tuple[torch.Tensor, torch.Tensor, torch.optim.Optimizer]]:
+    """``(model parameter, the float32 parameter its optimizer steps, torch optimizer)`` of
+    every parameter a megatron optimizer (chained or not, float16 or not) updates."""
+    chained = getattr(optimizer, "chained_optimizers", None)
+    out = []
+    for part in chained if chained is not None else [optimizer]:
+        inner = part.optimizer
+        if hasattr(part, "float16_groups"):  # masters beside bf16 / fp16 parameters
+            for model_group, master_group in zip(
+                part.float16_groups, part.fp32_from_float16_groups
+            ):
+                out += [(p, m, inner) for p, m in zip(model_group, master_group)]
+            out += [(p, p, inner) for group in part.fp32_from_fp32_groups for p in group]
+        else:
+            out += [(p, p, inner) for group in inner.param_groups for p in group["params"]]
+    return out
 
 
 def _save_adapters(worker: WorkerContext, path: str) -> dict[str, Any]:
-    """Each rank's adapter shards and its optimizer's state (megatron's plain optimizer: the
-    adapters' alone), the extras of a full checkpoint, and rank 0's record of the base and the
+    """The adapters, their float32 masters and Adam moments in a layout-free form
+    (:func:`posttrain_megatron.lora.portable`): one file per pipeline stage, written by its
+    first TP and DP rank; the extras of a full checkpoint; rank 0's record of the base and the
     adapters' shape (:func:`posttrain.backend.lora_record`)."""
+    from megatron.core import parallel_state as ps
+
     from posttrain.backend import FileDigests
 
     if _rank() == 0:
         os.makedirs(path, exist_ok=True)
     dist.barrier()
     optimizer = _saved_optimizer(worker)
+    params = adapter_parameters(worker.model)
+    tensors: dict[str, dict[str, torch.Tensor]] = {n: {"param": p} for n, p in params.items()}
+    names = {id(p): n for n, p in params.items()}
+    for param, master, inner in _masters(optimizer) if optimizer is not None else []:
+        entry = tensors[names[id(param)]]
+        if master is not param:
+            entry["master"] = master
+        moments = inner.state.get(master, {})
+        entry.update((k, moments[k]) for k in ("exp_avg", "exp_avg_sq") if k in moments)
+    saved = portable(worker.model, tensors)  # collective over TP
     digests = FileDigests(path)
-    adapters = {name: p.detach().cpu() for name, p in adapter_parameters(worker.model).items()}
-    with digests.open(_adapter_path(path, _rank())) as f:
-        saved = {"adapters": adapters, "optimizer": optimizer and optimizer.state_dict()}
-        torch.save(saved, f)
+    writer = (
+        ps.get_tensor_model_parallel_rank() == 0
+        and ps.get_data_parallel_rank(with_context_parallel=True) == 0
+    )
+    if writer:
+        with digests.open(_stage_path(path, ps.get_pipeline_model_parallel_rank())) as f:
+            torch.save(saved, f)
     layout = _write_extras(worker, path, optimizer, digests)
     if _rank() == 0:
         with digests.open(os.path.join(path, LORA_RECORD)) as f:
@@ -301,28 +340,40 @@ def _save_adapters(worker: WorkerContext, path: str) -> dict[str, Any]:
 
 
 def _load_adapters(worker: WorkerContext, path: str) -> bool:
-    """What :func:`_save_adapters` wrote, into the same layout (each rank reads its shards)."""
+    """What :func:`_save_adapters` wrote, in this run's layout (any TP / PP / DP)."""
     from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
-    extra = torch.load(_extra_path(path, _rank()), weights_only=False)
-    saved_layout = {k: v for k, v in extra["layout"].items() if k != "has_optimizer"}
-    if saved_layout != current_layout():
-        raise CheckpointError(
-            f"{path}: its LoRA adapters were saved under {saved_layout}, this run has "
-            f"{current_layout()}; megatron_train resumes adapters in the layout that saved them"
-        )
-    saved = torch.load(_adapter_path(path, _rank()), weights_only=False)
-    with torch.no_grad():
-        for name, param in adapter_parameters(worker.model).items():
-            param.copy_(saved["adapters"][name])
+    own = _extra_path(path, _rank())
+    extra = torch.load(own if os.path.exists(own) else _extra_path(path, 0), weights_only=False)
+    stages = extra["layout"]["pipeline_model_parallel_size"]
+    saved: dict[str, Any] = {}
+    for stage in range(stages):
+        saved.update(torch.load(_stage_path(path, stage), weights_only=False))
+    local = localised(worker.model, saved)
+    params = adapter_parameters(worker.model)
     state = worker.engine_state(MegatronState)
-    if state.optimizer is not None and saved["optimizer"] is not None:
-        state.optimizer.load_state_dict(saved["optimizer"])
-        set_adam_steps(state.optimizer, extra["updates"])
+    with torch.no_grad():
+        for name, param in params.items():
+            param.copy_(local[name]["param"])
+        names = {id(p): n for n, p in params.items()}
+        optimizer = state.optimizer if extra["layout"].get("has_optimizer") else None
+        for param, master, inner in _masters(optimizer) if optimizer is not None else []:
+            entry = local[names[id(param)]]
+            if master is not param:
+                master.copy_(entry.get("master", entry["param"]))
+            inner.state[master] = {
+                "step": torch.tensor(0.0),  # set_adam_steps gives it the saved count
+                "exp_avg": entry["exp_avg"].to(master.device, master.dtype),
+                "exp_avg_sq": entry["exp_avg_sq"].to(master.device, master.dtype),
+            }
+        if optimizer is not None:
+            set_adam_steps(optimizer, extra["updates"])
     state.step = extra["step"]
     state.updates = extra["updates"]
-    restore_rng_state(worker, extra)
-    get_cuda_rng_tracker().set_states(extra["rng_tracker"])
+    saved_layout = {k: v for k, v in extra["layout"].items() if k != "has_optimizer"}
+    if saved_layout == current_layout() and os.path.exists(own):  # same layout: same RNG
+        restore_rng_state(worker, extra)
+        get_cuda_rng_tracker().set_states(extra["rng_tracker"])
     dist.barrier()
     return True
 

@@ -176,6 +176,57 @@ def adapter_parameters(models: list[torch.nn.Module]) -> dict[str, torch.Tensor]
     }
 
 
+def portable(
+    models: list[torch.nn.Module], tensors: dict[str, dict[str, torch.Tensor]]
+) -> dict[str, dict[str, list[torch.Tensor]]]:
+    """Tensors of this rank's adapters (``{adapter parameter: {what: tensor of its shape}}``:
+    the parameter, its optimizer state) in a form no layout depends on, on the CPU: a sharded
+    one gathered over TP (collective), a column-parallel ``B`` as its HF projections' parts."""
+    from megatron.core import parallel_state as ps
+
+    dims = _dims(models)
+    group = ps.get_tensor_model_parallel_group()
+    out: dict[str, dict[str, list[torch.Tensor]]] = {}
+    for layer, target, adapter in _adapted(models):
+        for part in ("lora_A", "lora_B"):
+            name = f"{layer}.{target}.{part}"
+            sharded = (part == "lora_A") == adapter.row
+            out[name] = {}
+            for what, local in sorted(tensors[name].items()):
+                local = local.detach()
+                if not sharded:
+                    parts = [local]
+                else:
+                    shards = _gather(local, group) if dims.tp > 1 else [local]
+                    if adapter.row:
+                        parts = [torch.cat(shards, dim=1)]
+                    else:
+                        parts = dense_mapping.from_shards(_KINDS[target], shards, dims)
+                out[name][what] = [t.to("cpu", copy=True) for t in parts]
+    return out
+
+
+def localised(
+    models: list[torch.nn.Module], saved: dict[str, dict[str, list[torch.Tensor]]]
+) -> dict[str, dict[str, torch.Tensor]]:
+    """This rank's shards of :func:`portable`'s tensors, for its adapters in this layout."""
+    from megatron.core import parallel_state as ps
+
+    dims = _dims(models)
+    rank = ps.get_tensor_model_parallel_rank()
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for layer, target, adapter in _adapted(models):
+        for part in ("lora_A", "lora_B"):
+            name = f"{layer}.{target}.{part}"
+            sharded = (part == "lora_A") == adapter.row
+            kind = dense_mapping.ROW if adapter.row else _KINDS[target]
+            out[name] = {
+                what: dense_mapping.to_shard(kind, parts, dims, rank) if sharded else parts[0]
+                for what, parts in saved[name].items()
+            }
+    return out
+
+
 @contextlib.contextmanager
 def detached(models: list[torch.nn.Module]) -> Iterator[None]:
     """The adapters out of the module tree (their hooks still act): the bridges' weight walks
