@@ -97,12 +97,6 @@ def check_lora(
             "layer spec replaces them",
             "use attention_backend: auto or sdpa (auto picks sdpa with LoRA)",
         )
-    if config.sequence_parallel and config.tensor_model_parallel_size > 1:
-        report.error(
-            f"{strategy}.sequence_parallel",
-            "megatron_train's LoRA adapters run without sequence parallelism",
-            "set sequence_parallel: false",
-        )
     if getattr(config, "use_distributed_optimizer", False):
         report.error(
             f"{strategy}.use_distributed_optimizer",

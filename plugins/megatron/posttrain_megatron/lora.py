@@ -17,6 +17,11 @@ Per adapted linear ``y = base(x) + scale * B (A x)`` with ``scale = alpha / rank
   ``A_local x_local`` is a partial sum, all-reduced over TP
   (``reduce_from_tensor_model_parallel_region``, as the base output is reduced) into the full
   low-rank activation; ``B`` (out x rank) is replicated and applied after the reduction.
+* with sequence parallelism the activations outside the TP region hold a rank's part of the
+  sequence: column-parallel, ``A x_part`` is all-gathered over the sequence (its gradient
+  reduce-scattered); row-parallel, the partial sums are reduce-scattered to the rank's part, as
+  the base output is. The replicated half then sees part of the sequence and is tagged
+  ``sequence_parallel``, so megatron sums its gradient over TP.
 
 The adapter module hangs under its linear as ``adapter`` (parameters ``...linear_qkv.adapter.
 lora_A``) and acts through a forward hook, so the base's names and forward are megatron's own.
@@ -82,16 +87,30 @@ class LoraAdapter(torch.nn.Module):
             set_tensor_model_parallel_attributes(self.lora_A, True, 1, 1)
         else:
             set_tensor_model_parallel_attributes(self.lora_B, True, 0, 1)
+        # With sequence parallelism the replicated one sees only this rank's part of the
+        # sequence: megatron sums its gradient over TP (finalize_model_grads), as a norm's.
+        self.sequence_parallel = bool(base.sequence_parallel)
+        if self.sequence_parallel:
+            (self.lora_B if row else self.lora_A).sequence_parallel = True
 
     def delta(self, x: torch.Tensor) -> torch.Tensor:
         from megatron.core.tensor_parallel import (
             copy_to_tensor_model_parallel_region,
+            gather_from_sequence_parallel_region,
             reduce_from_tensor_model_parallel_region,
+            reduce_scatter_to_sequence_parallel_region,
         )
 
         h = torch.nn.functional.linear(x, self.lora_A)
-        if self.row:
+        if self.row and self.sequence_parallel:
+            # As the base output: partial sums reduce-scattered to this rank's sequence part.
+            h = reduce_scatter_to_sequence_parallel_region(h)
+        elif self.row:
             h = reduce_from_tensor_model_parallel_region(h)
+        elif self.sequence_parallel:
+            # x is this rank's sequence part: the whole sequence's low-rank activation, whose
+            # gradient (partial: this rank's rows of B) is reduce-scattered back.
+            h = gather_from_sequence_parallel_region(h)
         else:
             h = copy_to_tensor_model_parallel_region(h)
         return torch.nn.functional.linear(h, self.lora_B) * self.scaling
