@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from megatron_workers import DEVICE, engine_state, hook_relay, train_one
+from megatron_workers import DEVICE, engine_state, held_bytes, hook_relay, train_one
 
 LORA = {"rank": 4, "alpha": 8.0, "sync": "adapter"}
 
@@ -79,6 +79,7 @@ def scenario_lora(rank, world_size, out_dir, model):
     rt = lora_runtime(rank, world_size, model, **tp)
     base0, adapters0 = _local(rt, False), _local(rt, True)
     train_one(rt, 0)
+    held = held_bytes(rt)
     ckpt = os.path.join(out_dir, "ckpt")
     rt.save_checkpoint(ckpt)
     base1, adapters1 = _local(rt, False), _local(rt, True)
@@ -121,6 +122,7 @@ def scenario_lora(rank, world_size, out_dir, model):
                 torch.equal(v, _local(resumed, True)[k]) for k, v in adapters2.items()
             ),
             "adapters": adapters2,
+            "held": held,
             "ids": ids,
             "logits": logits,
             "synced": synced,

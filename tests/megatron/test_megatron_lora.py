@@ -37,6 +37,33 @@ def test_a_step_trains_the_adapters_alone(run):
         assert result["adapter_count"] == result["optimized"] == 32
 
 
+def test_memory_estimate_counts_the_adapters_alone_as_trained(run):
+    from lora_workers import LORA
+
+    from posttrain.testing.memory import role_estimate
+    from posttrain_megatron.config import MegatronTrainConfig
+    from posttrain_megatron.plugin import plugin
+
+    model, _, results = run
+    resident = role_estimate(
+        plugin,
+        "megatron_train",
+        MegatronTrainConfig(tensor_model_parallel_size=2),
+        model=model,
+        ranks=2,
+        rows=8,
+        prompt_tokens=6,
+        response_tokens=11,
+        model_args={"dtype": "fp32", "lora": LoraArgs(**LORA)},
+    ).resident
+    for result in results:
+        held = result["held"]
+        # fp32: the adapters' gradient buffer and Adam moments (FP32Optimizer: no master copy)
+        assert held["grads"] == pytest.approx(resident["grads"], rel=0.05)
+        assert held["optimizer"] == pytest.approx(resident["optimizer"], rel=0.01)
+        assert held["weights"] == pytest.approx(resident["weights"], rel=0.01)
+
+
 def test_replicated_halves_stay_equal_over_tp(run):
     # column-parallel A and row-parallel B are replicated: their TP ranks' gradients agree
     mine, other = (result["adapters"] for result in run[2])

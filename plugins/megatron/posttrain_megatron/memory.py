@@ -15,6 +15,7 @@ from posttrain.backend import (
     release_knobs,
     training_activation_bytes,
 )
+from posttrain_megatron.checks import lora_targets
 
 # AdamW's two float32 moments and the float32 master copy: 12 bytes a parameter.
 MASTER_AND_ADAM = 12
@@ -36,6 +37,25 @@ def shard_params(g: ModelGeometry, tp: int, pp: int, ep: int = 1) -> int:
     # output layer is the embedding itself.
     heads = 1 if g.tie_word_embeddings or pp > 1 else 2
     return (layers + heads * embedding) // tp
+
+
+def adapter_params(g: ModelGeometry, rank: int, target_modules: list[str], tp: int, pp: int) -> int:
+    """LoRA adapters on the busiest GPU (posttrain_megatron.lora): per adapted linear of its
+    stage's layers, ``rank`` x (input + output width), the sharded half split over TP (a
+    column-parallel linear's ``B``, a row-parallel one's ``A``), the other whole."""
+    h, q, ff = g.hidden_size, g.num_attention_heads * g.head_dim, g.intermediate_size
+    # megatron linear: (input width, output width, column-parallel)
+    widths = {
+        "self_attention.linear_qkv": (h, q + 2 * g.kv_width, True),
+        "self_attention.linear_proj": (q, h, False),
+        "mlp.linear_fc1": (h, 2 * ff, True),
+        "mlp.linear_fc2": (ff, h, False),
+    }
+    per_layer = 0
+    for module in lora_targets(target_modules):
+        fan_in, fan_out, column = widths[module]
+        per_layer += rank * (fan_in + fan_out // tp if column else fan_in // tp + fan_out)
+    return -(-g.num_hidden_layers // pp) * per_layer
 
 
 def _per_rank_geometry(g: ModelGeometry, tp: int) -> ModelGeometry:
@@ -75,10 +95,15 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
     compute = query.dtype_bytes
     params = shard_params(g, tp, pp, cfg.expert_model_parallel_size)
     optimizer_shards = dp if cfg.use_distributed_optimizer else 1
+    lora = query.role.model_args.lora if query.role_name == "actor_train" else None
+    # With LoRA the base is frozen: gradients and optimizer state are the adapters' alone.
+    trained = params
+    if lora is not None:
+        trained = adapter_params(g, lora.rank, list(lora.target_modules), tp, pp)
     resident = {
-        "weights": params * compute,
-        "grads": params * compute,
-        "optimizer": (MASTER_AND_ADAM if compute < 4 else ADAM) * params // optimizer_shards,
+        "weights": (params + (trained if lora is not None else 0)) * compute,
+        "grads": trained * compute,
+        "optimizer": (MASTER_AND_ADAM if compute < 4 else ADAM) * trained // optimizer_shards,
     }
     rank = _per_rank_geometry(g, tp)
     sequence_split = tp if cfg.sequence_parallel else 1
@@ -90,7 +115,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
         "train": {
             # The float16 optimizer's float32 copy of the gradients, freed after its step (a
             # float32 model steps on the DDP buffer itself: none).
-            "main_grads": 4 * params // optimizer_shards if compute < 4 else 0,
+            "main_grads": 4 * trained // optimizer_shards if compute < 4 else 0,
             "activations": training_activation_bytes(
                 rank, train_tokens // sequence_split, compute, recompute
             ),
@@ -122,7 +147,7 @@ def estimate_train(query: MemoryQuery) -> RoleMemory:
             "use_dynamic_batch_size: true) or per_device_train_batch_size: fewer tokens a pass",
             *(
                 ()
-                if cfg.use_distributed_optimizer
+                if cfg.use_distributed_optimizer or lora is not None
                 else (
                     f"{path}.use_distributed_optimizer: true (optimizer state split over DP ranks)",
                 )
