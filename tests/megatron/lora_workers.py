@@ -81,7 +81,8 @@ def scenario_lora(rank, world_size, out_dir, model):
     train_one(rt, 0)
     held = held_bytes(rt)
     ckpt = os.path.join(out_dir, "ckpt")
-    rt.save_checkpoint(ckpt)
+    # As the driver saves: asked for a background save, the adapters are written at once.
+    begun = rt.begin_checkpoint(ckpt, True)
     base1, adapters1 = _local(rt, False), _local(rt, True)
     optimized = [
         p
@@ -123,6 +124,7 @@ def scenario_lora(rank, world_size, out_dir, model):
             ),
             "adapters": adapters2,
             "held": held,
+            "background": begun["background"],
             "ids": ids,
             "logits": logits,
             "synced": synced,

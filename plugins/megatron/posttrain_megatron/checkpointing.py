@@ -128,18 +128,21 @@ def save_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
     return layout
 
 
-def begin_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any]:
+def begin_checkpoint(worker: WorkerContext, path: str) -> dict[str, Any] | None:
     """megatron's async dist-checkpoint save, its writes run here: megatron plans the save
     (collective) and hands back the write buckets; their tensors are copied into reused host
     buffers (the only part the loop waits for) and a thread writes them, hashing each file.
     megatron's last step (gather of write results, ``.metadata``, ``metadata.json``) is
     collective: it runs on the main thread of every rank at the next train step once all ranks
-    have written (:func:`advance_background_save`), or in :func:`finish_checkpoint`."""
+    have written (:func:`advance_background_save`), or in :func:`finish_checkpoint`.
+
+    None with LoRA: the runtime then saves synchronously (``save_checkpoint``: the adapters
+    are a few MB, and that save leaves no background completion marker to wait for)."""
     from posttrain.backend import BackgroundSave, HostBuffers, write_threads
 
-    finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     if lora_args(worker, TRAIN) is not None:
-        return _save_adapters(worker, path)  # a few MB: written before the loop goes on
+        return None
+    finish_checkpoint(worker, path)  # the driver waits first; a direct caller may not
     target = _make_target(path)
     optimizer = _saved_optimizer(worker)
     request = mcore_compat.async_dist_save(_sharded_state(worker.model, optimizer, False), target)
