@@ -108,7 +108,7 @@ def test_an_exported_adapter_names_a_base_peft_can_load(tmp_path):
     for layer in lora_layers(model).values():  # trained adapters: they change the logits
         torch.nn.init.normal_(layer.lora_B[LORA_ADAPTER].weight)
     adapters = {n: t for n, t in model.state_dict().items() if is_lora_adapter_entry(n)}
-    write_lora_adapter(w, model, adapters, str(tmp_path / "adapter"))
+    write_lora_adapter(w, adapters, str(tmp_path / "adapter"))
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     # Not "preset:tiny-qwen3", which peft would look up on the hub.
     assert config["base_model_name_or_path"] == preset_path("preset:tiny-qwen3")

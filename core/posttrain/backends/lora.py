@@ -26,7 +26,7 @@ import torch
 from posttrain.errors import CheckpointError, UserError
 
 if TYPE_CHECKING:
-    from peft import PeftModel
+    from peft import LoraConfig
     from peft.tuners.lora import Linear as LoraLinear
 
     from posttrain.config.sections import LoraArgs
@@ -96,18 +96,11 @@ def parse_adapter_wire_name(name: str) -> tuple[str, str] | None:
 def wrap_lora(worker: WorkerContext, model: torch.nn.Module) -> Any:
     """``model`` with LoRA adapters on the targeted linears (base weights frozen); a target that
     is not a linear, or a linear whose weight is tied to another module's, is refused."""
-    from peft import LoraConfig, get_peft_model
+    from peft import get_peft_model
     from peft.tuners.lora import Linear as LoraLinear
 
     args = _lora(worker)
-    config = LoraConfig(
-        r=args.rank,
-        lora_alpha=args.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales a float
-        lora_dropout=args.dropout,
-        target_modules=list(args.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
+    config = _peft_config(args)
     try:
         # lora_A's random init from the run's seed alone: the same on every rank and in every
         # run of the workflow, whatever drew from the global generator before (a preset built
@@ -143,6 +136,21 @@ def wrap_lora(worker: WorkerContext, model: torch.nn.Module) -> Any:
             "synced or exported; leave it out of target_modules"
         )
     return peft_model
+
+
+def _peft_config(args: LoraArgs) -> LoraConfig:
+    """peft's config of ``model_args.lora``: what :func:`wrap_lora` adapts with and what
+    :func:`write_lora_adapter` records."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=args.rank,
+        lora_alpha=args.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales a float
+        lora_dropout=args.dropout,
+        target_modules=list(args.target_modules),
+        bias="none",
+        task_type="CAUSAL_LM",
+    )
 
 
 def _lora(worker: WorkerContext) -> LoraArgs:
@@ -240,14 +248,13 @@ def check_lora_record(worker: WorkerContext, path: str, wanted: LoraArgs | None)
             )
 
 
-def write_lora_adapter(
-    worker: WorkerContext, peft_model: PeftModel, tensors: dict[str, torch.Tensor], path: str
-) -> None:
+def write_lora_adapter(worker: WorkerContext, tensors: dict[str, torch.Tensor], path: str) -> None:
     """Write the adapter in peft's format (``PeftModel.from_pretrained(base, path)`` loads it):
-    ``tensors`` are the gathered adapters under their state-dict names; the config records the
-    run's base where peft can load it (a preset's or a relative path's directory, a hub id as
-    given), so ``AutoPeftModelForCausalLM.from_pretrained(path)`` needs nothing else. Called on
-    rank 0."""
+    ``tensors`` are the gathered adapters under peft's state-dict names
+    (``base_model.model.<module>.lora_A.default.weight``); the config is ``model_args.lora``'s,
+    recording the run's base where peft can load it (a preset's or a relative path's directory,
+    a hub id as given), so ``AutoPeftModelForCausalLM.from_pretrained(path)`` needs nothing
+    else. Called on rank 0."""
     from safetensors.torch import save_file
 
     from posttrain.backends.models import resolve_model_path
@@ -255,7 +262,7 @@ def write_lora_adapter(
     os.makedirs(path, exist_ok=True)
     saved = {name.replace(f".{LORA_ADAPTER}.", "."): t for name, t in tensors.items()}
     save_file(saved, os.path.join(path, "adapter_model.safetensors"))
-    config = peft_model.peft_config[LORA_ADAPTER].to_dict()
+    config = _peft_config(_lora(worker)).to_dict()
     # peft reads "preset:NAME" as a hub id and fails: the preset's directory is what it loads.
     base = resolve_model_path(worker.model_args.model_name_or_path, worker.base_dir)
     config["base_model_name_or_path"] = os.path.abspath(base) if os.path.exists(base) else base

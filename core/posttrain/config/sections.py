@@ -27,7 +27,7 @@ def _not_empty(instance: Any, attribute: attrs.Attribute, value: list) -> None:
 class LoraArgs:
     """Low-rank adapters (LoRA, through peft) on the trained policy: only the adapters train,
     the base weights stay frozen. The strategy must support it (``posttrain plugins`` lists
-    those that do: fsdp2_train and deepspeed_train in this repository)."""
+    those that do: fsdp2_train, deepspeed_train and megatron_train in this repository)."""
 
     # Rank r of each adapter pair (B @ A).
     rank: int = attrs.field(default=8, validator=at_least(1))

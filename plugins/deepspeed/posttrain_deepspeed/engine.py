@@ -694,7 +694,7 @@ def _export_adapter(worker: WorkerContext, path: str) -> None:
         with context:
             tensors[name] = param.detach().to("cpu", copy=True)
     if is_rank0():
-        write_lora_adapter(worker, module, tensors, path)
+        write_lora_adapter(worker, tensors, path)
         save_tokenizer_beside(worker, path, log)
     if dist.is_initialized():
         dist.barrier()

@@ -471,7 +471,7 @@ def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
 def _export_adapter(worker: WorkerContext, path: str) -> None:
     tensors = dict(_adapters(worker))  # every rank gathers; rank 0 writes
     if is_rank0():
-        write_lora_adapter(worker, worker.model, tensors, path)
+        write_lora_adapter(worker, tensors, path)
         save_tokenizer_beside(worker, path, log)
     if dist.is_initialized():
         dist.barrier()

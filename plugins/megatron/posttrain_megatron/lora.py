@@ -346,24 +346,3 @@ def peft_tensors(
         out[f"base_model.model.{module}.lora_A.{LORA_ADAPTER}.weight"] = a
         out[f"base_model.model.{module}.lora_B.{LORA_ADAPTER}.weight"] = b
     return out
-
-
-def peft_config(worker: WorkerContext) -> Any:
-    """What ``write_lora_adapter`` reads of a peft model (its ``peft_config``), for adapters
-    that are not peft's: the LoraConfig peft would have built from ``model_args.lora``."""
-    from types import SimpleNamespace
-
-    from peft import LoraConfig
-
-    args = lora_args(worker, TRAIN)
-    if args is None:
-        raise TypeError(f"role {worker.role} trains no adapters")
-    config = LoraConfig(
-        r=args.rank,
-        lora_alpha=args.alpha,  # type: ignore[arg-type]  # peft annotates int; it scales a float
-        lora_dropout=args.dropout,
-        target_modules=list(args.target_modules),
-        bias="none",
-        task_type="CAUSAL_LM",
-    )
-    return SimpleNamespace(peft_config={LORA_ADAPTER: config})

@@ -129,7 +129,7 @@ def export_hf(worker: WorkerContext, path: str, merge: bool = False) -> bool:
 def _export_adapter(worker: WorkerContext, path: str) -> None:
     tensors = lora.peft_tensors(lora.hf_adapters(worker))  # every rank gathers; rank 0 writes
     if is_rank0():
-        write_lora_adapter(worker, lora.peft_config(worker), tensors, path)
+        write_lora_adapter(worker, tensors, path)
         save_tokenizer_beside(worker, path, log)
     dist.barrier()
 
