@@ -245,7 +245,6 @@ def finish_checkpoint(worker: WorkerContext, path: str) -> bool:
 
 def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     from megatron.core import dist_checkpointing
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
 
     check_lora_record(worker, path, lora_args(worker, TRAIN))
     if lora_args(worker, TRAIN) is not None:
@@ -264,13 +263,7 @@ def load_checkpoint(worker: WorkerContext, path: str) -> bool:
     if optimizer is not None:
         optimizer.load_state_dict(loaded["optimizer"])
         set_adam_steps(optimizer, extra["updates"])
-    state.step = extra["step"]
-    state.updates = extra["updates"]
-    saved_layout = {k: v for k, v in extra["layout"].items() if k != "has_optimizer"}
-    if saved_layout == current_layout() and os.path.exists(own):  # same layout: same RNG
-        restore_rng_state(worker, extra)
-        get_cuda_rng_tracker().set_states(extra["rng_tracker"])
-    dist.barrier()
+    _restore_progress(worker, state, extra, own)
     return True
 
 
@@ -344,8 +337,6 @@ def _save_adapters(worker: WorkerContext, path: str) -> dict[str, Any]:
 
 def _load_adapters(worker: WorkerContext, path: str) -> bool:
     """What :func:`_save_adapters` wrote, in this run's layout (any TP / PP / DP)."""
-    from megatron.core.tensor_parallel import get_cuda_rng_tracker
-
     own = _extra_path(path, _rank())
     extra = torch.load(own if os.path.exists(own) else _extra_path(path, 0), weights_only=False)
     stages = extra["layout"]["pipeline_model_parallel_size"]
@@ -371,6 +362,18 @@ def _load_adapters(worker: WorkerContext, path: str) -> bool:
             }
         if optimizer is not None:
             set_adam_steps(optimizer, extra["updates"])
+    _restore_progress(worker, state, extra, own)
+    return True
+
+
+def _restore_progress(
+    worker: WorkerContext, state: MegatronState, extra: dict[str, Any], own: str
+) -> None:
+    """The step and update counts of a loaded checkpoint and, where it was saved in this
+    layout (``own``: this rank's file exists), this rank's RNG streams; then every rank waits
+    for the others' loads."""
+    from megatron.core.tensor_parallel import get_cuda_rng_tracker
+
     state.step = extra["step"]
     state.updates = extra["updates"]
     saved_layout = {k: v for k, v in extra["layout"].items() if k != "has_optimizer"}
@@ -378,7 +381,6 @@ def _load_adapters(worker: WorkerContext, path: str) -> bool:
         restore_rng_state(worker, extra)
         get_cuda_rng_tracker().set_states(extra["rng_tracker"])
     dist.barrier()
-    return True
 
 
 def current_layout() -> dict[str, Any]:
