@@ -19,6 +19,7 @@ from posttrain.errors import UserError
 from posttrain.host.plugin_host import create_plugin_host
 from posttrain.host.references import import_beside
 from posttrain.launch.base import GroupSpec
+from posttrain.launch.children import end_children
 from posttrain.launch.fatal import report_fatal_signals
 from posttrain.launch.stacks import install_stack_dump, is_public_call, stacks_path_for
 from posttrain.launch.worker import WorkerContext, WorkerRuntime
@@ -182,6 +183,7 @@ def exit_with_driver(driver_pid: int) -> None:
         while os.getppid() == driver_pid:
             time.sleep(DRIVER_POLL_S)
         print(f"the run's driver is gone (parent pid {driver_pid}): this rank exits", flush=True)
+        end_children()  # os._exit skips what would end them
         os._exit(1)
 
     threading.Thread(target=watch, name="posttrain-driver-watch", daemon=True).start()

@@ -17,6 +17,7 @@ import time
 import traceback
 from typing import Any
 
+from posttrain.launch.children import end_children
 from posttrain.launch.local import free_port, rank_context
 
 
@@ -88,4 +89,5 @@ def _entry(
     # had finished.
     sys.stdout.flush()
     sys.stderr.flush()
+    end_children()  # os._exit skips what would end them
     os._exit(0)
