@@ -20,12 +20,11 @@ Two tables:
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
-import time
 
 from common import SHAPES, build_model, model_config, print_table
 from trainer_runs import role_spec
+from weight_sync import time_syncs
 
 from posttrain.config.sections import LoraArgs
 from posttrain.launch.local import LocalLauncher
@@ -60,17 +59,6 @@ def counted_bytes(shape: str, rank: int) -> dict:
     return {"shape": shape, "params": params, "merged": merged, "adapter": adapter}
 
 
-def time_syncs(transport, source, target, repeats: int) -> tuple[float, dict]:
-    """Median seconds per sync after one warm-up, and the last sync's stats."""
-    transport.run(source, target)
-    times, stats = [], {}
-    for _ in range(repeats):
-        start = time.perf_counter()
-        stats = transport.run(source, target)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times), stats
-
-
 def timed_rows(args) -> list[dict]:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -101,7 +89,7 @@ def timed_rows(args) -> list[dict]:
                         groups = launcher.start_processes(specs)
                     else:
                         groups = {s.role: launcher.start_group(s) for s in specs}
-                    seconds, stats = time_syncs(
+                    seconds, stats, _ = time_syncs(
                         transport, groups["actor_train"], groups["actor_infer"], args.repeats
                     )
                     transport.close(groups["actor_train"], groups["actor_infer"])
